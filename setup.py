@@ -1,0 +1,34 @@
+"""orin-agent: serve an LLM on NVIDIA Jetson Orin, sliced into TensorRT engines, with power control."""
+from setuptools import find_packages, setup
+
+setup(
+    name="orin-agent",
+    version="0.1.0",
+    description="On-device LLM service for NVIDIA Jetson Orin: sliced engines, phase-aware power control, early exit and offload",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["agent", "agent.*", "power", "power.*", "partition", "partition.*", "kernels", "kernels.*"]),
+    package_data={"power": ["profiles/*.toml"]},
+    include_package_data=True,
+    install_requires=[
+        # torch>=2.2: the on-disk CPU build torch==2.13.0 satisfies it; JetPack's NVIDIA wheels too.
+        "torch>=2.2",
+        "numpy>=1.24",
+        "safetensors>=0.4",
+        "tokenizers>=0.15",
+        "onnx>=1.15",
+        "onnxruntime>=1.17",
+        "onnxscript>=0.1",
+        "typer>=0.12",
+        "rich>=13",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.45"],
+        # TensorRT itself comes from JetPack's apt packages (python3-libnvinfer), never pip.
+        "jetson": ["jetson-stats>=4.2"],
+        "edge": ["tritonclient[http]>=2.40"],
+    },
+    entry_points={"console_scripts": ["orin-agent=agent.cli:main"]},
+)
