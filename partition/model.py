@@ -1,0 +1,221 @@
+"""The one model definition: a Llama-family decoder (RMSNorm, RoPE with Llama-3 scaling, grouped-query
+attention, SwiGLU, optional QKV bias, tied or untied embeddings), and `SliceModule`, a contiguous
+layer range [a, b) that is the unit of export, engine build and execution.
+
+Module names follow Hugging Face's (`model.layers.N.self_attn.q_proj`, ...) so a checkpoint's state
+dict loads with no renaming. The attention is written so that the same code exports to an ONNX graph
+TensorRT 8.5 and 10.x parse: MatMul + Softmax (no fused Attention op), masks built from int32
+positions with a finite negative value (never -inf: it turns into NaN in fp16), no Python branch on a
+tensor's value (those become `If` nodes), RMSNorm and softmax in fp32.
+
+KV-cache contract of a slice: it receives each layer's past K and V, shape (B, n_kv_heads, P, head_dim),
+and returns only the new K and V, shape (B, n_kv_heads, T, head_dim); the runner writes those into its
+own preallocated cache by position. Past slot k of row b is attended iff k < positions[b, 0], so a
+runner may pass either exactly the filled prefix (P = start) or its whole fixed-size buffer.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from partition.config import ModelConfig
+
+# Finite "minus infinity" for masks: the most negative fp16 value, so the mask survives a cast to fp16
+# and exp() of it underflows to exactly 0 in fp32 softmax.
+MASK_VALUE = -65504.0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()  # normalise in fp32 whatever the model dtype (fp16 overflows in x**2)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Inverse frequencies (head_dim / 2,), with the Llama-3 low/high-frequency rescaling if configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq
+    # Llama 3.1+ scaling (Meta's reference `apply_scaling`): long wavelengths are slowed by `factor`,
+    # short ones kept, and the band in between interpolated smoothly.
+    low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin, shape (B, 1, T, head_dim), computed in fp32 from int32 positions (B, T)."""
+    freqs = positions.float()[..., None] * inv_freq  # (B, T, head_dim / 2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
+    return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def attention_mask(positions: Tensor, past_len: int | Tensor) -> Tensor:
+    """Additive fp32 mask (B, 1, T, P + T): past slot k visible iff k < positions[:, 0]; new key j
+    visible to query i iff position_j <= position_i."""
+    start = positions[:, :1]  # (B, 1)
+    slots = torch.arange(past_len, dtype=positions.dtype, device=positions.device)  # (P,)
+    past_ok = slots[None, None, :] < start[:, :, None]  # (B, 1, P)
+    past_ok = past_ok.expand(-1, positions.shape[1], -1)  # (B, T, P)
+    new_ok = positions[:, None, :] <= positions[:, :, None]  # (B, T, T)
+    ok = torch.cat((past_ok, new_ok), dim=-1)  # (B, T, P + T)
+    zero = torch.zeros((), dtype=torch.float32, device=positions.device)
+    neg = torch.full((), MASK_VALUE, dtype=torch.float32, device=positions.device)
+    return torch.where(ok, zero, neg)[:, None]  # (B, 1, T, P + T)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, h, kv, hd = config.hidden_size, config.n_heads, config.n_kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
+        self.q_proj = nn.Linear(d, h * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, kv * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, kv * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Tensor,
+                past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys = torch.cat((past_k, k), dim=2)  # (B, KV, P + T, hd)
+        values = torch.cat((past_v, v), dim=2)
+        group = self.n_heads // self.n_kv_heads
+        if group > 1:  # grouped-query attention: each KV head serves `group` query heads
+            s = keys.shape[2]
+            keys = keys[:, :, None].expand(b, self.n_kv_heads, group, s, self.head_dim).reshape(
+                b, self.n_heads, s, self.head_dim)
+            values = values[:, :, None].expand(b, self.n_kv_heads, group, s, self.head_dim).reshape(
+                b, self.n_heads, s, self.head_dim)
+        scores = torch.matmul(q.float(), keys.float().transpose(2, 3)) / math.sqrt(self.head_dim)
+        probs = torch.softmax(scores + mask, dim=-1).to(values.dtype)  # (B, H, T, P + T), fp32 softmax
+        out = torch.matmul(probs, values).transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+        return self.o_proj(out), k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Tensor,
+                past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+class Backbone(nn.Module):
+    """`model.*` in a Hugging Face checkpoint: embedding, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """The whole causal LM. It is only a container of weights: every forward pass goes through a
+    `SliceModule` (the whole model is the slice [0, n_layers))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def slice(self, start: int, end: int, all_logits: bool = False) -> "SliceModule":
+        return SliceModule(self, start, end, all_logits=all_logits)
+
+
+class SliceModule(nn.Module):
+    """Layers [start, end) of a Transformer, sharing its weights.
+
+    forward(x, positions, *past) -> (out, *new):
+      x          int32 token ids (B, T) for the first slice, else hidden states (B, T, D)
+      positions  int32 (B, T), absolute positions of the T new tokens
+      past       per layer past_k, past_v, each (B, KV, P, hd)
+      out        logits (B, 1, V) of the last position (B, T, V with all_logits) for the last slice,
+                 else hidden states (B, T, D)
+      new        per layer new_k, new_v, each (B, KV, T, hd)
+    """
+
+    def __init__(self, model: Transformer, start: int, end: int, all_logits: bool = False) -> None:
+        super().__init__()
+        n = model.config.n_layers
+        if not 0 <= start < end <= n:
+            raise ValueError(f"slice {start}:{end} is not a non-empty layer range inside 0:{n}")
+        self.config = model.config
+        self.start, self.end = start, end
+        self.is_first, self.is_last = start == 0, end == n
+        self.all_logits = all_logits
+        self.embed_tokens = model.model.embed_tokens if self.is_first else None
+        self.layers = nn.ModuleList(model.model.layers[start:end])
+        self.norm = model.model.norm if self.is_last else None
+        self.lm_head = model.lm_head if self.is_last else None
+        self.register_buffer("inv_freq", model.inv_freq, persistent=False)
+
+    @property
+    def n_layers(self) -> int:
+        return self.end - self.start
+
+    def forward(self, x: Tensor, positions: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+        if len(past) != 2 * self.n_layers:
+            raise ValueError(f"slice {self.start}:{self.end} takes {2 * self.n_layers} past tensors, got {len(past)}")
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, D)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+        mask = attention_mask(positions, past[0].shape[2])
+        new: list[Tensor] = []
+        for i, layer in enumerate(self.layers):
+            h, k, v = layer(h, cos, sin, mask, past[2 * i], past[2 * i + 1])
+            new += (k, v)
+        if self.lm_head is not None:
+            if not self.all_logits:
+                h = h[:, -1:]  # prefill needs the next token only: skip T x vocab logits
+            h = self.lm_head(self.norm(h)).float()  # (B, 1 or T, V)
+        return (h, *new)
