@@ -97,6 +97,8 @@ def random_model(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.
     with torch.device("meta"):
         model = Transformer(config)
     model = model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty() allocates the shared weight twice: tie it again
+        model.lm_head.weight = model.model.embed_tokens.weight
     for name, p in model.named_parameters():
         with torch.no_grad():
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):

@@ -31,3 +31,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for mark, reason in reasons.items():
             if reason and mark in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+TINY_TEXT = (Path(__file__).resolve().parent / "conftest.py").read_text() * 4 + (
+    "héllo wörld — 世界 🎉 naïve café\n" * 20)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 4-layer Llama with a real byte-level BPE tokenizer (trained here on a few KB of text):
+    a complete checkpoint folder for tests that need no trained weights."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from partition.checkpoint import random_model, save_model
+    from partition.config import ModelConfig
+
+    out = tmp_path_factory.mktemp("tiny-checkpoint")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TINY_TEXT], trainer)
+    tok.save(str(out / "tokenizer.json"))
+    cfg = ModelConfig("LlamaForCausalLM", tok.get_vocab_size(), 64, 4, 4, 2, 16, 128,
+                      max_position_embeddings=256, tie_word_embeddings=True,
+                      eos_token_ids=(tok.token_to_id("<|endoftext|>"),))
+    save_model(random_model(cfg, seed=7), out)
+    return out
