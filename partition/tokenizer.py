@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from partition.config import ModelConfig
+from partition.config import ModelConfig, load_config
 
 
 class TokenizerError(ValueError):
@@ -39,6 +39,8 @@ class Tokenizer:
             tk = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the Rust library raises its own exception type for bad files
             raise TokenizerError(f"{path}: cannot be read as a tokenizer ({exc})") from None
+        if config is None and (model_dir / "config.json").is_file():
+            config = load_config(model_dir)
         side = _read_json(model_dir / "tokenizer_config.json")
         gen = _read_json(model_dir / "generation_config.json")
         eos: set[int] = set(config.eos_token_ids) if config else set()
