@@ -1,8 +1,62 @@
-"""`orin-agent generate` and `orin-agent build`."""
+"""`orin-agent generate`: one prompt through the sliced model, text streamed to stdout."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
 
 import typer
 
+from agent.cli_common import cli_errors, print_json
+from partition.paths import DEFAULT_MODEL_DIR
+
+MODEL_HELP = "Checkpoint folder (config.json, *.safetensors, tokenizer.json); default: the shipped model."
+
+
+def generate(
+    prompt: str = typer.Argument(..., help="Text to continue."),
+    model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help=MODEL_HELP),
+    backend: str = typer.Option("torch", help="Runner: torch (PyTorch) or ort (ONNX Runtime; exports the "
+                                "slices on first use and caches them)."),
+    slices: Optional[str] = typer.Option(None, help="Layer ranges, e.g. 0:4,4:8 (default: one slice)."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="1 = off."),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling (reproducible output)."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    max_seq: Optional[int] = typer.Option(None, "--max-seq", help="KV-cache length in tokens "
+                                          "(default: the model's context, at most 2048)."),
+    device: str = typer.Option("cpu", help="cpu or cuda (torch backend)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
+) -> None:
+    """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
+    from agent.generation import Generation, SamplingParams
+    from partition.runners import load_chain
+    from partition.tokenizer import Tokenizer
+
+    with cli_errors():
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
+        tokenizer = Tokenizer.from_dir(model)
+        chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device)
+        gen = Generation(chain, tokenizer, prompt, params)
+        pieces: list[str] = []
+        for delta in gen.stream():
+            pieces.append(delta)
+            if not as_json:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        stats = gen.stats
+        if as_json:
+            print_json({"prompt": prompt, "text": "".join(pieces), "backend": backend, "model": str(model),
+                        "slices": slices, **stats.to_dict(), "token_ids": stats.token_ids})
+        else:
+            sys.stdout.write("\n")
+            typer.echo(f"prefill {stats.prefill_ms:.1f} ms | decode {stats.decode_tok_s:.1f} tok/s | "
+                       f"{stats.completion_tokens} tokens ({stats.finish_reason})", err=True)
+
 
 def register(app: typer.Typer) -> None:
-    pass
+    app.command()(generate)
