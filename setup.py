@@ -23,9 +23,14 @@ setup(
         "typer>=0.12",
         "rich>=13",
         "tqdm>=4.66",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "httpx>=0.27",
+        "jinja2>=3.1",
+        "prometheus-client>=0.20",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.45"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "openai>=1.30"],
         # TensorRT itself comes from JetPack's apt packages (python3-libnvinfer), never pip.
         "jetson": ["jetson-stats>=4.2"],
         "edge": ["tritonclient[http]>=2.40"],
