@@ -1,0 +1,203 @@
+"""Backends behind one board interface, and the factory that picks one.
+
+- :class:`SysfsBoard` reads and writes the files discovery found under the root (the board or the
+  twin: they differ only in the root).
+- :class:`JtopBoard` takes readings (rails, temperatures, fan, power mode) and the nvpmodel /
+  jetson_clocks / fan setters from jetson-stats' ``jtop`` service when it runs (root ``/`` only).
+  jtop has no GPU/EMC/CPU frequency setters (ORIN.md), so those stay on sysfs.
+
+:func:`open_board` is the only place that chooses. ``jtop`` is imported lazily: it is optional
+(``pip install orin-agent[jetson]``) and AGPL; it is used only through its public API.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import Any
+
+from power import sysfs
+from power.cpu import CpuFreq
+from power.discovery import BoardInfo, discover
+from power.emc import Emc
+from power.fan import PWM_MAX, Fan, FanReading
+from power.gpu import GpuClock
+from power.jetson_clocks import JetsonClocks
+from power.journal import DEFAULT_RUN_DIR, BoardIO, Journal
+from power.nvpmodel import ModeChange, ModeReading, NvpModel
+from power.rails import PowerRails, RailReading
+from power.thermal import Thermal, ZoneReading
+from power.tools import Runner, run_tool
+from power.writer import ClockWriter
+
+JTOP_SOCKET = "/run/jtop.sock"  # ORIN.md: jtop.service listens here
+
+
+class SysfsBoard:
+    """The board as files under ``root``: one object per domain, plus the write allowlist."""
+
+    backend = "sysfs"
+
+    def __init__(self, root: str | os.PathLike[str] = "/", *, info: BoardInfo | None = None,
+                 runner: Runner = run_tool) -> None:
+        self.info = info or discover(root)
+        self.root = self.info.root
+        self.gpu = GpuClock(self.root, self.info.gpu)
+        self.emc = Emc(self.root, self.info.emc)
+        self.cpu = CpuFreq(self.root, self.info.cpu)
+        self.thermal = Thermal(self.root, self.info.zones)
+        self.rails = PowerRails(self.root, self.info.rails)
+        self.fan = Fan(self.root, self.info.fan)
+        self.nvpmodel = NvpModel(self.root, self.gpu, self.emc, self.cpu, runner)
+        self.jetson_clocks = JetsonClocks(self.root, self.gpu, self.emc, self.cpu, self.fan, runner=runner)
+
+    # -- the write allowlist: only what discovery identified as a clock/fan file ---------------
+
+    def writable(self) -> dict[str, str]:
+        out = {**self.gpu.writable(), **self.emc.writable(), **self.cpu.writable(), **self.fan.writable()}
+        if not sysfs.root_is_host(self.root):
+            # nvpmodel is emulated on a twin tree: it also writes caps, core online state, TPC gating
+            # and its status file. On a real board only the nvpmodel tool writes those.
+            out.update(self.emc.cap_writable())
+            out.update(self.cpu.online_writable())
+            out.update(self.nvpmodel.writable())
+            if self.info.gpu.tpc_pg_mask:
+                out[self.info.gpu.tpc_pg_mask] = "GPU TPC power-gating mask"
+        return out
+
+    def writer(self, run_dir: str | os.PathLike[str] = DEFAULT_RUN_DIR, *, dry_run: bool = False,
+               echo: Callable[[str], None] | None = None, recover: bool = True,
+               io: BoardIO | None = None) -> ClockWriter:
+        """A writer for this board. Not a dry run: opens (and first recovers) the journal."""
+        journal = None if dry_run else Journal(run_dir, self.root, recover=recover, io=io)
+        return ClockWriter(self.root, self.writable(), journal, io=io, dry_run=dry_run, echo=echo)
+
+    # -- readings (the parts a backend may take from elsewhere) --------------------------------
+
+    def read_zones(self) -> tuple[ZoneReading, ...]:
+        return self.thermal.read()
+
+    def read_rails(self) -> tuple[RailReading, ...]:
+        return self.rails.read()
+
+    def read_fan(self) -> FanReading | None:
+        return self.fan.read() if self.fan.available else None
+
+    def read_mode(self) -> ModeReading | None:
+        return self.nvpmodel.current()
+
+    # -- setters a backend may take over --------------------------------------------------------
+
+    def set_mode(self, mode: int | str, writer: ClockWriter) -> ModeChange:
+        return self.nvpmodel.set_mode(mode, writer)
+
+    def set_fan(self, pwm: int, writer: ClockWriter) -> None:
+        self.fan.set_pwm(writer, pwm)
+
+    def set_jetson_clocks(self, writer: ClockWriter, *, fan: bool = False) -> None:
+        self.jetson_clocks.apply(writer, fan=fan)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "SysfsBoard":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class JtopBoard(SysfsBoard):
+    """Readings and nvpmodel/jetson_clocks/fan through a running ``jtop`` service; clocks on sysfs."""
+
+    backend = "jtop"
+
+    def __init__(self, jetson: Any, root: str | os.PathLike[str] = "/", *, info: BoardInfo | None = None,
+                 runner: Runner = run_tool) -> None:
+        super().__init__(root, info=info, runner=runner)
+        self.jetson = jetson
+
+    def read_zones(self) -> tuple[ZoneReading, ...]:
+        trips = {z.name: z.trips for z in self.thermal.read()}
+        out = []
+        for name, t in dict(self.jetson.temperature).items():
+            online = bool(t.get("online", True)) and t.get("temp", -256) > -256
+            key = name.lower()
+            out.append(ZoneReading(key, name, float(t["temp"]) if online else None, trips.get(key, ())))
+        return tuple(out)
+
+    def read_rails(self) -> tuple[RailReading, ...]:
+        rails = dict(self.jetson.power).get("rail", {})
+        return tuple(RailReading(name, r.get("volt"), r.get("curr"), r.get("crit"))
+                     for name, r in rails.items() if r.get("online", True))
+
+    def read_fan(self) -> FanReading | None:
+        fan = self.jetson.fan
+        try:
+            speed = fan.speed  # percent, as jtop reports it
+        except AttributeError:
+            return super().read_fan()
+        return FanReading(round(float(speed) * PWM_MAX / 100.0)) if speed is not None else None
+
+    def read_mode(self) -> ModeReading | None:
+        mode = self.jetson.nvpmodel
+        if not mode:
+            return super().read_mode()
+        return ModeReading(getattr(mode, "id", None), getattr(mode, "name", str(mode)), "jtop")
+
+    def set_mode(self, mode: int | str, writer: ClockWriter) -> ModeChange:
+        if writer.dry_run:
+            if writer.echo:
+                writer.echo(f"would set power mode {mode} through jtop")
+            return ModeChange(ModeReading(None, str(mode), "dry run"), (), ())
+        self.jetson.nvpmodel = int(mode) if str(mode).isdigit() else mode
+        return ModeChange(self.read_mode() or ModeReading(None, str(mode), "jtop"), (f"nvpmodel {mode}",), ())
+
+    def set_fan(self, pwm: int, writer: ClockWriter) -> None:
+        if not 0 <= pwm <= PWM_MAX:
+            raise ValueError(f"fan PWM must be 0-{PWM_MAX}, got {pwm}")
+        if self.fan.available and writer.journal is not None:  # so a restore puts it back
+            writer.journal.record(self.info.fan.pwm or "", writer.read_raw(self.info.fan.pwm or ""), "fan", "pwm")
+        if writer.dry_run:
+            if writer.echo:
+                writer.echo(f"would set the fan to {pwm}/255 through jtop")
+            return
+        self.jetson.fan.speed = round(100.0 * pwm / PWM_MAX)
+
+    def set_jetson_clocks(self, writer: ClockWriter, *, fan: bool = False) -> None:
+        for path in self.jetson_clocks._own_files():
+            if writer.journal is not None and writer.is_allowed(path):
+                writer.journal.record(sysfs.to_board(self.root, sysfs.resolve(self.root, path)), writer.read_raw(path))
+        if writer.dry_run:
+            if writer.echo:
+                writer.echo("would turn jetson_clocks on through jtop")
+            return
+        self.jetson.jetson_clocks = True
+
+    def close(self) -> None:
+        close = getattr(self.jetson, "close", None)
+        if close is not None:
+            close()
+
+
+def jtop_available(root: str | os.PathLike[str]) -> bool:
+    """jtop can serve this root: the root is the host, jetson-stats is installed, its service runs."""
+    return (sysfs.root_is_host(root) and importlib.util.find_spec("jtop") is not None
+            and os.path.exists(JTOP_SOCKET))
+
+
+def open_board(root: str | os.PathLike[str] = "/", *, backend: str = "auto",
+               runner: Runner = run_tool) -> SysfsBoard:
+    """The one factory: ``auto`` (jtop when its service runs on this host, else sysfs), ``sysfs``
+    or ``jtop`` (an error if it cannot be used)."""
+    if backend not in ("auto", "sysfs", "jtop"):
+        raise ValueError(f"unknown backend {backend!r} (choose auto, sysfs or jtop)")
+    if backend == "sysfs" or (backend == "auto" and not jtop_available(root)):
+        return SysfsBoard(root, runner=runner)
+    if not jtop_available(root):
+        raise RuntimeError(f"jtop backend needs root '/', the jetson-stats package and {JTOP_SOCKET}")
+    module = importlib.import_module("jtop")
+    jetson = module.jtop()
+    jetson.start()
+    return JtopBoard(jetson, root, runner=runner)

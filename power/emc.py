@@ -1,0 +1,108 @@
+"""EMC (memory clock): bpmp debugfs rate files, the nvpmodel cap and memory-controller activity.
+
+ORIN.md ("EMC"): ``/sys/kernel/debug/bpmp/debug/clk/emc/{rate,min_rate,max_rate,mrq_rate_locked}``;
+lock with ``mrq_rate_locked``=1, then write ``rate``; the nvpmodel cap is
+``/sys/kernel/nvpmodel_emc_cap/emc_iso_cap`` (r35). r36 kernels name the cap
+``/sys/kernel/nvpmodel_clk_cap/emc`` (the ``_KNEXT`` path in NVIDIA's 2023 nvpmodel_p3701_0000.conf and
+the path ``nvpmodel -q --verbose`` prints on an r36.4 Orin Nano, both in tests/data). Activity:
+``/sys/kernel/actmon_avg_activity/mc_all`` or ``/sys/kernel/debug/cactmon/mc_all``;
+utilisation = mc_all / (rate/1000). Units: Hz.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from power import sysfs
+from power.writer import ClockWriter
+
+BPMP_EMC = "/sys/kernel/debug/bpmp/debug/clk/emc"
+CAP_PATHS = ("/sys/kernel/nvpmodel_emc_cap/emc_iso_cap", "/sys/kernel/nvpmodel_clk_cap/emc")
+ACTIVITY_PATHS = ("/sys/kernel/actmon_avg_activity/mc_all", "/sys/kernel/debug/cactmon/mc_all")
+
+
+@dataclass(frozen=True)
+class EmcInfo:
+    rate: str | None
+    min_rate: str | None
+    max_rate: str | None
+    locked: str | None  # mrq_rate_locked
+    cap: str | None
+    activity: str | None
+
+    @property
+    def available(self) -> bool:
+        return self.rate is not None
+
+
+@dataclass(frozen=True)
+class EmcReading:
+    cur_hz: int | None
+    min_hz: int | None
+    max_hz: int | None
+    cap_hz: int | None
+    locked: bool | None
+    util_pct: float | None
+
+
+def find_emc(root: str | os.PathLike[str]) -> EmcInfo:
+    def f(name: str) -> str | None:
+        p = f"{BPMP_EMC}/{name}"
+        return p if sysfs.is_file(root, p) else None
+
+    cap = next((p for p in CAP_PATHS if sysfs.is_file(root, p)), None)
+    act = next((p for p in ACTIVITY_PATHS if sysfs.is_file(root, p)), None)
+    return EmcInfo(f("rate"), f("min_rate"), f("max_rate"), f("mrq_rate_locked"), cap, act)
+
+
+class Emc:
+    group = "emc"
+
+    def __init__(self, root: str | os.PathLike[str], info: EmcInfo) -> None:
+        self.root, self.info = root, info
+
+    @property
+    def available(self) -> bool:
+        return self.info.available
+
+    def writable(self) -> dict[str, str]:
+        out = {}
+        if self.info.rate and self.info.locked:
+            out[self.info.rate] = "EMC rate (Hz), bpmp debugfs"
+            out[self.info.locked] = "EMC mrq_rate_locked (0/1), bpmp debugfs"
+        return out
+
+    def cap_writable(self) -> dict[str, str]:
+        """The nvpmodel EMC cap: written only when nvpmodel is emulated on a twin tree."""
+        return {self.info.cap: "nvpmodel EMC cap (Hz)"} if self.info.cap else {}
+
+    def read(self) -> EmcReading:
+        r = self.root
+
+        def i(p: str | None) -> int | None:
+            return sysfs.read_int(r, p) if p else None
+
+        rate, act, locked = i(self.info.rate), i(self.info.activity), i(self.info.locked)
+        util = None
+        if rate and act is not None:
+            util = 100.0 * act / (rate / 1000.0)
+        return EmcReading(rate, i(self.info.min_rate), i(self.info.max_rate), i(self.info.cap),
+                          bool(locked) if locked is not None else None, util)
+
+    def lock(self, writer: ClockWriter, rate_hz: int) -> None:
+        """Pin the EMC at ``rate_hz``: lock first, then the rate (ORIN.md), as one transaction."""
+        if not (self.info.rate and self.info.locked):
+            raise RuntimeError(f"EMC clock files are not available under {BPMP_EMC} (debugfs mounted? root?)")
+        lo = sysfs.read_int(self.root, self.info.min_rate) if self.info.min_rate else None
+        hi = sysfs.read_int(self.root, self.info.max_rate) if self.info.max_rate else None
+        if (lo is not None and rate_hz < lo) or (hi is not None and rate_hz > hi):
+            raise ValueError(f"EMC rate {rate_hz} Hz is outside [{lo}, {hi}] Hz")
+        with writer.transaction():
+            writer.write(self.info.locked, 1, group=self.group, role="lock")
+            writer.write(self.info.rate, rate_hz, group=self.group, role="rate")
+
+    def unlock(self, writer: ClockWriter) -> None:
+        """Hand the EMC back to the BPMP's own scaling."""
+        if not self.info.locked:
+            raise RuntimeError(f"EMC lock file is not available under {BPMP_EMC}")
+        writer.write(self.info.locked, 0, group=self.group, role="lock")
