@@ -1,0 +1,7 @@
+"""power.twin: the simulated Orin — a board's sysfs tree laid out in a folder (``create_twin``) and a
+model of the board that runs on it (``Twin``), in real time or in virtual time."""
+from power.board_specs import BOARDS, L4T_RELEASES
+from power.twin.layout import WORKLOAD_FILE, TwinPaths, create_twin, read_meta, twin_paths
+
+__all__ = ["BOARDS", "L4T_RELEASES", "WORKLOAD_FILE", "TwinPaths", "create_twin", "read_meta",
+           "twin_paths"]
