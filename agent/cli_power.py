@@ -1,7 +1,147 @@
-"""`orin-agent power ...`: board status and restore."""
+"""`orin-agent power ...`: board status and restore. Thin: every value comes from ``power``; this file
+only turns a :class:`power.status.BoardStatus` into a table (people) or JSON (scripts)."""
 from __future__ import annotations
 
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
 import typer
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.table import Table
+
+from agent.cli_common import cli_errors
+from power.backend import open_board
+from power.journal import DEFAULT_RUN_DIR, restore_run_dir
+from power.status import BoardStatus, read_status
 
 app = typer.Typer(help="Read the board's clocks, temperatures and power; restore what the agent changed.",
                   no_args_is_help=True)
+
+ROOT_HELP = "Root of the board's file tree: '/' on an Orin, a twin folder elsewhere."
+
+
+def _check_root(root: Path) -> str:
+    if not root.is_dir():
+        raise FileNotFoundError(f"--root {root}: no such directory")
+    return os.fspath(root)
+
+
+def _mhz(v: int | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    return f"{v / (1e6 if unit == 'Hz' else 1e3):.1f}"
+
+
+def render_status(st: BoardStatus) -> Group:
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("board", escape(f"{st.model or '?'}  [{st.module or '?'}{' = ' + st.board if st.board else ''}]"))
+    head.add_row("L4T", f"{st.l4t or '?'} ({st.l4t_layout or '?'} layout)")
+    mode = st.power_mode
+    head.add_row("power mode", f"{mode.name} (id {mode.id}, from {mode.source})" if mode else "-")
+    head.add_row("root / backend", f"{st.root} / {st.backend}")
+    total = f"{st.total_mw / 1000:.2f} W" if st.total_mw is not None else "-"
+    fan = f"{st.fan_pwm}/255" if st.fan_pwm is not None else "-"
+    head.add_row("total power / fan", f"{total} / {fan}")
+
+    clocks = Table(title="clocks (MHz)", title_justify="left")
+    for col in ("clock", "cur", "min", "max", "notes"):
+        clocks.add_column(col, justify="right" if col in ("cur", "min", "max") else "left")
+    for c in st.clocks:
+        d = c.detail
+        notes = []
+        if d.get("load_pct") is not None:
+            notes.append(f"load {d['load_pct']:.0f}%")
+        if d.get("cap"):
+            notes.append(f"cap {c_fmt(d['cap'])}")
+        if d.get("locked"):
+            notes.append("locked")
+        if d.get("util_pct") is not None:
+            notes.append(f"util {d['util_pct']:.0f}%")
+        if "online" in d:
+            notes.append(f"online {len(d['online'])}/{len(d['cpus'])}")
+        if d.get("governor"):
+            notes.append(str(d["governor"]))
+        clocks.add_row(c.name, _mhz(c.cur, c.unit), _mhz(c.min, c.unit), _mhz(c.max, c.unit), ", ".join(notes))
+
+    zones = Table(title="thermal zones (°C)", title_justify="left")
+    for col in ("zone", "temp", "trips"):
+        zones.add_column(col, justify="right" if col == "temp" else "left")
+    for z in st.zones:
+        trips = ", ".join(f"{t.type} {t.temp_c:g}" for t in z.trips if t.temp_c is not None)
+        zones.add_row(z.type, f"{z.temp_c:.1f}" if z.temp_c is not None else "offline", trips)
+
+    rails = Table(title="power rails", title_justify="left")
+    for col in ("rail", "mV", "mA", "mW"):
+        rails.add_column(col, justify="left" if col == "rail" else "right")
+    for r in st.rails:
+        rails.add_row(r.label, str(r.mv) if r.mv is not None else "-", str(r.ma) if r.ma is not None else "-",
+                      f"{r.mw:.0f}" if r.mw is not None else "-")
+    parts: list[object] = [head, clocks, zones, rails]
+    if st.unavailable:
+        parts.append("[yellow]unavailable here:[/yellow]\n  " + "\n  ".join(st.unavailable))
+    return Group(*parts)  # type: ignore[arg-type]
+
+
+def c_fmt(hz: int) -> str:
+    return f"{hz / 1e6:.0f}"
+
+
+@app.command("status")
+def status(root: Path = typer.Option(Path("/"), "--root", help=ROOT_HELP),
+           json_out: bool = typer.Option(False, "--json", help="Print JSON (one object per sample)."),
+           watch: bool = typer.Option(False, "--watch", help="Refresh until Ctrl-C."),
+           interval: float = typer.Option(1.0, "--interval", min=0.1, help="Seconds between samples with --watch."),
+           backend: str = typer.Option("auto", "--backend", help="auto, sysfs or jtop.")) -> None:
+    """Board, L4T, power mode, every clock (cur/min/max), zone temperatures, rails and total power, fan."""
+    with cli_errors():
+        board = open_board(_check_root(root), backend=backend)
+        try:
+            if not watch:
+                _emit(read_status(board), json_out)
+                return
+            try:
+                _watch(board, json_out, interval)
+            except KeyboardInterrupt:
+                return  # Ctrl-C is how --watch ends
+        finally:
+            board.close()
+
+
+def _watch(board: object, json_out: bool, interval: float) -> None:
+    from rich.live import Live
+
+    if json_out:  # JSON lines: one compact object per sample
+        while True:
+            sys.stdout.write(json.dumps(read_status(board).to_dict(), default=str) + "\n")  # type: ignore[arg-type]
+            sys.stdout.flush()
+            time.sleep(interval)
+    with Live(render_status(read_status(board)), auto_refresh=False) as live:  # type: ignore[arg-type]
+        while True:
+            time.sleep(interval)
+            live.update(render_status(read_status(board)), refresh=True)  # type: ignore[arg-type]
+
+
+def _emit(st: BoardStatus, json_out: bool) -> None:
+    if json_out:
+        sys.stdout.write(st.to_json() + "\n")
+    else:
+        Console().print(render_status(st))
+
+
+@app.command("restore")
+def restore(root: Path = typer.Option(Path("/"), "--root", help=ROOT_HELP),
+            run_dir: Path = typer.Option(Path(DEFAULT_RUN_DIR), "--run-dir",
+                                         help="Where the agent keeps its restore journal.")) -> None:
+    """Put back every clock/fan file the agent changed, from the journal in the run directory."""
+    with cli_errors():
+        report = restore_run_dir(run_dir, _check_root(root))
+        if not report.restored:
+            typer.echo(f"nothing to restore (no journal in {run_dir})")
+        else:
+            typer.echo(f"restored {len(report.restored)} file(s) under {root}")

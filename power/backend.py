@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from power import sysfs
+from power.errors import FeatureUnavailable
 from power.cpu import CpuFreq
 from power.discovery import BoardInfo, discover
 from power.emc import Emc
@@ -196,7 +197,7 @@ def open_board(root: str | os.PathLike[str] = "/", *, backend: str = "auto",
     if backend == "sysfs" or (backend == "auto" and not jtop_available(root)):
         return SysfsBoard(root, runner=runner)
     if not jtop_available(root):
-        raise RuntimeError(f"jtop backend needs root '/', the jetson-stats package and {JTOP_SOCKET}")
+        raise FeatureUnavailable(f"jtop backend needs root '/', the jetson-stats package and {JTOP_SOCKET}")
     module = importlib.import_module("jtop")
     jetson = module.jtop()
     jetson.start()

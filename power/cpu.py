@@ -118,7 +118,7 @@ class CpuFreq:
         for cl in self.info.clusters:
             if key == cl.name or key in cl.cpus or str(key) == cl.name:
                 return cl
-        raise KeyError(f"no CPU cluster {key!r} (have: {', '.join(c.name for c in self.info.clusters)})")
+        raise ValueError(f"no CPU cluster {key!r} (have: {', '.join(c.name for c in self.info.clusters)})")
 
     def read(self) -> tuple[ClusterReading, ...]:
         out = []

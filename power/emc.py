@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from power import sysfs
+from power.errors import FeatureUnavailable
 from power.writer import ClockWriter
 
 BPMP_EMC = "/sys/kernel/debug/bpmp/debug/clk/emc"
@@ -27,8 +28,9 @@ class EmcInfo:
     min_rate: str | None
     max_rate: str | None
     locked: str | None  # mrq_rate_locked
-    cap: str | None
+    cap: str | None  # the first cap file found (r35 name first)
     activity: str | None
+    caps: tuple[str, ...] = ()  # every cap file present (an r36 tree can have both names)
 
     @property
     def available(self) -> bool:
@@ -50,9 +52,10 @@ def find_emc(root: str | os.PathLike[str]) -> EmcInfo:
         p = f"{BPMP_EMC}/{name}"
         return p if sysfs.is_file(root, p) else None
 
-    cap = next((p for p in CAP_PATHS if sysfs.is_file(root, p)), None)
+    caps = tuple(p for p in CAP_PATHS if sysfs.is_file(root, p))
     act = next((p for p in ACTIVITY_PATHS if sysfs.is_file(root, p)), None)
-    return EmcInfo(f("rate"), f("min_rate"), f("max_rate"), f("mrq_rate_locked"), cap, act)
+    return EmcInfo(f("rate"), f("min_rate"), f("max_rate"), f("mrq_rate_locked"), caps[0] if caps else None,
+                   act, caps)
 
 
 class Emc:
@@ -74,7 +77,7 @@ class Emc:
 
     def cap_writable(self) -> dict[str, str]:
         """The nvpmodel EMC cap: written only when nvpmodel is emulated on a twin tree."""
-        return {self.info.cap: "nvpmodel EMC cap (Hz)"} if self.info.cap else {}
+        return {c: "nvpmodel EMC cap (Hz)" for c in self.info.caps}
 
     def read(self) -> EmcReading:
         r = self.root
@@ -86,13 +89,15 @@ class Emc:
         util = None
         if rate and act is not None:
             util = 100.0 * act / (rate / 1000.0)
-        return EmcReading(rate, i(self.info.min_rate), i(self.info.max_rate), i(self.info.cap),
+        cap = i(self.info.cap)
+        # nvpmodel writes 0 for "no cap" (NVIDIA's 2022 nvpmodel files in tests/data/nvpmodel).
+        return EmcReading(rate, i(self.info.min_rate), i(self.info.max_rate), cap if cap and cap > 0 else None,
                           bool(locked) if locked is not None else None, util)
 
     def lock(self, writer: ClockWriter, rate_hz: int) -> None:
         """Pin the EMC at ``rate_hz``: lock first, then the rate (ORIN.md), as one transaction."""
         if not (self.info.rate and self.info.locked):
-            raise RuntimeError(f"EMC clock files are not available under {BPMP_EMC} (debugfs mounted? root?)")
+            raise FeatureUnavailable(f"EMC clock files are not available under {BPMP_EMC} (debugfs mounted? root?)")
         lo = sysfs.read_int(self.root, self.info.min_rate) if self.info.min_rate else None
         hi = sysfs.read_int(self.root, self.info.max_rate) if self.info.max_rate else None
         if (lo is not None and rate_hz < lo) or (hi is not None and rate_hz > hi):
@@ -104,5 +109,5 @@ class Emc:
     def unlock(self, writer: ClockWriter) -> None:
         """Hand the EMC back to the BPMP's own scaling."""
         if not self.info.locked:
-            raise RuntimeError(f"EMC lock file is not available under {BPMP_EMC}")
+            raise FeatureUnavailable(f"EMC lock file is not available under {BPMP_EMC}")
         writer.write(self.info.locked, 0, group=self.group, role="lock")

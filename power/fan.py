@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from power import sysfs
+from power.errors import FeatureUnavailable
 from power.writer import ClockWriter
 
 PWM_GLOB = "/sys/devices/platform/pwm-fan*/hwmon/hwmon*/pwm1"
@@ -59,7 +60,7 @@ class Fan:
 
     def set_pwm(self, writer: ClockWriter, pwm: int) -> None:
         if not self.info.pwm:
-            raise RuntimeError("this board has no pwm-fan")
+            raise FeatureUnavailable("this board has no pwm-fan")
         if not 0 <= pwm <= PWM_MAX:
             raise ValueError(f"fan PWM must be 0-{PWM_MAX}, got {pwm}")
         writer.write(self.info.pwm, pwm, group=self.group, role="pwm")

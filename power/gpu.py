@@ -11,6 +11,7 @@ import posixpath
 from dataclasses import dataclass
 
 from power import sysfs
+from power.errors import FeatureUnavailable
 from power.writer import ClockWriter
 
 DEVFREQ_CLASS = "/sys/class/devfreq"
@@ -135,7 +136,7 @@ class GpuClock:
     def set_range(self, writer: ClockWriter, min_hz: int, max_hz: int) -> tuple[int, int]:
         """Clamp the GPU clock to [min_hz, max_hz], snapped to available frequencies."""
         if not self.info.devfreq:
-            raise RuntimeError("this board has no GPU devfreq node (the GPU may not have powered up yet)")
+            raise FeatureUnavailable("this board has no GPU devfreq node (the GPU may not have powered up yet)")
         lo = snap(self.info.available_hz, min_hz, down=False)
         hi = snap(self.info.available_hz, max_hz, down=True)
         if lo > hi:

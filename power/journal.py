@@ -20,23 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from power import sysfs
+from power.errors import BoardWriteError, JournalError, RefusedWrite  # noqa: F401 (re-exported)
 
 DEFAULT_RUN_DIR = "/run/orin-agent"
 JOURNAL_NAME = "journal.json"
 LOCK_NAME = "lock"
 _FORMAT = 1
-
-
-class BoardWriteError(RuntimeError):
-    """A write the kernel (or the file system) refused; the message names the file."""
-
-
-class RefusedWrite(BoardWriteError):
-    """A write to a path that discovery did not identify as a clock/fan file."""
-
-
-class JournalError(RuntimeError):
-    """The journal could not be created, read, locked or restored; the message says how to fix it."""
 
 
 _ERRNO_HINT = {

@@ -131,13 +131,10 @@ class NvpModel:
                     table = self.gpu.info.available_hz
                     self.gpu.set_range(writer, mode.min_floor(param) or table[0], mode.max_cap(param) or table[-1])
                     applied.append(label)
-                elif param == "EMC" and self.emc.info.cap and writer.is_allowed(self.emc.info.cap):
-                    top = self.emc.read().max_hz
-                    cap = mode.max_cap(param) or top
-                    if cap is None:
-                        skipped.append(label + " (no EMC max_rate to stand for 'no cap')")
-                        continue
-                    writer.write(self.emc.info.cap, cap, group="emc", role="cap")
+                elif param == "EMC" and self.emc.info.caps:
+                    # "No cap" is written as 0, as nvpmodel writes it (2022 NVIDIA files, and the twin).
+                    for cap_path in self.emc.info.caps:
+                        writer.write(cap_path, mode.max_cap(param) or 0, group="emc", role="cap")
                     applied.append(label)
                 elif param == "TPC_POWER_GATING" and self.gpu.info.tpc_pg_mask and \
                         writer.is_allowed(self.gpu.info.tpc_pg_mask):
@@ -146,9 +143,16 @@ class NvpModel:
                     applied.append(f"{param} {mode.value(param, 'TPC_PG_MASK')}")
                 elif param != "CPU_ONLINE":
                     skipped.append(param)
-            writer.write(STATUS, format_nvpmodel_status(mode.id).strip(), group="nvpmodel", role="status",
-                         create=True)
+            writer.write(STATUS, self._status_text(mode.id), group="nvpmodel", role="status", create=True)
         return ModeChange(ModeReading(mode.id, mode.name, "status file"), tuple(applied), tuple(skipped))
+
+    def _status_text(self, mode_id: int) -> str:
+        """``pmode:000N``, keeping what else nvpmodel keeps on the line (``fmode:cool``)."""
+        old = sysfs.read_text(self.root, STATUS) or ""
+        new = format_nvpmodel_status(mode_id).strip()
+        if re.search(r"pmode:\s*\d+", old):
+            return re.sub(r"pmode:\s*\d+", new, old, count=1)
+        return new
 
     def _cluster_for(self, param: str) -> ClusterInfo | None:
         """``CPU_A78_1`` caps the cluster of the CPU its MAX_FREQ path names (cpu4 on AGX)."""
@@ -160,6 +164,6 @@ class NvpModel:
             if m := re.search(r"/cpu(\d+)/cpufreq/", path):
                 try:
                     return self.cpu.cluster(int(m.group(1)))
-                except KeyError:
+                except ValueError:
                     return None
         return None

@@ -102,13 +102,13 @@ class NvpModelConf:
     default_id: int | None
 
     def mode(self, key: int | str) -> PowerMode:
-        """A mode by id or name (case-insensitive); ``KeyError`` naming the choices otherwise."""
+        """A mode by id or name (case-insensitive); ``ValueError`` naming the choices otherwise."""
         for m in self.modes:
             if (isinstance(key, int) and m.id == key) or (isinstance(key, str) and
                                                             (m.name.lower() == key.lower() or key == str(m.id))):
                 return m
         choices = ", ".join(f"{m.id} {m.name}" for m in self.modes)
-        raise KeyError(f"no power mode {key!r} (this board has: {choices})")
+        raise ValueError(f"no power mode {key!r} (this board has: {choices})")
 
 
 _HEADER = re.compile(r"^<\s*(PARAM|POWER_MODEL|PM_CONFIG)\b(.*?)>\s*$")

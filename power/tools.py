@@ -8,14 +8,12 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable, Sequence
 
+from power.errors import ToolError
+
 # nvpmodel -q answers at once; a mode switch can take a few seconds on a loaded board.
 DEFAULT_TIMEOUT_S = 30.0
 
 Runner = Callable[[Sequence[str], float], str]
-
-
-class ToolError(RuntimeError):
-    """A tool that is missing, timed out or failed; the message names the command."""
 
 
 def run_tool(args: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> str:

@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from power import sysfs
-from power.journal import BoardIO, BoardWriteError, Journal, RefusedWrite, describe_os_error
+from power.errors import BoardWriteError, RefusedWrite
+from power.journal import BoardIO, Journal, describe_os_error
 
 
 @dataclass(frozen=True)
