@@ -63,8 +63,11 @@ def power(spec: BoardSpec, c: Clocks, a: Activity) -> Power:
     k = spec.power
     gpu = 0.0
     if c.gpu_powered:
-        gpu = c.tpcs * (k.gpu_leak_w_per_tpc + k.gpu_w_per_tpc * a.gpu_busy * a.gpu_intensity
-                        * (c.gpu_hz / k.gpu_ref_hz) ** k.gpu_exp)
+        f = c.gpu_hz / k.gpu_ref_hz
+        # leakage grows with the voltage the clock needs (~linear in f over the table: estimate),
+        # so a GPU pinned at its top clock costs more at idle than one podgov let drop
+        gpu = c.tpcs * (k.gpu_leak_w_per_tpc * (0.5 + 0.5 * f)
+                        + k.gpu_w_per_tpc * a.gpu_busy * a.gpu_intensity * f ** k.gpu_exp)
     online = sum(c.cpu_online)
     cpu = k.cpu_floor_w * online / spec.cpu_count
     busy = a.cpu_busy_cores

@@ -1,0 +1,255 @@
+"""Roofline cost model of one LLM step on a Jetson Orin at given clocks: time, bound and energy.
+
+Owned by the twin / cost-model work; used by the power controller and the energy benchmark. Pure
+arithmetic, no I/O. A step's time is the larger of its compute time (FLOPs at the GPU clock, the
+active TPCs and an efficiency) and its memory time (bytes at the EMC bandwidth and an efficiency),
+plus a per-layer launch overhead that scales with the GPU clock. Energy is the twin's power model
+(``power.twin.physics.power``) at those clocks, times the step's time.
+
+Published anchors it reproduces (tests/test_costmodel.py, ../shared/ORIN.md): AGX Orin 64GB MAXN,
+Llama-3-8B INT4 weight-only decode about 35.9 tok/s and prefill 91 ms / 128 tokens, 582 ms / 1024
+(TensorRT-LLM 0.12); the FP16 8B bandwidth ceiling about 12.8 tok/s; Orin Nano original -> Super
+Llama-3.1-8B 4-bit 14.0 -> 19.1 tok/s and Llama-3.2-3B 27.7 -> 43.1 tok/s (jetson-generative-ai-
+playground benchmarks). The online correction of issue 4 (learning per-clock step times) sits on top.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from power.board_specs import BoardSpec, active_tpcs
+from power.twin.physics import Activity, Clocks, power
+
+if TYPE_CHECKING:
+    from power.twin.model import Workload
+
+# --- model shapes --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+
+    @property
+    def layer_params(self) -> int:
+        """Linear weights of one layer: q, k, v, o and the SwiGLU MLP (norms are negligible)."""
+        q = self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
+
+    @property
+    def body_params(self) -> int:
+        return self.layers * self.layer_params
+
+    @property
+    def head_params(self) -> int:
+        """The LM head, read whole at every step (tied or not, it is one vocab x hidden matrix)."""
+        return self.vocab * self.hidden
+
+    def kv_bytes_per_token(self, kv_bytes: float = 2.0) -> float:
+        """K and V of every layer for one token (FP16 cache by default)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * kv_bytes
+
+
+# Shapes beyond partition.config.PRESETS (published config.json: meta-llama/Llama-2-7b-hf,
+# meta-llama/Llama-3.1-8B, which has Llama-3-8B's shape).
+_EXTRA_SHAPES = {
+    "llama-2-7b": ModelShape("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000),
+    "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
+}
+
+
+def model_shape(name: str) -> ModelShape:
+    """A named shape: partition.config's presets (the one model definition), then a few extras."""
+    from partition.config import PRESETS      # stdlib-only module; imported late to keep this light
+    if name in PRESETS:
+        c = PRESETS[name]
+        return ModelShape(name, c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim,
+                          c.intermediate_size, c.vocab_size, c.tie_word_embeddings)
+    if name in _EXTRA_SHAPES:
+        return _EXTRA_SHAPES[name]
+    raise KeyError(f"unknown model shape {name!r}; known: {', '.join(sorted([*PRESETS, *_EXTRA_SHAPES]))}")
+
+
+# --- precision ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Weight storage. Orin (sm_87) has no FP8/FP4: INT8 and INT4 are weight-only (ORIN.md)."""
+    name: str
+    weight_bytes: float     # bytes per weight, scales included
+    head_bytes: float       # bytes per LM-head weight
+    dequant_ops: float      # extra ops per weight in a decode GEMV
+
+
+PRECISIONS = {
+    "fp16": Precision("fp16", 2.0, 2.0, 0.0),
+    # INT8 weight-only: per-channel scales, negligible per weight.
+    "int8": Precision("int8", 1.0, 2.0, 1.0),
+    # INT4 weight-only (AWQ / GPTQ, group 128, one FP16 scale per group: +2/128 byte). TensorRT-LLM
+    # leaves the LM head in FP16 by default; with it, Llama-3-8B reads 4.6 GB per token, ORIN.md's
+    # "about 4.5 GB" (derived).
+    "int4": Precision("int4", 0.5 + 2 / 128, 2.0, 2.0),
+    # MLC's q4f16 (group 32, FP16 scale: 4.5 bits) quantises the LM head too; the runtime behind
+    # the Orin Nano anchors (jetson-generative-ai-playground benchmarks).
+    "q4f16": Precision("q4f16", 0.5 + 2 / 32, 0.5 + 2 / 32, 2.0),
+}
+
+# --- hardware throughput and efficiencies ------------------------------------------------------------
+
+# Dense FP16 tensor throughput per TPC per cycle, derived: ~42.5 dense FP16 TFLOPS (half of 85 dense
+# INT8 TOPS, half of the published 170 sparse) / (8 TPC x 1.3005 GHz) = 4085.
+TENSOR_FLOP_PER_TPC_CYCLE = 4096
+# CUDA-core FP32 FMA throughput: 256 cores per TPC x 2 FLOP (5.3 TFLOPS at 8 TPC x 1.3 GHz, published).
+CUDA_FLOP_PER_TPC_CYCLE = 512
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Efficiencies (fractions of peak) a good runtime reaches. All estimates, cross-checked by the
+    anchors: 0.80 of peak DRAM bandwidth puts TensorRT-LLM INT4 at 35 tok/s (measured 35.9), 0.6 of
+    tensor peak gives 573 ms for a 1024-token prefill (measured 582 ms)."""
+    bandwidth_eff: float = 0.80
+    tensor_eff: float = 0.60
+    cuda_eff: float = 0.50
+    overhead_cycles_per_layer: float = 40000.0   # kernel launches / syncs, ~1 ms per step at 1.3 GHz
+    kv_bytes: float = 2.0                        # FP16 KV cache
+    gemm_batch: int = 8                          # from this many rows on, decode runs on tensor cores
+
+
+DEFAULT_PARAMS = CostParams()
+
+# Switching activity of a step relative to the GPU stress test behind the GPU-rail fit (estimates):
+# compute-bound GEMMs run near it; a memory-bound decode step toggles ~0.15 while it waits plus its
+# CUDA-core work. Gives ~26-31 W for AGX decode of an 8B model, near EdgeReasoning's 22-27 W.
+PREFILL_INTENSITY = 0.85
+DECODE_WAIT_INTENSITY = 0.15
+DECODE_CORE_INTENSITY = 0.45
+
+# --- operating point and result ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    gpu_hz: int
+    emc_hz: int
+    tpcs: int
+    cpu_khz: int = 1497600
+
+    @classmethod
+    def of_mode(cls, spec: BoardSpec, mode_id: int | None = None) -> "OperatingPoint":
+        """The clocks jetson_clocks would pin in a power mode (its caps; the board's maxima)."""
+        m = spec.mode(spec.default_mode if mode_id is None else mode_id)
+        gpu = max(f for f in spec.gpu_hz if f <= (m.gpu_max_hz or spec.gpu_max_hz))
+        emc = max(f for f in spec.emc_hz if f <= (m.emc_cap_hz or spec.emc_max_hz))
+        cpu = max(f for f in spec.cpu_khz if f <= (m.cpu_max_khz or spec.cpu_khz[-1]))
+        return cls(gpu, emc, active_tpcs(spec, m.tpc_pg_mask), cpu)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    phase: str
+    seconds: float
+    compute_s: float
+    memory_s: float
+    overhead_s: float
+    flops: float
+    bytes: float
+    intensity: float
+    power_w: float
+    energy_j: float
+    tokens: int                     # tokens produced (decode: batch) or consumed (prefill)
+    rails_w: tuple[tuple[str, float], ...] = field(default=())
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+    @property
+    def dram_bytes_per_s(self) -> float:
+        return self.bytes / self.seconds
+
+    @property
+    def joules_per_token(self) -> float:
+        return self.energy_j / self.tokens
+
+    def workload(self, spec: BoardSpec, op: OperatingPoint) -> "Workload":
+        """The twin workload this step presents at ``op`` (GPU busy throughout the step)."""
+        from power.twin.model import Workload
+        mem = min(1.0, self.dram_bytes_per_s / spec.dram_bytes_per_s(op.emc_hz))
+        return Workload(self.phase, 1.0, mem, 1.0, self.intensity)
+
+
+def _finish(spec: BoardSpec, op: OperatingPoint, phase: str, tokens: int, flops: float,
+            nbytes: float, compute_s: float, overhead_s: float, p: CostParams) -> StepCost:
+    memory_s = nbytes / (spec.dram_bytes_per_s(op.emc_hz) * p.bandwidth_eff)
+    seconds = max(compute_s, memory_s) + overhead_s
+    frac = compute_s / seconds
+    if phase == "prefill":
+        intensity = PREFILL_INTENSITY * frac
+    else:
+        intensity = DECODE_WAIT_INTENSITY + DECODE_CORE_INTENSITY * frac
+    clusters = len(spec.cpu_clusters)
+    clocks = Clocks(op.gpu_hz, op.emc_hz, op.tpcs, (op.cpu_khz,) * clusters,
+                    tuple(len(c) for c in spec.cpu_clusters))
+    pw = power(spec, clocks, Activity(1.0, intensity, nbytes / seconds, 1.0))
+    return StepCost(phase, seconds, compute_s, memory_s, overhead_s, flops, nbytes, intensity,
+                    pw.board_w, pw.board_w * seconds, tokens, pw.rails)
+
+
+def _weight_bytes(shape: ModelShape, prec: Precision) -> float:
+    return shape.body_params * prec.weight_bytes + shape.head_params * prec.head_bytes
+
+
+def decode_step(spec: BoardSpec, shape: ModelShape, precision: str, op: OperatingPoint,
+                context: int, batch: int = 1, params: CostParams = DEFAULT_PARAMS) -> StepCost:
+    """One decode step: ``batch`` sequences, each ``context`` tokens long, one new token each."""
+    prec = PRECISIONS[precision]
+    q_dim = shape.heads * shape.head_dim
+    params_n = shape.body_params + shape.head_params
+    attn = 4 * shape.layers * q_dim * context * batch            # QK^T and PV
+    flops = 2 * params_n * batch + attn
+    nbytes = _weight_bytes(shape, prec) + batch * context * shape.kv_bytes_per_token(params.kv_bytes)
+    if batch >= params.gemm_batch:
+        rate = op.tpcs * TENSOR_FLOP_PER_TPC_CYCLE * op.gpu_hz * params.tensor_eff
+        ops = flops + shape.body_params * prec.dequant_ops
+    else:       # batch-1 GEMV on CUDA cores, dequantising every weight it reads
+        rate = op.tpcs * CUDA_FLOP_PER_TPC_CYCLE * op.gpu_hz * params.cuda_eff
+        ops = flops + shape.body_params * prec.dequant_ops * batch
+    overhead = shape.layers * params.overhead_cycles_per_layer / op.gpu_hz
+    return _finish(spec, op, "decode", batch, flops, nbytes, ops / rate, overhead, params)
+
+
+def prefill_step(spec: BoardSpec, shape: ModelShape, precision: str, op: OperatingPoint,
+                 tokens: int, context: int = 0, params: CostParams = DEFAULT_PARAMS) -> StepCost:
+    """A prefill of ``tokens`` new tokens after ``context`` cached ones (logits for the last only)."""
+    prec = PRECISIONS[precision]
+    q_dim = shape.heads * shape.head_dim
+    attn = 4 * shape.layers * q_dim * tokens * (context + tokens / 2)   # causal
+    flops = 2 * shape.body_params * tokens + attn + 2 * shape.head_params
+    kv = shape.kv_bytes_per_token(params.kv_bytes)
+    nbytes = _weight_bytes(shape, prec) + kv * (context + tokens)
+    rate = op.tpcs * TENSOR_FLOP_PER_TPC_CYCLE * op.gpu_hz * params.tensor_eff
+    overhead = shape.layers * params.overhead_cycles_per_layer / op.gpu_hz
+    return _finish(spec, op, "prefill", tokens, flops, nbytes, flops / rate, overhead, params)
+
+
+def decode_tokens_per_s(spec: BoardSpec, shape: ModelShape, precision: str, op: OperatingPoint,
+                        context: int = 512, params: CostParams = DEFAULT_PARAMS) -> float:
+    return 1.0 / decode_step(spec, shape, precision, op, context, 1, params).seconds
+
+
+def bandwidth_ceiling_tokens_per_s(spec: BoardSpec, shape: ModelShape, precision: str,
+                                   emc_hz: int | None = None) -> float:
+    """ORIN.md's arithmetic: peak bandwidth / weight bytes (no KV, no inefficiency)."""
+    return spec.dram_bytes_per_s(emc_hz or spec.emc_max_hz) / _weight_bytes(shape, PRECISIONS[precision])
+
