@@ -1,7 +1,102 @@
-"""`orin-agent twin ...`: create and run the simulated Orin."""
+"""`orin-agent twin ...`: create and run the simulated Orin.
+
+A thin client over ``power.twin``: ``create`` lays out a board's tree, ``run`` runs the board model on
+it in real time, with the workload the engine writes to ``<DIR>/run/orin-agent-twin/workload.json``.
+Errors are one clear line and exit code 2, never a traceback.
+"""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import typer
 
+from power.board_specs import BOARDS, L4T_RELEASES
+from power.twin import WORKLOAD_FILE, Twin, TwinState, create_twin
+
 app = typer.Typer(help="The simulated Orin: lay out a board's sysfs tree in a folder and run its model.",
                   no_args_is_help=True)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def create(
+    directory: Path = typer.Argument(..., help="Folder to lay the board's tree out in."),
+    board: str = typer.Option("agx-orin-64gb", "--board", help=f"One of: {', '.join(BOARDS)}."),
+    l4t: str = typer.Option("r36", "--l4t", help=f"L4T layout: {' or '.join(L4T_RELEASES)}."),
+    ambient: float = typer.Option(25.0, "--ambient", help="Starting temperature, °C."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Lay out BOARD's sysfs / procfs / etc tree (L4T r35 or r36 layout) in DIRECTORY."""
+    if board not in BOARDS:
+        _fail(f"unknown board {board!r}; valid boards: {', '.join(BOARDS)}")
+    if l4t not in L4T_RELEASES:
+        _fail(f"unknown L4T release {l4t!r}; valid: {', '.join(L4T_RELEASES)}")
+    if directory.exists() and not directory.is_dir():
+        _fail(f"{directory} exists and is not a folder")
+    try:
+        paths = create_twin(directory, board, l4t, ambient_c=ambient)
+    except OSError as e:
+        _fail(f"cannot create the twin in {directory}: {e}")
+        return
+    result = {"root": str(directory), "board": board, "l4t": l4t,
+              "gpu_devfreq": paths.gpu_devfreq, "workload_file": WORKLOAD_FILE}
+    if json_out:
+        typer.echo(json.dumps(result))
+    else:
+        typer.echo(f"twin {board} ({l4t}) laid out in {directory}")
+        typer.echo(f"  run it:      orin-agent twin run {directory}")
+        typer.echo(f"  workload:    {directory / WORKLOAD_FILE}")
+
+
+def _line(st: TwinState) -> str:
+    c = st.clocks
+    return (f"t={st.t_s:7.1f}s gpu={c.gpu_hz / 1e6:7.2f}MHz emc={c.emc_hz / 1e6:6.0f}MHz "
+            f"board={st.power.board_w:5.1f}W max={st.max_temp_c:5.1f}C fan={st.fan_pwm:3d}"
+            + (" THROTTLED" if st.throttle_steps else "") + (" SHUTDOWN" if st.shutdown else ""))
+
+
+@app.command()
+def run(
+    directory: Path = typer.Argument(..., help="A folder made by `orin-agent twin create`."),
+    ambient: float = typer.Option(25.0, "--ambient", help="Ambient temperature, °C."),
+    period: float = typer.Option(0.1, "--period", help="Seconds between model steps."),
+    duration: float | None = typer.Option(None, "--duration", help="Stop after this many seconds "
+                                          "(default: run until Ctrl-C)."),
+    no_fan_daemon: bool = typer.Option(False, "--no-fan-daemon", help="Do not emulate nvfancontrol: "
+                                       "the fan's pwm1 is left to the agent."),
+    quiet: bool = typer.Option(False, "--quiet", help="No status line."),
+) -> None:
+    """Run the board model on DIRECTORY in real time until Ctrl-C (or --duration)."""
+    if period <= 0:
+        _fail("--period must be > 0")
+    try:
+        twin = Twin(directory, ambient_c=ambient, fan_daemon=not no_fan_daemon, atomic_writes=True)
+    except FileNotFoundError:
+        _fail(f"{directory} is not a twin tree (no {directory}/run/orin-agent-twin/twin.json); "
+              f"make one with `orin-agent twin create {directory}`")
+        return
+    except (KeyError, ValueError, OSError) as e:
+        _fail(f"cannot open the twin in {directory}: {e}")
+        return
+    every = max(1, round(1.0 / period))
+    ticks = [0]
+
+    def tick(st: TwinState) -> None:
+        ticks[0] += 1
+        if not quiet and ticks[0] % every == 0:
+            typer.echo(_line(st))
+
+    try:
+        st = twin.run(period_s=period, duration_s=duration, on_tick=tick)
+    except KeyboardInterrupt:
+        st = twin.state
+    except OSError as e:
+        _fail(f"twin stopped: {e}")
+        return
+    if not quiet:
+        typer.echo(f"stopped: {_line(st)} energy={st.energy_j:.1f}J")
