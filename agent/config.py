@@ -1,0 +1,173 @@
+"""The service's configuration: /etc/orin-agent/agent.toml (path overridable), validated on start into
+a frozen `ServiceConfig`; command-line flags override the file. Every error names the file and key.
+
+    [model]   dir, backend ("torch" | "ort"), slices ("0:4,4:8"), max_seq, device
+    [server]  host, port, token, token_file, max_body_bytes
+    [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, profile
+    [limits]  max_batch, max_queue, max_prompt_tokens, max_output_tokens, default_max_tokens,
+              shutdown_grace_s
+    [log]     level
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from partition.paths import DEFAULT_MODEL_DIR
+
+DEFAULT_CONFIG_PATH = Path("/etc/orin-agent/agent.toml")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    model_dir: Path = DEFAULT_MODEL_DIR
+    backend: str = "torch"
+    slices: str | None = None
+    max_seq: int | None = None  # None: the model's context, at most 2048
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token: str | None = None
+    max_body_bytes: int = 1 << 20
+    root: str | None = None  # None: "/" on an Orin, else a fresh twin
+    run_dir: str = "/run/orin-agent"
+    profile: str = "balanced"
+    max_batch: int = 8
+    max_queue: int = 64
+    max_prompt_tokens: int | None = None  # None: the context less one
+    max_output_tokens: int = 1024
+    default_max_tokens: int = 128
+    shutdown_grace_s: float = 10.0
+    log_level: str = "info"
+    source: str = "defaults"
+
+    def replace(self, **overrides: Any) -> "ServiceConfig":
+        """Apply CLI overrides (None = not given) and validate again."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        cfg = dataclasses.replace(self, **given)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        src = self.source
+
+        def bad(key: str, what: str, got: object) -> ConfigError:
+            return ConfigError(f"{src}: {key}: {what}, got {got!r}")
+
+        if self.backend not in ("torch", "ort"):
+            raise bad("model.backend", "must be 'torch' or 'ort'", self.backend)
+        if self.max_seq is not None and self.max_seq < 2:
+            raise bad("model.max_seq", "must be >= 2", self.max_seq)
+        if not 0 <= self.port <= 65535:
+            raise bad("server.port", "must be in 0..65535 (0 = any free port)", self.port)
+        if not self.host:
+            raise bad("server.host", "must be an address (127.0.0.1 keeps the service local)", self.host)
+        if self.max_body_bytes < 1024:
+            raise bad("server.max_body_bytes", "must be >= 1024", self.max_body_bytes)
+        for key, v, lo in (("limits.max_batch", self.max_batch, 1), ("limits.max_queue", self.max_queue, 0),
+                           ("limits.max_output_tokens", self.max_output_tokens, 1),
+                           ("limits.default_max_tokens", self.default_max_tokens, 1)):
+            if v < lo:
+                raise bad(key, f"must be an integer >= {lo}", v)
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise bad("limits.max_prompt_tokens", "must be >= 1", self.max_prompt_tokens)
+        if self.default_max_tokens > self.max_output_tokens:
+            raise bad("limits.default_max_tokens", f"must be <= limits.max_output_tokens ({self.max_output_tokens})",
+                      self.default_max_tokens)
+        if self.shutdown_grace_s < 0:
+            raise bad("limits.shutdown_grace_s", "must be >= 0", self.shutdown_grace_s)
+        if self.log_level not in LOG_LEVELS:
+            raise bad("log.level", f"must be one of {', '.join(LOG_LEVELS)}", self.log_level)
+
+
+# (section, key) -> (field, type(s) accepted, converter)
+_SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
+    ("model", "dir"): ("model_dir", (str,)),
+    ("model", "backend"): ("backend", (str,)),
+    ("model", "slices"): ("slices", (str,)),
+    ("model", "max_seq"): ("max_seq", (int,)),
+    ("model", "device"): ("device", (str,)),
+    ("server", "host"): ("host", (str,)),
+    ("server", "port"): ("port", (int,)),
+    ("server", "token"): ("token", (str,)),
+    ("server", "token_file"): ("token", (str,)),
+    ("server", "max_body_bytes"): ("max_body_bytes", (int,)),
+    ("board", "root"): ("root", (str,)),
+    ("board", "run_dir"): ("run_dir", (str,)),
+    ("board", "profile"): ("profile", (str,)),
+    ("limits", "max_batch"): ("max_batch", (int,)),
+    ("limits", "max_queue"): ("max_queue", (int,)),
+    ("limits", "max_prompt_tokens"): ("max_prompt_tokens", (int,)),
+    ("limits", "max_output_tokens"): ("max_output_tokens", (int,)),
+    ("limits", "default_max_tokens"): ("default_max_tokens", (int,)),
+    ("limits", "shutdown_grace_s"): ("shutdown_grace_s", (int, float)),
+    ("log", "level"): ("log_level", (str,)),
+}
+
+
+def read_token_file(path: str, where: str) -> str:
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read the token file {path}: {exc.strerror}") from None
+    if not token:
+        raise ConfigError(f"{where}: the token file {path} is empty")
+    return token
+
+
+def config_from_mapping(doc: Mapping[str, Any], source: str) -> ServiceConfig:
+    values: dict[str, Any] = {}
+    sections = {s for s, _ in _SCHEMA}
+    for section, table in doc.items():
+        if section not in sections:
+            raise ConfigError(f"{source}: unknown section [{section}]; known: {', '.join(sorted(sections))}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: {section} must be a table ([{section}])")
+        for key, value in table.items():
+            spec = _SCHEMA.get((section, key))
+            if spec is None:
+                known = sorted(k for s, k in _SCHEMA if s == section)
+                raise ConfigError(f"{source}: unknown key {section}.{key}; known keys: {', '.join(known)}")
+            field_name, types = spec
+            if isinstance(value, bool) or not isinstance(value, types):
+                names = " or ".join(t.__name__ for t in types)
+                raise ConfigError(f"{source}: {section}.{key}: must be {names}, got {value!r}")
+            if key == "token_file":
+                if "token" in table and table["token"]:
+                    raise ConfigError(f"{source}: server.token and server.token_file: give one, not both")
+                if value:
+                    values["token"] = read_token_file(value, f"{source}: server.token_file")
+                continue
+            if field_name in ("slices", "root", "token") and value == "":
+                continue  # "" = unset
+            values[field_name] = Path(value) if field_name == "model_dir" else value
+    cfg = ServiceConfig(**values, source=source)
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str] | None) -> ServiceConfig:
+    """The file at `path`; with None, /etc/orin-agent/agent.toml if it exists, else the defaults."""
+    if path is None:
+        if not DEFAULT_CONFIG_PATH.is_file():
+            return ServiceConfig()
+        path = DEFAULT_CONFIG_PATH
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the config file: {exc.strerror}") from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    return config_from_mapping(doc, str(p))

@@ -1,0 +1,110 @@
+"""Prometheus metrics of one service instance (its own registry, so several can live in one process).
+
+The engine reports through the `EngineMetrics` methods (called on the engine thread); board readings
+(clocks, zone temperatures, rail power) are read at scrape time by a collector, so a scrape always
+shows the board as it is now.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from agent.board import BoardSnapshot
+from agent.engine import Usage
+from agent.scheduler import StepPlan
+
+PHASES = ("prefill", "decode", "idle")
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class _BoardCollector(Collector):
+    def __init__(self, snapshot: Callable[[], BoardSnapshot]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self.snapshot()
+        power = GaugeMetricFamily("orin_agent_board_power_watts", "Board power (VDD_IN or the sum of rails)")
+        if snap.power_mw is not None:
+            power.add_metric([], snap.power_mw / 1000.0)
+        yield power
+        rails = GaugeMetricFamily("orin_agent_rail_power_watts", "Power per INA3221 rail", labels=["rail"])
+        for label, mw in sorted(snap.rails_mw.items()):
+            rails.add_metric([label], mw / 1000.0)
+        yield rails
+        temps = GaugeMetricFamily("orin_agent_zone_temperature_celsius", "Thermal zone temperature",
+                                  labels=["zone"])
+        for zone, c in sorted(snap.temps_c.items()):
+            temps.add_metric([zone], c)
+        yield temps
+        clocks = GaugeMetricFamily("orin_agent_clock_hertz", "Current clock", labels=["domain"])
+        if snap.gpu_hz is not None:
+            clocks.add_metric(["gpu"], snap.gpu_hz)
+        if snap.emc_hz is not None:
+            clocks.add_metric(["emc"], snap.emc_hz)
+        yield clocks
+
+
+class ServiceMetrics:
+    def __init__(self, board_snapshot: Callable[[], BoardSnapshot] | None = None) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("orin_agent_requests", "Requests by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("orin_agent_requests_finished", "Engine requests by finish reason",
+                                ["reason"], registry=r)
+        self.prompt_tokens = Counter("orin_agent_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.completion_tokens = Counter("orin_agent_completion_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("orin_agent_time_to_first_token_seconds", "Submit to first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.token_latency = Histogram("orin_agent_inter_token_latency_seconds", "Time between tokens",
+                                       buckets=TOKEN_BUCKETS, registry=r)
+        self.step_seconds = Histogram("orin_agent_step_seconds", "Engine step time", ["phase"],
+                                      buckets=TOKEN_BUCKETS + (5, 10), registry=r)
+        self.queue_depth = Gauge("orin_agent_queue_depth", "Requests waiting for a cache slot", registry=r)
+        self.running = Gauge("orin_agent_running_requests", "Requests holding a cache slot", registry=r)
+        self.phase = Gauge("orin_agent_phase", "1 for the engine's current phase", ["phase"], registry=r)
+        self.energy = Counter("orin_agent_energy_joules", "Energy of engine steps by phase", ["phase"],
+                              registry=r)
+        self.joules_per_token = Gauge("orin_agent_joules_per_token",
+                                      "Energy per generated token of the last finished request", registry=r)
+        for p in PHASES:
+            self.phase.labels(p).set(1 if p == "idle" else 0)
+        if board_snapshot is not None:
+            r.register(_BoardCollector(board_snapshot))
+
+    # EngineMetrics
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def on_token(self, latency_s: float) -> None:
+        self.token_latency.observe(latency_s)
+
+    def on_step(self, plan: StepPlan, elapsed_s: float, joules: float | None) -> None:
+        self.step_seconds.labels(plan.kind).observe(elapsed_s)
+        if plan.kind == "prefill":
+            self.prompt_tokens.inc(plan.n_tokens)
+        if joules is not None:
+            self.energy.labels(plan.kind).inc(joules)
+
+    def on_finished(self, reason: str, usage: Usage) -> None:
+        self.finished.labels(reason).inc()
+        self.completion_tokens.inc(usage.completion_tokens)
+        if usage.energy_joules is not None and usage.completion_tokens:
+            self.joules_per_token.set(usage.energy_joules / usage.completion_tokens)
+
+    def on_queue(self, waiting: int, running: int) -> None:
+        self.queue_depth.set(waiting)
+        self.running.set(running)
+
+    def on_phase(self, kind: str) -> None:
+        for p in PHASES:
+            self.phase.labels(p).set(1 if p == kind else 0)
+
+    def on_http(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,271 @@
+"""The OpenAI wire format: request bodies validated into `ParsedRequest`, chat templates, and the
+response / stream-chunk objects.
+
+Parsing is strict about what we act on and lenient about the rest: unknown fields are ignored (the
+official clients send several we do not use), but every field we use is type- and range-checked, and
+every failure is a `BadRequest` whose message names the field, so the API answers 400, never 500.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
+
+import jinja2
+import jinja2.sandbox
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from agent.engine import Usage
+
+Number = Union[StrictInt, StrictFloat]
+
+# A chat template for models that ship none: plain "role: content" turns, then the assistant's cue.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = None
+    max_tokens: Optional[StrictInt] = None
+    max_completion_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    top_k: Optional[StrictInt] = None
+    repetition_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    presence_penalty: Optional[Number] = None
+    seed: Optional[StrictInt] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stream: Optional[StrictBool] = False
+    stream_options: Optional[dict[str, Any]] = None
+    n: Optional[StrictInt] = 1
+    priority: Optional[Literal["interactive", "background"]] = None
+    ignore_eos: Optional[StrictBool] = False
+    user: Optional[StrictStr] = None
+
+
+class CompletionBody(_Base):
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr]]
+    echo: Optional[StrictBool] = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[StrictStr, list[TextPart], None] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatBody(_Base):
+    messages: list[Message] = Field(min_length=1)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_tokens: int
+    max_output_tokens: int
+    default_max_tokens: int
+    max_stop_strings: int = 8
+    max_stop_chars: int = 256
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    kind: Literal["completion", "chat"]
+    prompt_ids: list[int]
+    prompt_text: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    priority: str
+    ignore_eos: bool
+    model: str | None
+
+
+def decode_json(raw: bytes) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} "
+                         f"column {exc.colno}") from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    err = exc.errors(include_url=False)[0]
+    loc = ".".join(str(x) for x in err.get("loc", ()))
+    return f"{loc or 'body'}: {err.get('msg', 'invalid value')}", loc or None
+
+
+def _finite(name: str, v: float | None, lo: float, hi: float, default: float) -> float:
+    if v is None:
+        return default
+    v = float(v)
+    if not math.isfinite(v) or not lo <= v <= hi:
+        raise BadRequest(f"{name} must be a number in [{lo}, {hi}], got {v}", name)
+    return v
+
+
+def render_chat(template: str | None, messages: list[Message], eos_token: str = "", bos_token: str = "") -> str:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(msg: str) -> None:
+        raise BadRequest(f"the model's chat template refused the messages: {msg}", "messages")
+
+    env.globals["raise_exception"] = raise_exception
+    msgs = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return env.from_string(template or DEFAULT_CHAT_TEMPLATE).render(
+            messages=msgs, add_generation_prompt=True, eos_token=eos_token, bos_token=bos_token)
+    except jinja2.TemplateError as exc:
+        raise BadRequest(f"cannot apply the chat template: {exc}", "messages") from None
+
+
+def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Any, limits: Limits,
+                  chat_template: str | None = None, eos_token: str = "") -> ParsedRequest:
+    data = decode_json(raw)
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        body: _Base = (CompletionBody if kind == "completion" else ChatBody).model_validate(data)
+    except ValidationError as exc:
+        raise BadRequest(*_validation_message(exc)) from None
+    if body.n not in (None, 1):
+        raise BadRequest("n must be 1 (one choice per request)", "n")
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = getattr(body, name)
+        if v not in (None, 0, 0.0):
+            raise BadRequest(f"{name} is not supported (use repetition_penalty)", name)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        max_tokens = limits.default_max_tokens
+    if not 1 <= max_tokens <= limits.max_output_tokens:
+        raise BadRequest(f"max_tokens must be between 1 and {limits.max_output_tokens}, got {max_tokens}",
+                         "max_tokens")
+    top_k = body.top_k or 0
+    if top_k < 0:
+        raise BadRequest(f"top_k must be >= 0 (0 = off), got {top_k}", "top_k")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if len(stop) > limits.max_stop_strings or any(not s or len(s) > limits.max_stop_chars for s in stop):
+        raise BadRequest(f"stop: at most {limits.max_stop_strings} non-empty strings of at most "
+                         f"{limits.max_stop_chars} characters", "stop")
+    if body.seed is not None and not 0 <= body.seed < 2 ** 63:
+        raise BadRequest("seed must be in [0, 2**63)", "seed")
+    include_usage = bool(body.stream_options and body.stream_options.get("include_usage") is True)
+
+    if isinstance(body, CompletionBody):
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise BadRequest("prompt: one prompt per request (a list of one string at most)", "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            text, ids = p, tokenizer.encode(p) if p else []
+        else:
+            ids = list(p)
+            if any(not 0 <= t < tokenizer.vocab_size for t in ids):
+                raise BadRequest(f"prompt: token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+            text = ""
+    else:
+        text = render_chat(chat_template, body.messages, eos_token)  # type: ignore[attr-defined]
+        ids = tokenizer.encode(text)
+    if not ids:
+        raise BadRequest("the prompt is empty: give at least one token of text", "prompt")
+    if len(ids) > limits.max_prompt_tokens:
+        raise BadRequest(f"the prompt is {len(ids)} tokens; this service takes at most "
+                         f"{limits.max_prompt_tokens}", "prompt" if kind == "completion" else "messages")
+    return ParsedRequest(
+        kind, ids, text, max_tokens,
+        _finite("temperature", body.temperature, 0.0, 2.0, 1.0),  # OpenAI's default is 1
+        _finite("top_p", body.top_p, 1e-9, 1.0, 1.0), top_k,
+        _finite("repetition_penalty", body.repetition_penalty, 1e-3, 10.0, 1.0),
+        body.seed, stop, bool(body.stream), include_usage, body.priority or "interactive",
+        bool(body.ignore_eos), body.model)
+
+
+# -- responses -----------------------------------------------------------------------------------
+
+def usage_dict(u: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "energy_joules": None if u.energy_joules is None else round(u.energy_joules, 6),
+            "ttft_s": None if u.ttft_s is None else round(u.ttft_s, 6),
+            "decode_tokens_per_s": None if u.decode_tok_s is None else round(u.decode_tok_s, 3)}
+
+
+def finish_reason(reason: str) -> str:
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def completion_response(rid: str, model: str, kind: str, text: str, reason: str, usage: Usage) -> dict[str, Any]:
+    now = int(time.time())
+    if kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "finish_reason": finish_reason(reason), "logprobs": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason(reason), "logprobs": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": now, "model": model, "choices": [choice],
+            "usage": usage_dict(usage)}
+
+
+def stream_chunk(rid: str, model: str, kind: str, created: int, text: str | None = None,
+                 reason: str | None = None, first: bool = False, usage: Usage | None = None,
+                 no_choices: bool = False) -> str:
+    if kind == "chat":
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        obj = "text_completion"
+    doc: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
+                           "choices": [] if no_choices else [choice]}
+    if usage is not None:
+        doc["usage"] = usage_dict(usage)
+    return f"data: {json.dumps(doc, ensure_ascii=False)}\n\n"
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,266 @@
+"""The service's life: start (board recovered first, then the model, the engine, the HTTP server),
+serve, and stop (stop accepting, finish or cancel in-flight requests within a grace period, restore
+the board, exit 0). `Service` runs in the foreground under systemd (`orin-agent serve`) or in a
+thread for tests and the demo (`start_in_thread`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from agent.api import ApiState, create_app
+from agent.board import BoardReader, EnergyMeter, TwinDriver, is_orin, make_twin_root, recover_board, restore_board
+from agent.config import ServiceConfig
+from agent.engine import Engine
+from agent.executor import ChainExecutor
+from agent.metrics import ServiceMetrics
+from agent.phases import FanOut, NullListener, PhaseListener
+from agent.protocol import Limits
+from agent.sdnotify import Notifier
+from partition.runners.chain import Chain
+from partition.tokenizer import Tokenizer
+
+log = logging.getLogger("orin_agent.service")
+
+SYSLOG_PREFIX = {logging.DEBUG: "<7>", logging.INFO: "<6>", logging.WARNING: "<4>", logging.ERROR: "<3>",
+                 logging.CRITICAL: "<2>"}
+
+
+class JournaldFormatter(logging.Formatter):
+    """`<6>orin_agent.engine: message`: journald reads the <N> prefix as the priority and adds its own
+    timestamps; on a terminal it is still readable."""
+
+    def __init__(self, prefix: bool) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"{record.name}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return (SYSLOG_PREFIX.get(record.levelno, "<6>") if self.prefix else "") + text
+
+
+def setup_logging(level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    # Under systemd (JOURNAL_STREAM set) use the <N> priority prefix; elsewhere plain "name: message".
+    handler.setFormatter(JournaldFormatter(prefix=bool(os.environ.get("JOURNAL_STREAM"))))
+    root = logging.getLogger("orin_agent")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def build_chain(cfg: ServiceConfig) -> Chain:
+    """load_chain from partition.runners when it is there; else torch slices built here."""
+    try:
+        from partition.runners import load_chain  # type: ignore[attr-defined]
+    except ImportError:
+        load_chain = None
+    if load_chain is not None:
+        return load_chain(cfg.model_dir, backend=cfg.backend, slices=cfg.slices, max_seq=cfg.max_seq,
+                          max_batch=cfg.max_batch, device=cfg.device)
+    if cfg.backend != "torch":
+        raise ValueError(f"backend {cfg.backend!r} needs partition.runners.load_chain, which is not in this "
+                         "checkout yet; use --backend torch")
+    from partition.checkpoint import load_model
+    from partition.runners.base import even_slices, parse_slices
+    from partition.runners.torch_runner import TorchRunner
+
+    model = load_model(cfg.model_dir, device=cfg.device)
+    n = model.config.n_layers
+    specs = parse_slices(cfg.slices, n) if cfg.slices else even_slices(n, 1)
+    max_seq = cfg.max_seq or min(model.config.max_position_embeddings, 2048)
+    return Chain([TorchRunner(model, s, max_seq, max_batch=cfg.max_batch) for s in specs])
+
+
+@dataclass
+class BoardSetup:
+    root: str | None  # None: no board readings at all
+    run_dir: str | None
+    twin: TwinDriver | None
+    temp_dir: Path | None  # a twin made here, removed on stop
+
+
+def setup_board(cfg: ServiceConfig) -> BoardSetup:
+    root, run_dir, temp = cfg.root, cfg.run_dir, None
+    if root is None:
+        if is_orin("/"):
+            root = "/"
+        else:
+            made = make_twin_root()
+            if made is not None:
+                temp, root = made, str(made)
+                if cfg.run_dir == ServiceConfig.run_dir:  # the default /run/orin-agent is for the board
+                    run_dir = str(made / "run" / "orin-agent")
+    twin = None
+    if root is not None and (Path(root) / "run" / "orin-agent-twin").is_dir():
+        try:
+            twin = TwinDriver(Path(root))
+        except (ImportError, OSError, ValueError, KeyError) as exc:
+            log.warning("%s looks like a twin but its model cannot run (%s): readings stay static", root, exc)
+    if root is not None and run_dir is not None:
+        try:
+            recover_board(run_dir, root)  # a crashed run's changes are put back before anything else
+        except ImportError:
+            log.warning("power.journal is not available: no crash recovery of board files")
+    return BoardSetup(root, run_dir, twin, temp)
+
+
+class Service:
+    def __init__(self, cfg: ServiceConfig, listener: PhaseListener | None = None,
+                 notifier: Notifier | None = None) -> None:
+        self.cfg = cfg
+        self.notifier = notifier or Notifier()
+        self.listener = listener or NullListener()
+        self.board: BoardSetup | None = None
+        self.engine: Engine | None = None
+        self.server: uvicorn.Server | None = None
+        self.sock: socket.socket | None = None
+        self._stopped = False
+        self._loaded = False
+
+    @property
+    def port(self) -> int:
+        assert self.sock is not None
+        return int(self.sock.getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        host = self.cfg.host if self.cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return f"http://{host}:{self.port}"
+
+    def load(self) -> None:
+        """Board first (crash recovery), then model and engine, then the listening socket."""
+        cfg = self.cfg
+        self.board = setup_board(cfg)
+        reader = BoardReader(self.board.root) if self.board.root else None
+        meter = EnergyMeter(reader) if reader is not None and reader.has_power else None
+        if reader is not None and meter is None:
+            log.info("no power rails under %s: energy is reported as null", self.board.root)
+        t0 = time.monotonic()
+        tokenizer = Tokenizer.from_dir(cfg.model_dir)
+        chain = build_chain(cfg)
+        log.info("model %s loaded (%s, %d slice(s), max_seq %d, max_batch %d) in %.1f s", cfg.model_dir,
+                 cfg.backend, len(chain.runners), chain.max_seq, chain.max_batch, time.monotonic() - t0)
+        metrics = ServiceMetrics(reader.snapshot if reader is not None else None)
+        listeners: list[Any] = [self.listener]
+        if self.board.twin is not None:
+            listeners.append(self.board.twin)
+        self.engine = Engine(ChainExecutor(chain), tokenizer, max_queue=cfg.max_queue,
+                             listener=FanOut(*listeners), meter=meter, metrics=metrics,
+                             on_tick=self.notifier.watchdog)
+        max_prompt = min(cfg.max_prompt_tokens or chain.max_seq - 1, chain.max_seq - 1)
+        limits = Limits(max_prompt, cfg.max_output_tokens, cfg.default_max_tokens)
+        eos = next(iter(sorted(tokenizer.eos_ids)), None)
+        eos_token = tokenizer.tk.id_to_token(eos) if eos is not None else ""
+        state = ApiState(self.engine, tokenizer, cfg.model_dir.name, limits, metrics, cfg.token,
+                         cfg.max_body_bytes, tokenizer.chat_template, eos_token or "", self._ready)
+        self.app = create_app(state)
+        self.sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((cfg.host, cfg.port))
+        self.sock.listen(128)
+        if self.board.twin is not None:
+            self.board.twin.start()
+        self.engine.start()
+        self._loaded = True
+
+    def _ready(self) -> tuple[bool, str]:
+        if not self._loaded or self.engine is None or not self.engine.alive:
+            return False, "engine not running"
+        if self._stopped or (self.server is not None and self.server.should_exit):
+            return False, "shutting down"
+        if self.board and self.board.root and not Path(self.board.root).is_dir():
+            return False, f"board root {self.board.root} is gone"
+        return True, "ready"
+
+    def _make_server(self, install_signals: bool) -> uvicorn.Server:
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=max(1, int(self.cfg.shutdown_grace_s)),
+                                limit_concurrency=max(64, self.cfg.max_queue * 2 + 32))
+        service = self
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:  # SIGTERM / SIGINT
+                service.begin_shutdown(f"signal {sig}")
+                super().handle_exit(sig, frame)
+
+            def install_signal_handlers(self) -> None:
+                if install_signals:
+                    super().install_signal_handlers()
+
+        return _Server(config)
+
+    def begin_shutdown(self, why: str) -> None:
+        if self.engine is not None:
+            self.engine.stop_accepting()
+        log.info("stopping (%s): no new requests; %d in flight get up to %.0f s", why,
+                 self.engine.in_flight if self.engine else 0, self.cfg.shutdown_grace_s)
+        self.notifier.stopping("draining requests")
+
+    def serve_forever(self) -> int:
+        """Foreground (systemd): returns the exit status, 0 after a clean SIGTERM."""
+        self.server = self._make_server(install_signals=True)
+        log.info("listening on %s%s", self.url, " (bearer token required)" if self.cfg.token else "")
+        self.notifier.ready(f"serving on {self.url}")
+        try:
+            self.server.run(sockets=[self.sock])
+        finally:
+            self.shutdown()
+        return 0
+
+    def start_in_thread(self) -> threading.Thread:
+        self.server = self._make_server(install_signals=False)
+        t = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="http", daemon=True)
+        t.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline and t.is_alive():
+            time.sleep(0.02)
+        if not self.server.started:
+            raise RuntimeError("the HTTP server did not start")
+        self._thread = t
+        return t
+
+    def stop_thread(self) -> None:
+        if self.server is not None:
+            self.begin_shutdown("stop requested")
+            self.server.should_exit = True
+            self._thread.join(timeout=self.cfg.shutdown_grace_s + 10)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Finish or cancel what is in flight within the grace period, stop the engine, restore the board."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.engine is not None:
+            self.engine.stop_accepting()
+            if not self.engine.wait_idle(self.cfg.shutdown_grace_s):
+                log.warning("grace period over: cancelling %d request(s)", self.engine.in_flight)
+            self.engine.stop()
+        b = self.board
+        if b is not None:
+            if b.twin is not None:
+                b.twin.stop()
+            if b.root is not None and b.run_dir is not None:
+                try:
+                    n = restore_board(b.run_dir, b.root)
+                    log.info("board restored (%d file(s) put back)", n)
+                except (ImportError, OSError, RuntimeError) as exc:
+                    log.error("board restore failed: %s; run `orin-agent power restore`", exc)
+            if b.temp_dir is not None:
+                shutil.rmtree(b.temp_dir, ignore_errors=True)
+        if self.sock is not None:
+            self.sock.close()
+        log.info("stopped")
