@@ -1,0 +1,100 @@
+"""The roofline cost model against the published anchors in ../shared/ORIN.md, plus sanity."""
+from __future__ import annotations
+
+import pytest
+
+from power.board_specs import board_for
+from power.costmodel import (OperatingPoint, bandwidth_ceiling_tokens_per_s, decode_step,
+                             decode_tokens_per_s, model_shape, prefill_step)
+
+AGX = board_for("agx-orin-64gb", "r36")
+MAXN = OperatingPoint.of_mode(AGX, 0)
+L3 = model_shape("llama-3-8b")
+
+
+def within(value: float, anchor: float, tol: float = 0.25) -> bool:
+    return abs(value - anchor) <= tol * anchor
+
+
+def test_agx_int4_decode_anchor() -> None:
+    """TensorRT-LLM 0.12, MAXN, Llama-3-8B INT4 weight-only: 35.9 tok/s."""
+    tps = decode_tokens_per_s(AGX, L3, "int4", MAXN, context=512)
+    assert within(tps, 35.9), tps
+    assert decode_step(AGX, L3, "int4", MAXN, 512).bound == "memory"
+
+
+def test_agx_fp16_ceiling_anchor() -> None:
+    """204.8 GB/s over 16 GB of FP16 weights: about 12.8 tok/s, and no runtime beats the ceiling."""
+    ceiling = bandwidth_ceiling_tokens_per_s(AGX, L3, "fp16")
+    assert within(ceiling, 12.8), ceiling
+    assert decode_tokens_per_s(AGX, L3, "fp16", MAXN) < ceiling
+    assert within(bandwidth_ceiling_tokens_per_s(AGX, L3, "int4"), 45.0)
+
+
+@pytest.mark.parametrize("tokens, ms", [(128, 91.0), (1024, 582.0)])
+def test_agx_int4_prefill_anchor(tokens: int, ms: float) -> None:
+    """TensorRT-LLM 0.12 prefill: 91 ms for 128 tokens, 582 ms for 1024."""
+    step = prefill_step(AGX, L3, "int4", MAXN, tokens)
+    assert within(step.seconds * 1000, ms), step.seconds
+    assert step.bound == "compute"
+
+
+@pytest.mark.parametrize("shape, original, super_", [("llama-3.1-8b", 14.0, 19.1),
+                                                     ("llama-3.2-3b", 27.7, 43.1)])
+@pytest.mark.parametrize("precision", ["q4f16", "int4"])
+def test_orin_nano_super_anchors(shape: str, original: float, super_: float, precision: str) -> None:
+    """jetson-generative-ai-playground: Orin Nano original -> Super, 4-bit (MLC q4f16)."""
+    m = model_shape(shape)
+    nano, nano_super = board_for("orin-nano-8gb", "r35"), board_for("orin-nano-8gb", "r36")
+    a = decode_tokens_per_s(nano, m, precision, OperatingPoint.of_mode(nano, 0))
+    b = decode_tokens_per_s(nano_super, m, precision, OperatingPoint.of_mode(nano_super, 2))
+    assert within(a, original), a
+    assert within(b, super_), b
+
+
+def test_decode_follows_emc_not_gpu_clock() -> None:
+    emc = [decode_step(AGX, L3, "int4", OperatingPoint(AGX.gpu_max_hz, e, 8), 512).seconds
+           for e in AGX.emc_hz]
+    assert emc == sorted(emc, reverse=True) and emc[-2] / emc[-1] > 1.3
+    gpu = [decode_step(AGX, L3, "int4", OperatingPoint(g, AGX.emc_max_hz, 8), 512).seconds
+           for g in (828750000, 1032750000, 1300500000)]
+    assert gpu == sorted(gpu, reverse=True) and gpu[0] / gpu[-1] < 1.1
+
+
+def test_prefill_follows_gpu_clock_not_emc() -> None:
+    gpu = [prefill_step(AGX, L3, "int4", OperatingPoint(g, AGX.emc_max_hz, 8), 512).seconds
+           for g in (624750000, 1300500000)]
+    assert gpu[0] / gpu[1] > 1.8
+    emc = [prefill_step(AGX, L3, "int4", OperatingPoint(AGX.gpu_max_hz, e, 8), 512).seconds
+           for e in (2133000000, 3199000000)]
+    assert emc[0] / emc[1] < 1.05
+
+
+def test_kv_cache_and_tpcs_matter() -> None:
+    short = decode_step(AGX, L3, "fp16", MAXN, 128).seconds
+    long = decode_step(AGX, L3, "fp16", MAXN, 8192).seconds
+    assert long > short * 1.05
+    four = prefill_step(AGX, L3, "int4", OperatingPoint(AGX.gpu_max_hz, AGX.emc_max_hz, 4), 512)
+    assert four.seconds > 1.8 * prefill_step(AGX, L3, "int4", MAXN, 512).seconds
+
+
+def test_energy_from_the_twin_power_model() -> None:
+    d = decode_step(AGX, L3, "fp16", MAXN, 512)
+    assert 20.0 <= d.power_w <= 30.0      # EdgeReasoning: 22-27 W board power, 8B FP16 decode
+    assert d.energy_j == pytest.approx(d.power_w * d.seconds)
+    p = prefill_step(AGX, L3, "int4", MAXN, 1024)
+    assert p.power_w > d.power_w and p.power_w < AGX.power.module_cap_w
+    # a lower power mode (50W) costs fewer joules per decoded token than MAXN
+    low = decode_step(AGX, L3, "int4", OperatingPoint.of_mode(AGX, 3), 512)
+    assert low.joules_per_token < decode_step(AGX, L3, "int4", MAXN, 512).joules_per_token
+
+
+def test_workload_for_the_twin() -> None:
+    d = decode_step(AGX, L3, "int4", MAXN, 512)
+    w = d.workload(AGX, MAXN)
+    assert w.phase == "decode" and w.gpu_util == 1.0 and 0.5 < w.mem_util <= 1.0
+
+
+def test_unknown_shape_lists_the_known_ones() -> None:
+    with pytest.raises(KeyError, match="llama-3-8b"):
+        model_shape("gpt-5")
