@@ -1,0 +1,92 @@
+"""`orin-agent serve` (the service, foreground, for systemd) and `orin-agent demo` (the service on a
+fresh twin with a few streamed requests)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from agent.cli_common import cli_errors, print_json
+from partition.paths import DEFAULT_MODEL_DIR
+
+
+def serve(
+    config: Optional[Path] = typer.Option(None, "--config", help="Config file (default /etc/orin-agent/agent.toml "
+                                          "if present, else built-in defaults)."),
+    root: Optional[str] = typer.Option(None, "--root", help="Board sysfs root (default: / on an Orin, else a "
+                                       "fresh twin in a temp dir)."),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Where the restore journal lives "
+                                          "(default /run/orin-agent)."),
+    host: Optional[str] = typer.Option(None, "--host", help="Listen address (default 127.0.0.1)."),
+    port: Optional[int] = typer.Option(None, "--port", help="Listen port (default 8000; 0 = any free port)."),
+    token: Optional[str] = typer.Option(None, "--token", help="Bearer token required on every endpoint but "
+                                        "/health (prefer server.token_file in the config)."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="torch or ort."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint folder (default: the shipped model)."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Sequences decoded together (cache rows)."),
+    log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),
+) -> None:
+    """Serve the OpenAI-compatible API until SIGTERM; then drain, restore the board and exit 0."""
+    from agent.config import load_config
+    from agent.service import Service, setup_logging
+
+    with cli_errors():
+        cfg = load_config(config).replace(root=root, run_dir=run_dir, host=host, port=port, token=token,
+                                          backend=backend, model_dir=model, max_batch=max_batch,
+                                          log_level=log_level)
+        setup_logging(cfg.log_level)
+        svc = Service(cfg)
+        svc.load()
+        code = svc.serve_forever()
+    raise typer.Exit(code)
+
+
+def demo(
+    model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help="Checkpoint folder (default: the shipped model)."),
+    max_tokens: int = typer.Option(48, "--max-tokens", "-n", help="Tokens per request."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+) -> None:
+    """Run the service on a fresh twin of an AGX Orin, stream a few requests through it, show a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from agent.demo import run_demo
+    from agent.service import setup_logging
+
+    console = Console(stderr=as_json, width=None if sys.stdout.isatty() else 130)
+    with cli_errors():
+        if not (model / "config.json").is_file():
+            raise ValueError(f"{model}: no model there (config.json missing); the shipped model is made by "
+                             "scripts/train_small_model.py, or pass --model DIR")
+        setup_logging("warning")
+
+        def on_text(piece: str) -> None:
+            if not as_json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+
+        results = run_demo(model, max_tokens, on_text, lambda m: console.print(m, markup=False))
+    if as_json:
+        print_json([r.__dict__ for r in results])
+        return
+    table = Table(title="orin-agent demo (twin of an AGX Orin 64GB; clocks GPU/EMC MHz)")
+    for col in ("#", "kind", "prompt tok", "out tok", "TTFT ms", "tok/s", "joules", "J/tok",
+                "prefill clocks", "decode clocks"):
+        table.add_column(col, justify="right")
+    for i, r in enumerate(results, 1):
+        u = r.usage
+        j = u.get("energy_joules")
+        out = u.get("completion_tokens") or 0
+        table.add_row(str(i), r.kind, str(u.get("prompt_tokens", "-")), str(out),
+                      f"{r.ttft_s * 1e3:.0f}" if r.ttft_s is not None else "-",
+                      f"{r.tok_s:.1f}" if r.tok_s else "-", f"{j:.3f}" if j is not None else "-",
+                      f"{j / out:.4f}" if j is not None and out else "-", r.prefill_clocks, r.decode_clocks)
+    console.print()
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)
+    app.command()(demo)

@@ -1,0 +1,131 @@
+"""`orin-agent demo`: the whole service on a fresh twin of an AGX Orin, a few real streaming requests
+over HTTP, the text as it streams and a table per request, then shutdown and restore."""
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from agent.board import BoardReader, make_twin_root
+from agent.config import ServiceConfig
+from agent.phases import PhaseEvent
+from agent.service import Service
+
+DEMO_PROMPTS = (
+    ("completion", "def fibonacci(n):"),
+    ("chat", "Write a function that reverses a list."),
+    ("completion", "import os\nimport sys\n\n\ndef main():"),
+)
+
+
+class ClockSampler:
+    """A phase listener that notes the GPU and EMC clocks in force at each phase (one read per event)."""
+
+    def __init__(self, reader: BoardReader | None) -> None:
+        self.reader = reader
+        self.lock = threading.Lock()
+        self.samples: list[tuple[float, str, int | None, int | None]] = []
+
+    def on_phase(self, event: PhaseEvent) -> None:
+        if self.reader is None or event.kind == "idle":
+            return
+        gpu = self.reader.gpu.read().cur_hz if self.reader.gpu is not None and self.reader.gpu.available else None
+        emc = self.reader.emc.read().cur_hz if self.reader.emc is not None and self.reader.emc.available else None
+        with self.lock:
+            self.samples.append((event.t, event.kind, gpu, emc))
+
+    def clocks(self, kind: str, t0: float, t1: float) -> str:
+        with self.lock:
+            got = [(g, e) for t, k, g, e in self.samples if k == kind and t0 <= t <= t1]
+        if not got or got[-1][0] is None:
+            return "-"
+        g, e = got[-1]
+        return f"{g / 1e6:.0f}/{e / 1e6:.0f}" if e else f"{g / 1e6:.0f}/-"
+
+
+@dataclass
+class DemoResult:
+    kind: str
+    prompt: str
+    text: str = ""
+    usage: dict = field(default_factory=dict)
+    ttft_s: float | None = None
+    tok_s: float | None = None
+    prefill_clocks: str = "-"
+    decode_clocks: str = "-"
+
+
+def stream_request(client: httpx.Client, kind: str, prompt: str, max_tokens: int,
+                   on_text: Callable[[str], None]) -> DemoResult:
+    res = DemoResult(kind, prompt)
+    if kind == "chat":
+        url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
+    else:
+        url, body = "/v1/completions", {"prompt": prompt}
+    body.update({"max_tokens": max_tokens, "temperature": 0, "stream": True,
+                 "stream_options": {"include_usage": True}})
+    t0 = time.monotonic()
+    first = last = None
+    n = 0
+    with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                res.usage = chunk["usage"]
+            for ch in chunk.get("choices", []):
+                piece = ch.get("text") if kind == "completion" else ch.get("delta", {}).get("content")
+                if piece:
+                    now = time.monotonic()
+                    first = first or now
+                    last, n = now, n + 1
+                    res.text += piece
+                    on_text(piece)
+    res.ttft_s = (first - t0) if first else None
+    toks = res.usage.get("completion_tokens", n)
+    res.tok_s = (toks - 1) / (last - first) if first and last and last > first and toks > 1 else None
+    return res
+
+
+def run_demo(model_dir: Path, max_tokens: int, on_text: Callable[[str], None],
+             on_log: Callable[[str], None]) -> list[DemoResult]:
+    twin = make_twin_root()
+    if twin is None:
+        on_log("power.twin is not available here: the demo runs without a board (no clocks, no joules)")
+    tmp = Path(tempfile.mkdtemp(prefix="orin-agent-demo-"))
+    cfg = ServiceConfig(model_dir=model_dir, port=0, root=str(twin) if twin else str(tmp / "no-board"),
+                        run_dir=str(tmp / "run"), max_batch=4)
+    Path(cfg.root).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+    cfg.validate()
+    sampler = ClockSampler(BoardReader(twin) if twin else None)
+    svc = Service(cfg, listener=sampler)
+    svc.load()
+    if twin is not None and svc.board is not None:
+        svc.board.temp_dir = twin  # the service removes the twin it ran on when it stops
+    svc.start_in_thread()
+    on_log(f"service on {svc.url} (twin at {twin})" if twin else f"service on {svc.url}")
+    results = []
+    try:
+        with httpx.Client(base_url=svc.url, timeout=120) as client:
+            for kind, prompt in DEMO_PROMPTS:
+                on_log(f"\n--- {kind}: {prompt!r}")
+                t0 = time.monotonic()
+                res = stream_request(client, kind, prompt, max_tokens, on_text)
+                t1 = time.monotonic()
+                res.prefill_clocks = sampler.clocks("prefill", t0, t1)
+                res.decode_clocks = sampler.clocks("decode", t0, t1)
+                results.append(res)
+    finally:
+        svc.stop_thread()
+        on_log("service stopped, board restored")
+    return results
