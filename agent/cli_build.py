@@ -1,0 +1,80 @@
+"""`orin-agent build`: export a model's slices to ONNX (checked, compared with torch, with a
+manifest). A thin front over partition.build.build_slices; errors are one line, never a traceback."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from partition.paths import DEFAULT_MODEL_DIR
+
+_LABELS = {"export": "exporting + checking", "compare": "comparing with torch", "done": "done"}
+
+
+def _fail(msg: str, code: int = 1) -> None:
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {msg}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+def build(
+    slices: Optional[str] = typer.Option(None, "--slices", help="Layer ranges START:END, comma-separated, "
+                                         "contiguous from 0 to the last layer (e.g. 0:4,4:8). Default: one slice."),
+    out: Path = typer.Option(..., "--out", help="Folder for the ONNX files and manifest.json."),
+    model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help="Checkpoint folder (config.json, "
+                               "*.safetensors). Default: the shipped small model."),
+    exporter: str = typer.Option("torchscript", "--exporter", help="torchscript (legacy, default: what "
+                                 "TensorRT 8.5 parses) or dynamo."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Compare each slice with the torch "
+                                "slice on ONNX Runtime (fp32, max abs diff <= 1e-3)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON on stdout."),
+) -> None:
+    """Export the model's slices to ONNX for TensorRT / ONNX Runtime, check and verify each one."""
+    # Imported here so that `orin-agent --help` stays fast (torch and onnx are heavy).
+    from partition.build import BuildError, build_slices, resolve_slices
+    from partition.checkpoint import CheckpointError
+    from partition.config import ModelConfigError
+    from partition.export import ExportError, ExportOptions
+
+    if not model.is_dir():
+        hint = " (the shipped model is not there yet: pass --model DIR)" if model == DEFAULT_MODEL_DIR else ""
+        _fail(f"model folder {model} does not exist{hint}", 2)
+    try:
+        options = ExportOptions(exporter=exporter)
+        specs = resolve_slices(model, slices)
+    except (ValueError, ModelConfigError) as exc:
+        _fail(str(exc), 2)
+    if out.exists() and not out.is_dir():
+        _fail(f"--out {out} exists and is not a folder", 2)
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("slice {task.fields[slice]:>7}"), BarColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=console, transient=as_json) as bar:
+        # Steps per slice, as partition.build reports them: export (+ checks), [compare], done.
+        total = 2 if verify else 1
+        tasks = [bar.add_task("waiting", total=total, slice=str(s)) for s in specs]
+
+        def progress(i: int, spec: object, stage: str) -> None:
+            step = {"export": 0, "compare": 1, "done": total}[stage]
+            bar.update(tasks[i], completed=step, description=_LABELS[stage])
+
+        try:
+            manifest = build_slices(model, specs, out, options, verify=verify, progress=progress)
+        except (BuildError, ExportError, CheckpointError, ModelConfigError, OSError) as exc:
+            _fail(str(exc))
+    data = manifest.to_json()
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    for s in data["slices"]:
+        diff = max(s["max_abs_diff"].values()) if s["max_abs_diff"] else float("nan")
+        typer.echo(f"{s['start']:>3}:{s['end']:<3} {out / s['file']}  max|ort-torch| {diff:.2e}  "
+                   f"{sum(s['op_counts'].values())} nodes")
+    typer.echo(f"manifest: {out / 'manifest.json'} (opset {data['opset']}, {data['exporter']} exporter)")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("build")(build)
