@@ -338,8 +338,12 @@ class Twin:
             tmp = path.with_name(f".{path.name}.twin-tmp")
             tmp.write_text(value + "\n")
             os.replace(tmp, path)
-        else:
-            path.write_text(value + "\n")
+        else:       # plain os calls: a flush writes ~40 files, Path.write_text is 2x slower
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (value + "\n").encode())
+            finally:
+                os.close(fd)
         self._rt.written[rel] = value
 
     def flush(self) -> None:
