@@ -158,10 +158,31 @@ def restore_entries(root: str, entries: tuple[JournalEntry, ...], io: BoardIO) -
             shown = "(absent)" if e.original is None else e.original.decode(errors="replace").strip()
             failed.append(describe_os_error(exc, "restore", e.path, shown))
 
+    def put_rate_then_lock(rate_i: int, lock_i: int) -> None:
+        # The bpmp takes a rate only while mrq_rate_locked is 1 (ORIN.md "EMC"): lock if needed, put
+        # the rate back, then the lock's own original.
+        rate_e, lock_e = entries[rate_i], entries[lock_i]
+        rate_host, lock_host = sysfs.resolve(root, rate_e.path), sysfs.resolve(root, lock_e.path)
+        try:
+            if rate_e.original is not None and io.read(rate_host).strip() != rate_e.original.strip():
+                if io.read(lock_host).strip() != b"1":
+                    io.write(lock_host, b"1\n")
+        except OSError as exc:
+            done.update((rate_i, lock_i))
+            failed.append(describe_os_error(exc, "restore", rate_e.path))
+            return
+        put(rate_i)
+        put(lock_i)
+
     for i in reversed(range(len(entries))):
         if i in done:
             continue
         e = entries[i]
+        if e.group and e.role in ("rate", "lock"):
+            other = by_group.get((e.group, "lock" if e.role == "rate" else "rate"))
+            if other is not None and other not in done:
+                put_rate_then_lock(i if e.role == "rate" else other, other if e.role == "rate" else i)
+                continue
         partner = {"min": "max", "max": "min"}.get(e.role or "")
         j = by_group.get((e.group, partner)) if e.group and partner else None
         if j is None or j in done:
