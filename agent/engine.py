@@ -104,7 +104,9 @@ class Engine:
         self.on_tick = on_tick
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._queued = 0  # submitted, not yet in a cache slot (nor cancelled)
+        # Requests submitted and not finished. The bound is the cache slots plus max_queue, so a
+        # request that would get a free slot at once is never refused.
+        self._inflight = 0
         self._accepting = True
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -124,11 +126,11 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        return self._queued
+        return max(0, self._inflight - self.scheduler.num_running)
 
     @property
     def in_flight(self) -> int:
-        return len(self._live) + self._queued
+        return self._inflight
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, *,
                priority: str = "interactive", req_id: str | None = None) -> str:
@@ -147,9 +149,9 @@ class Engine:
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("the service is shutting down")
-            if self._queued >= self.max_queue:
-                raise QueueFull(self._queued, retry_after_s=1)
-            self._queued += 1
+            if self._inflight >= self.max_queue + self.executor.max_batch:
+                raise QueueFull(self._inflight - self.executor.max_batch, retry_after_s=1)
+            self._inflight += 1
         self._inbox.put(("submit", (req, sink, time.monotonic())))
         self._wake.set()
         return rid
@@ -194,7 +196,8 @@ class Engine:
                     self.on_tick()
                 self._drain_inbox()
                 plan = self.scheduler.schedule()
-                self._count_admitted()
+                if self.metrics:
+                    self.metrics.on_queue(self.queue_depth, self.scheduler.num_running)
                 if plan is None:
                     self._set_phase(PhaseEvent("idle", time.monotonic()))
                     self._wake.wait(0.5)
@@ -206,14 +209,6 @@ class Engine:
             for rid in list(self._live):
                 self._finish(rid, "cancelled")
             self._set_phase(PhaseEvent("idle", time.monotonic()))
-
-    def _count_admitted(self) -> None:
-        n = len(self.scheduler.pop_admitted())
-        if n:
-            with self._lock:
-                self._queued -= n
-        if self.metrics:
-            self.metrics.on_queue(self._queued, self.scheduler.num_running)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -227,7 +222,7 @@ class Engine:
                     self.scheduler.add(req)
                 except (RequestRejected, QueueFull) as exc:  # checked at submit; kept for safety
                     with self._lock:
-                        self._queued -= 1
+                        self._inflight -= 1
                     self._send(sink, Finished("error", Usage(len(req.prompt_ids), 0, None, None, None, 0.0),
                                               str(exc)))
                     continue
@@ -237,9 +232,6 @@ class Engine:
             elif kind == "cancel":
                 rid = str(arg)
                 where = self.scheduler.abort(rid)
-                if where == "waiting":
-                    with self._lock:
-                        self._queued -= 1
                 if rid in self._live:
                     log.info("request %s cancelled (%s)", rid, where or "finished")
                     self._finish(rid, "cancelled")
@@ -315,6 +307,8 @@ class Engine:
         live = self._live.pop(rid, None)
         if live is None:
             return
+        with self._lock:
+            self._inflight -= 1
         end = time.monotonic()
         ttft = live.t_first - live.t_submit if live.t_first else None
         tok_s = (live.n_out - 1) / (live.t_last - live.t_first) \

@@ -127,7 +127,6 @@ class Scheduler:
         self.running: dict[str, _Seq] = {}
         self.free_slots: list[int] = list(range(max_batch))
         self._released: list[str] = []
-        self._admitted: list[str] = []
         self._skipped_prefill = 0
 
     # -- requests in and out -------------------------------------------------------------------
@@ -179,11 +178,6 @@ class Scheduler:
         if seq.started:
             self._released.append(req_id)
 
-    def pop_admitted(self) -> list[str]:
-        """Requests that left the wait queue for a cache slot since the last call."""
-        out, self._admitted = self._admitted, []
-        return out
-
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         self._admit()
@@ -208,7 +202,6 @@ class Scheduler:
             while q and self.free_slots:
                 req = q.popleft()
                 self.running[req.req_id] = _Seq(req, self.free_slots.pop(0))
-                self._admitted.append(req.req_id)
 
     def _released_now(self) -> tuple[str, ...]:
         out, self._released = tuple(self._released), []
@@ -251,8 +244,9 @@ class Scheduler:
                 self._release(c.req_id)
                 continue
             seq.output.append(token)
-            # The next decode writes this token at position `computed`; the cache ends at max_seq.
-            full = len(seq.output) >= seq.req.max_tokens or seq.computed >= self.max_seq
+            # The same budget as agent.generation: at most max_seq - prompt tokens of output.
+            budget = min(seq.req.max_tokens, self.max_seq - len(seq.req.prompt_ids))
+            full = len(seq.output) >= budget
             events.append(TokenEvent(c.req_id, token, "length" if full else None))
             if full:
                 self._release(c.req_id)

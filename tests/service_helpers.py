@@ -19,7 +19,8 @@ def make_twin(root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def running_service(model_dir: Path, tmp: Path, twin: bool = True, **overrides: Any) -> Iterator[Service]:
+def running_service(model_dir: Path, tmp: Path, twin: bool = True, listener: Any = None,
+                    **overrides: Any) -> Iterator[Service]:
     root = make_twin(tmp / "root") if twin else (tmp / "root")
     root.mkdir(parents=True, exist_ok=True)
     base = dict(model_dir=model_dir, host="127.0.0.1", port=0, root=str(root), run_dir=str(tmp / "run"),
@@ -28,10 +29,26 @@ def running_service(model_dir: Path, tmp: Path, twin: bool = True, **overrides: 
     base.update(overrides)
     cfg = ServiceConfig(**base)
     cfg.validate()
-    svc = Service(cfg, listener=RecordingListener())
+    svc = Service(cfg, listener=listener if listener is not None else RecordingListener())
     svc.load()
     svc.start_in_thread()
     try:
         yield svc
     finally:
         svc.stop_thread()
+
+
+class ThrottleListener(RecordingListener):
+    """Records phase events and, when `delay_s` is set, holds each step that long (the listener runs
+    on the engine thread before every step): tests use it to keep requests in flight on purpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delay_s = 0.0
+
+    def on_phase(self, event: Any) -> None:
+        super().on_phase(event)
+        if self.delay_s and event.kind != "idle":
+            import time
+
+            time.sleep(self.delay_s)
