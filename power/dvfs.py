@@ -1,0 +1,348 @@
+"""Phase-aware DVFS: the pure controller ``decide(readings, phase, profile, state, now)``.
+
+Owns issue 4 item 2 (the policy; ``power.applier`` does the writing). Per phase it turns the
+profile's clock policy into concrete clocks from the board's tables:
+- fixed values (fractions, frequencies) are snapped to the table and capped by the power mode;
+- ``auto`` picks the (GPU, EMC) point of least predicted joules per token whose predicted step time
+  is within the profile's latency targets (slack over the fastest allowed point, and/or an absolute
+  TTFT/TPOT), starting from the roofline cost model (``power.costmodel``) and correcting it online:
+  each measured step updates an EWMA of measured/predicted time for its clock point (and for its
+  phase as a whole, used for points not measured yet), so a board slower or faster than the model
+  converges to its own best point (RESEARCH.md: a GPU-clock-only latency model misses by up to 32 %
+  on Orin, so learn per-clock-point step times online). Decode comes out GPU-low/EMC-high, prefill
+  GPU-high/EMC-lower, because that is what the model (and the board) rewards.
+- idle drops to the idle policy after ``idle_hold_s`` (< 1 s); shorter idle gaps keep the busy
+  clocks (no churn between decode steps), busy phases alternating faster than ``dwell_s`` run at the
+  element-wise maximum of both phases' clocks;
+- the thermal controller (``power.thermalctl``) lowers caps (prefill first, then decode) and at
+  critical sends every clock to the board's floor.
+
+No I/O and no clock reads: readings, the phase and ``now`` come in; a decision and the new state go
+out. The cost model is consulted through :class:`Planner` (pure, memoised per instance).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Mapping
+
+from power.board_specs import BoardSpec, active_tpcs
+from power.costmodel import CostParams, DEFAULT_PARAMS, OperatingPoint, decode_step, model_shape, prefill_step
+from power.profile import BoardTables, Profile, resolve_clock
+from power.thermalctl import ThermalState, ThermalVerdict, ZoneSample, thermal_step
+
+EWMA_ALPHA = 0.3            # weight of a new step-time sample in the correction ratio
+RECHECK_S = 1.0             # re-decide at least this often while a phase persists (thermal, corrections)
+PREFILL_ONLY_LEVELS = 4     # thermal levels that cap prefill alone before decode's cap starts falling
+
+
+@dataclass(frozen=True)
+class PhaseIn:
+    """The engine's phase event: ``prefill(n_tokens)``, ``decode(context, batch)`` or ``idle``."""
+    kind: str
+    n_tokens: int = 0
+    context: int = 0
+    batch: int = 1
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured step: what ran, at which clocks, and how long it took."""
+    phase: PhaseIn
+    gpu_hz: int
+    emc_hz: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Readings:
+    """What the sensors said since the last call. ``zones`` None = not sampled this time (the thermal
+    state holds); an empty or all-offline tuple is reported as such."""
+    zones: tuple[ZoneSample, ...] | None = None
+    fan_ours: bool = False
+    steps: tuple[StepSample, ...] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    phase: str                  # the phase the clocks are for ("decode", "idle-hold", "critical", ...)
+    gpu_min_hz: int
+    gpu_max_hz: int
+    emc_hz: int
+    cpu_max_khz: int
+    fan_pwm: int | None
+    thermal_level: int
+    critical: bool
+    reason: str
+    wake_at: float | None = None            # call again at this time even without an event
+    predicted_s: float | None = None        # predicted step time at these clocks (auto)
+    message: str | None = None              # for the log (critical, offline zones)
+
+    def clocks(self) -> tuple[int, int, int, int]:
+        return self.gpu_min_hz, self.gpu_max_hz, self.emc_hz, self.cpu_max_khz
+
+
+@dataclass(frozen=True)
+class DvfsState:
+    last: Decision | None = None
+    last_key: tuple[object, ...] | None = None
+    decided_s: float = float("-inf")
+    busy: Decision | None = None            # the clocks of the last busy phase
+    other: Decision | None = None           # the busy phase before it (for dwell mixing)
+    switched_s: float = float("-inf")       # when the busy phase last changed kind
+    mix_until: float = float("-inf")        # busy phases alternate fast: mix until then
+    idle_since: float | None = None
+    thermal: ThermalState = ThermalState()
+    verdict: ThermalVerdict | None = None
+    ratios: Mapping[tuple[object, ...], float] = field(default_factory=lambda: MappingProxyType({}))
+
+
+# --- the cost model behind `auto` -----------------------------------------------------------------
+
+def size_bucket(p: PhaseIn) -> int:
+    """Prefill: tokens to the next power of two (>= 16); decode: context to the next 256."""
+    if p.kind == "prefill":
+        return 1 << max(4, math.ceil(math.log2(max(1, p.n_tokens))))
+    if p.kind == "decode":
+        return 256 * max(1, math.ceil(p.context / 256))
+    return 0
+
+
+@dataclass(frozen=True)
+class Planner:
+    """Predicted step time and energy per clock point, for one board, model shape and precision."""
+    spec: BoardSpec
+    shape_name: str
+    precision: str
+    tpcs: int
+    params: CostParams = DEFAULT_PARAMS
+    _memo: dict[tuple[object, ...], tuple[float, float]] = field(default_factory=dict, compare=False,
+                                                                 hash=False, repr=False)
+
+    @classmethod
+    def for_board(cls, spec: BoardSpec, shape: str, precision: str, mode_id: int | None = None) -> "Planner":
+        m = spec.mode(spec.default_mode if mode_id is None else mode_id)
+        model_shape(shape)  # fail early on an unknown shape
+        return cls(spec, shape, precision, active_tpcs(spec, m.tpc_pg_mask))
+
+    def predict(self, kind: str, bucket: int, batch: int, gpu_hz: int, emc_hz: int) -> tuple[float, float]:
+        """(seconds, joules) of one step of ``kind`` at the bucket's size."""
+        key = (kind, bucket, batch, gpu_hz, emc_hz)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
+        op = OperatingPoint(gpu_hz, emc_hz, self.tpcs)
+        shape = model_shape(self.shape_name)
+        if kind == "prefill":
+            c = prefill_step(self.spec, shape, self.precision, op, bucket, 0, self.params)
+        else:
+            c = decode_step(self.spec, shape, self.precision, op, max(1, bucket - 128), batch, self.params)
+        out = (c.seconds, c.energy_j)
+        self._memo[key] = out
+        return out
+
+
+# --- the controller -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Bounds:
+    gpu_lo: int
+    gpu_hi: int
+    gpu_auto: bool
+    emc: int | None             # None = auto
+    cpu_max: int
+
+
+class DvfsController:
+    """Holds what never changes while serving (board tables, planner); ``decide`` is pure."""
+
+    def __init__(self, tables: BoardTables, planner: Planner | None = None) -> None:
+        self.tables = tables
+        self.planner = planner
+        self._bounds: dict[tuple[int, str], _Bounds] = {}
+
+    # -- profile -> bounds per phase
+    def bounds(self, profile: Profile, phase: str) -> _Bounds:
+        key = (hash(profile), phase)
+        b = self._bounds.get(key)
+        if b is None:
+            t, pol = self.tables, profile.phase(phase)
+            lo = resolve_clock(pol.gpu_min, t.gpu_hz, t.gpu_top, up=True)
+            hi = resolve_clock(pol.gpu_max, t.gpu_hz, t.gpu_top, up=False)
+            auto = lo is None or hi is None
+            lo = t.gpu_hz[0] if lo is None else lo
+            hi = t.gpu_top if hi is None else hi
+            emc = resolve_clock(pol.emc, t.emc_hz, t.emc_top, up=True)
+            cpu = resolve_clock(pol.cpu_max, t.cpu_khz, t.cpu_top, up=False, scale=1e-3)
+            b = _Bounds(min(lo, hi), hi, auto, emc, t.cpu_top if cpu is None else cpu)
+            self._bounds[key] = b
+        return b
+
+    def caps(self, profile: Profile) -> dict[str, tuple[int, int, int]]:
+        """Per phase: the highest (GPU max, EMC, CPU max) the profile allows (property tests)."""
+        out = {}
+        for ph in ("prefill", "decode", "idle"):
+            b = self.bounds(profile, ph)
+            out[ph] = (b.gpu_hi, b.emc if b.emc is not None else self.tables.emc_top, b.cpu_max)
+        return out
+
+    def max_level(self) -> int:
+        return len(self.tables.gpu_hz) + PREFILL_ONLY_LEVELS
+
+    def floor(self) -> tuple[int, int, int, int]:
+        t = self.tables
+        return t.gpu_hz[0], t.gpu_hz[0], t.emc_hz[0], t.cpu_khz[0]
+
+    # -- auto
+    def _ratio(self, ratios: Mapping[tuple[object, ...], float], kind: str, g: int, e: int) -> float:
+        r = ratios.get((kind, g, e))
+        return r if r is not None else ratios.get((kind,), 1.0)
+
+    def _auto(self, p: PhaseIn, b: _Bounds, gpu_cap: int, profile: Profile,
+              ratios: Mapping[tuple[object, ...], float]) -> tuple[int, int, float]:
+        assert self.planner is not None
+        t = self.tables
+        hi = min(b.gpu_hi, gpu_cap)
+        gpus = [f for f in t.gpu_hz if b.gpu_lo <= f <= hi] or [min(b.gpu_lo, hi)]
+        if not b.gpu_auto:
+            gpus = [hi]
+        emcs = [b.emc] if b.emc is not None else [f for f in t.emc_hz if f <= t.emc_top]
+        bucket, batch = size_bucket(p), max(1, p.batch)
+        tokens = bucket if p.kind == "prefill" else batch
+        cands = []
+        for g in gpus:
+            for e in emcs:
+                s, j = self.planner.predict(p.kind, bucket, batch, g, e)
+                r = self._ratio(ratios, p.kind, g, e)
+                # measured time scales the energy too: the rails burn for as long as the step runs
+                cands.append((s * r, j * r / tokens, g, e))
+        fastest = min(c[0] for c in cands)
+        lat = profile.latency
+        slack, absolute = (lat.ttft_slack, lat.ttft_ms) if p.kind == "prefill" else (lat.tpot_slack, lat.tpot_ms)
+        limit = fastest * (1 + slack)
+        if absolute > 0:
+            limit = max(fastest, min(limit, absolute / 1000.0))
+        ok = [c for c in cands if c[0] <= limit * (1 + 1e-9)]
+        s, _, g, e = min(ok, key=lambda c: (c[1], c[0]))
+        return g, e, s
+
+    def _busy_decision(self, p: PhaseIn, profile: Profile, level: int,
+                       ratios: Mapping[tuple[object, ...], float]) -> Decision:
+        t = self.tables
+        b = self.bounds(profile, p.kind)
+        top_i = len(t.gpu_hz) - 1
+        steps = level if p.kind == "prefill" else max(0, level - PREFILL_ONLY_LEVELS)
+        gpu_cap = t.gpu_hz[max(0, top_i - steps)]
+        predicted = None
+        if b.gpu_auto or b.emc is None:
+            if self.planner is not None:
+                g, e, predicted = self._auto(p, b, gpu_cap, profile, ratios)
+                lo, hi = g, g
+            else:   # no model to plan with: the textbook split (decode GPU-low/EMC-high, prefill GPU-high)
+                frac = 1.0 if p.kind == "prefill" else 0.45
+                g = resolve_clock_fraction(t.gpu_hz, frac, min(b.gpu_hi, gpu_cap))
+                lo = hi = max(min(g, b.gpu_hi), min(b.gpu_lo, b.gpu_hi))
+                e = b.emc if b.emc is not None else t.emc_top
+            reason = "auto"
+        else:
+            lo, hi, e = b.gpu_lo, b.gpu_hi, b.emc
+            reason = "profile"
+        hi = min(hi, gpu_cap)
+        lo = min(lo, hi)
+        if steps and gpu_cap < b.gpu_hi:
+            reason += f", thermal level {level}"
+        return Decision(p.kind, lo, hi, e, b.cpu_max, None, level, False, reason, predicted_s=predicted)
+
+    def _learn(self, state: DvfsState, steps: tuple[StepSample, ...]) -> Mapping[tuple[object, ...], float]:
+        if not steps or self.planner is None:
+            return state.ratios
+        r = dict(state.ratios)
+        for s in steps:
+            if s.phase.kind not in ("prefill", "decode") or s.seconds <= 0:
+                continue
+            pred, _ = self.planner.predict(s.phase.kind, size_bucket(s.phase), max(1, s.phase.batch),
+                                           s.gpu_hz, s.emc_hz)
+            # a measured step of a size other than its bucket's is compared with the bucket's time
+            # scaled by size (prefill time is ~linear in tokens within a power-of-two bucket)
+            if s.phase.kind == "prefill":
+                pred *= max(1, s.phase.n_tokens) / size_bucket(s.phase)
+            ratio = s.seconds / pred
+            for key in ((s.phase.kind, s.gpu_hz, s.emc_hz), (s.phase.kind,)):
+                old = r.get(key)
+                r[key] = ratio if old is None else old + EWMA_ALPHA * (ratio - old)
+        return MappingProxyType(r)
+
+    def decide(self, readings: Readings, phase: PhaseIn, profile: Profile, state: DvfsState,
+               now: float) -> tuple[Decision, DvfsState]:
+        ratios = self._learn(state, readings.steps)
+        therm, verdict = state.thermal, state.verdict
+        if readings.zones is not None:
+            verdict, therm = thermal_step(readings.zones, profile.thermal, profile.fan, readings.fan_ours,
+                                          state.thermal, now, self.max_level())
+        level = therm.level
+        critical = therm.critical
+        key = (phase.kind, size_bucket(phase), phase.batch, level, critical, now < state.mix_until,
+               hash(profile))
+        busy_kind = phase.kind in ("prefill", "decode")
+        fast = (state.last is not None and key == state.last_key and now - state.decided_s < RECHECK_S
+                and readings.zones is None and (busy_kind or state.idle_since is None
+                                                or state.last.phase == "idle"))
+        if fast:
+            assert state.last is not None
+            return state.last, replace(state, ratios=ratios)
+        fan = verdict.fan_pwm if verdict is not None else None
+        msg = verdict.message if verdict is not None else None
+        new = replace(state, ratios=ratios, thermal=therm, verdict=verdict, last_key=key, decided_s=now)
+        if critical:
+            g0, g1, e, c = self.floor()
+            d = Decision("critical", g0, g1, e, c, fan, level, True,
+                         f"critical: {verdict.hottest if verdict else '?'} at "
+                         f"{verdict.hottest_c if verdict else float('nan'):.1f} °C", message=msg)
+            return d, replace(new, last=d, idle_since=None if busy_kind else state.idle_since)
+        if busy_kind:
+            plain = self._busy_decision(phase, profile, level, ratios)
+            other, switched, mix_until = state.other, state.switched_s, state.mix_until
+            if state.busy is not None and state.busy.phase != phase.kind:
+                if now - state.switched_s < profile.timing.dwell_s:
+                    mix_until = now + profile.timing.dwell_s
+                other, switched = state.busy, now
+            d = plain
+            if other is not None and other.phase != phase.kind and now < mix_until:
+                d = _elementwise_max(plain, other, f"{other.phase}/{phase.kind} alternating faster than "
+                                                   f"dwell {profile.timing.dwell_s} s")
+            d = replace(d, fan_pwm=fan, message=msg, wake_at=now + RECHECK_S)
+            return d, replace(new, last=d, busy=plain, other=other, switched_s=switched,
+                              mix_until=mix_until, idle_since=None)
+        # idle
+        idle_since = state.idle_since if state.idle_since is not None else now
+        hold = profile.timing.idle_hold_s
+        if state.busy is not None and state.last is not None and state.last.phase != "idle" \
+                and now - idle_since < hold:
+            d = replace(state.busy, phase="idle-hold", reason=f"idle for < {hold} s: busy clocks held",
+                        wake_at=idle_since + hold, fan_pwm=fan, message=msg, thermal_level=level)
+            return d, replace(new, last=d, idle_since=idle_since)
+        b = self.bounds(profile, "idle")
+        top_i = len(self.tables.gpu_hz) - 1
+        cap = self.tables.gpu_hz[max(0, top_i - level)]
+        hi = min(b.gpu_hi, cap)
+        d = Decision("idle", min(b.gpu_lo, hi), hi, b.emc if b.emc is not None else self.tables.emc_hz[0],
+                     b.cpu_max, fan, level, False, "idle policy", wake_at=now + RECHECK_S, message=msg)
+        return d, replace(new, last=d, idle_since=idle_since, busy=None, other=None)
+
+
+def resolve_clock_fraction(table: tuple[int, ...], frac: float, cap: int) -> int:
+    want = frac * table[-1]
+    return min(next((f for f in reversed(table) if f <= want), table[0]), cap)
+
+
+def _elementwise_max(a: Decision, b: Decision, why: str) -> Decision:
+    return replace(a, gpu_min_hz=max(a.gpu_min_hz, b.gpu_min_hz), gpu_max_hz=max(a.gpu_max_hz, b.gpu_max_hz),
+                   emc_hz=max(a.emc_hz, b.emc_hz), cpu_max_khz=max(a.cpu_max_khz, b.cpu_max_khz),
+                   reason=f"{a.reason}; {why}")
+
+
+def tables_for(spec: BoardSpec, mode_id: int | None = None) -> BoardTables:
+    """Board tables from a spec (the twin, the benchmark); on a board use :func:`tables_from_board`."""
+    m = spec.mode(spec.default_mode if mode_id is None else mode_id)
+    return BoardTables(spec.gpu_hz, spec.emc_hz, spec.cpu_khz, m.gpu_max_hz, m.emc_cap_hz, m.cpu_max_khz)
