@@ -185,20 +185,21 @@ class Service:
             return False, f"board root {self.board.root} is gone"
         return True, "ready"
 
-    def _make_server(self, install_signals: bool) -> uvicorn.Server:
+    def _make_server(self) -> uvicorn.Server:
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=max(1, int(self.cfg.shutdown_grace_s)),
                                 limit_concurrency=max(64, self.cfg.max_queue * 2 + 32))
         service = self
 
         class _Server(uvicorn.Server):
+            # uvicorn installs these only on the main thread (serve_forever), never in a test thread.
             def handle_exit(self, sig: int, frame: Any) -> None:  # SIGTERM / SIGINT
-                service.begin_shutdown(f"signal {sig}")
+                if not self.should_exit:
+                    service.begin_shutdown(f"signal {sig}")
                 super().handle_exit(sig, frame)
-
-            def install_signal_handlers(self) -> None:
-                if install_signals:
-                    super().install_signal_handlers()
+                # uvicorn re-raises a captured signal after its shutdown, which would kill the process
+                # before the board is restored: we finish the shutdown ourselves and exit 0.
+                self._captured_signals.clear()
 
         return _Server(config)
 
@@ -211,7 +212,7 @@ class Service:
 
     def serve_forever(self) -> int:
         """Foreground (systemd): returns the exit status, 0 after a clean SIGTERM."""
-        self.server = self._make_server(install_signals=True)
+        self.server = self._make_server()
         log.info("listening on %s%s", self.url, " (bearer token required)" if self.cfg.token else "")
         self.notifier.ready(f"serving on {self.url}")
         try:
@@ -221,7 +222,7 @@ class Service:
         return 0
 
     def start_in_thread(self) -> threading.Thread:
-        self.server = self._make_server(install_signals=False)
+        self.server = self._make_server()
         t = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="http", daemon=True)
         t.start()
         deadline = time.monotonic() + 30

@@ -1,0 +1,101 @@
+"""The service's life against a twin: a crashed (kill -9) writer's board changes are restored before
+the next start serves anything; SIGTERM drains, restores and exits 0 with sd_notify READY/STOPPING."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service_helpers import make_twin, running_service
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def crash_after_write(root: Path, run_dir: Path, board_path: str, value: str) -> None:
+    """A child process journals and changes one board file, then dies by SIGKILL mid-run."""
+    code = textwrap.dedent(f"""
+        import os, signal
+        from power.journal import Journal
+        j = Journal({str(run_dir)!r}, {str(root)!r})
+        host = os.path.join({str(root)!r}, {board_path.lstrip('/')!r})
+        j.record({board_path!r}, open(host, 'rb').read())
+        open(host, 'w').write({value!r})
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO)
+    assert p.returncode == -signal.SIGKILL
+
+
+def test_start_restores_what_a_killed_run_left_changed(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    from power.twin.layout import twin_paths
+    from power.board_specs import board_for
+
+    root = make_twin(tmp_path / "root")
+    board_path = "/" + twin_paths(board_for("agx-orin-64gb", "r36"), "r36").gpu_devfreq + "/max_freq"
+    host = root / board_path.lstrip("/")
+    original = host.read_text()
+    crash_after_write(root, tmp_path / "run", board_path, "306000000\n")
+    assert host.read_text() == "306000000\n" and (tmp_path / "run" / "journal.json").exists()
+    # twin=False: use the tree at tmp/root as it is (the service still finds and runs its twin model)
+    with running_service(tiny_checkpoint, tmp_path, twin=False) as svc:
+        assert host.read_text() == original
+        assert not (tmp_path / "run" / "journal.json").exists()
+        with httpx.Client(base_url=svc.url, timeout=30) as c:
+            assert c.get("/ready").status_code == 200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sigterm_drains_restores_and_exits_zero(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    root = make_twin(tmp_path / "root")
+    notify = tmp_path / "notify"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(str(notify))
+    srv.settimeout(60)
+    port = _free_port()
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "2000000"}
+    cmd = [sys.executable, "-m", "agent.cli", "serve", "--model", str(tiny_checkpoint), "--root", str(root),
+           "--run-dir", str(tmp_path / "run"), "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        msgs = []
+        while not any(m.startswith(b"READY=1") for m in msgs):
+            msgs.append(srv.recv(200))
+        url = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=url, timeout=30) as c:
+            assert c.get("/ready").status_code == 200
+            body = {"prompt": "x", "max_tokens": 40, "ignore_eos": True, "temperature": 0, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                next(lines)
+                proc.send_signal(signal.SIGTERM)
+                rest = [ln for ln in lines if ln]
+            assert rest[-1] == "data: [DONE]"  # the in-flight request finished within the grace period
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "board restored" in out and "Traceback" not in out
+        while True:
+            m = srv.recv(200)
+            msgs.append(m)
+            if m.startswith(b"STOPPING=1"):
+                break
+        assert b"WATCHDOG=1" in msgs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.close()
