@@ -59,14 +59,24 @@ class ClockWriter:
         self.planned: list[PlannedWrite] = []
         self._shadow: dict[str, bytes] = {}  # dry run: what we would have written
         self._undo: list[tuple[str, bytes | None]] | None = None
+        # Resolved host paths by board path: sysfs links name device topology, which does not change
+        # while the writer lives; resolving walks every component (~90 us), too slow per phase switch.
+        self._hosts: dict[str, str] = {}
+        self._boards: dict[str, str] = {}
+
+    def _host(self, path: str) -> str:
+        host = self._hosts.get(path)
+        if host is None:
+            host = self._hosts[path] = sysfs.resolve(self.root, path)
+        return host
 
     # -- reading -------------------------------------------------------------------------------
 
     def is_allowed(self, path: str) -> bool:
-        return sysfs.resolve(self.root, path) in self._allowed
+        return self._host(path) in self._allowed
 
     def read_raw(self, path: str) -> bytes:
-        host = sysfs.resolve(self.root, path)
+        host = self._host(path)
         if host in self._shadow:
             return self._shadow[host]
         try:
@@ -134,11 +144,13 @@ class ClockWriter:
 
     def _write(self, path: str, value: int | str, group: str | None, role: str | None,
                create: bool = False) -> bool:
-        host = sysfs.resolve(self.root, path)
+        host = self._host(path)
         if host not in self._allowed:
             raise RefusedWrite(f"refusing to write {path}: discovery under {self.root} did not identify it "
                                f"as a clock or fan file")
-        board = sysfs.to_board(self.root, host)
+        board = self._boards.get(host)
+        if board is None:
+            board = self._boards[host] = sysfs.to_board(self.root, host)
         new = f"{value}\n".encode()
         old: bytes | None
         if create and host not in self._shadow and not os.path.lexists(host):
