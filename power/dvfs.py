@@ -119,12 +119,26 @@ class Planner:
     params: CostParams = DEFAULT_PARAMS
     _memo: dict[tuple[object, ...], tuple[float, float]] = field(default_factory=dict, compare=False,
                                                                  hash=False, repr=False)
+    _grids: dict[tuple[object, ...], tuple[tuple[float, float, int, int], ...]] = field(
+        default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
     def for_board(cls, spec: BoardSpec, shape: str, precision: str, mode_id: int | None = None) -> "Planner":
         m = spec.mode(spec.default_mode if mode_id is None else mode_id)
         model_shape(shape)  # fail early on an unknown shape
         return cls(spec, shape, precision, active_tpcs(spec, m.tpc_pg_mask))
+
+    def candidates(self, kind: str, bucket: int, batch: int, gpus: tuple[int, ...],
+                   emcs: tuple[int, ...]) -> tuple[tuple[float, float, int, int], ...]:
+        """(seconds, joules per token, gpu, emc) for every point of the grid (memoised)."""
+        key = ("grid", kind, bucket, batch, gpus, emcs)
+        hit = self._grids.get(key)
+        if hit is None:
+            tokens = bucket if kind == "prefill" else batch
+            hit = tuple((s, j / tokens, g, e) for g in gpus for e in emcs
+                        for s, j in (self.predict(kind, bucket, batch, g, e),))
+            self._grids[key] = hit
+        return hit
 
     def predict(self, kind: str, bucket: int, batch: int, gpu_hz: int, emc_hz: int) -> tuple[float, float]:
         """(seconds, joules) of one step of ``kind`` at the bucket's size."""
@@ -209,14 +223,13 @@ class DvfsController:
             gpus = [hi]
         emcs = [b.emc] if b.emc is not None else [f for f in t.emc_hz if f <= t.emc_top]
         bucket, batch = size_bucket(p), max(1, p.batch)
-        tokens = bucket if p.kind == "prefill" else batch
+        base = self.planner.candidates(p.kind, bucket, batch, tuple(gpus), tuple(emcs))
+        default = ratios.get((p.kind,), 1.0)
         cands = []
-        for g in gpus:
-            for e in emcs:
-                s, j = self.planner.predict(p.kind, bucket, batch, g, e)
-                r = self._ratio(ratios, p.kind, g, e)
-                # measured time scales the energy too: the rails burn for as long as the step runs
-                cands.append((s * r, j * r / tokens, g, e))
+        for s, jt, g, e in base:
+            # measured time scales the energy too: the rails burn for as long as the step runs
+            r = ratios.get((p.kind, g, e), default)
+            cands.append((s * r, jt * r, g, e))
         fastest = min(c[0] for c in cands)
         lat = profile.latency
         slack, absolute = (lat.ttft_slack, lat.ttft_ms) if p.kind == "prefill" else (lat.tpot_slack, lat.tpot_ms)

@@ -1,0 +1,206 @@
+"""Applying controller decisions to the board, and the loop that ties sensors, the pure controller and
+the writes together. Owns issue 4 item 2's applier.
+
+- :class:`ClockApplier` writes a :class:`power.dvfs.Decision` through the board layer's journaled
+  :class:`power.writer.ClockWriter` (allowlisted paths, kernel write order, read-back, rollback of a
+  half-applied transaction). It remembers what it last applied and skips domains whose clocks did
+  not change, so a phase switch touches only the files that move (usually GPU min/max and the EMC
+  rate). Any write error restores the whole journal before it propagates: clocks are never left
+  changed on error.
+- :class:`PowerLoop` is the synchronous core used by the service's :class:`power.controller.
+  PowerController` thread and by the energy benchmark in virtual time: on a phase event it turns
+  the time since the previous event into a measured step sample, samples the thermal zones at most
+  once per ``sensor_period_s``, calls ``decide`` and applies the decision.
+- :func:`tables_from_board` reads the clock tables and the power mode's caps from a discovered board.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from power.backend import SysfsBoard
+from power.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, StepSample
+from power.profile import BoardTables, Profile
+from power.thermalctl import ZoneSample
+from power.writer import ClockWriter
+
+log = logging.getLogger("orin_agent.power")
+
+
+def tables_from_board(board: SysfsBoard, fallback_emc_hz: tuple[int, ...] = ()) -> BoardTables:
+    """GPU table from devfreq, CPU table from cpufreq, EMC from the spec's table (bpmp debugfs lists
+    no rates; ``fallback_emc_hz``) or min/max_rate; caps from the power mode in nvpmodel.conf."""
+    gpu = board.info.gpu.available_hz
+    if not gpu:
+        raise ValueError("no GPU frequency table (available_frequencies) under the root: cannot plan clocks")
+    cpu = board.info.cpu.clusters[0].available_khz if board.info.cpu.clusters else ()
+    if not cpu:
+        raise ValueError("no CPU frequency table (scaling_available_frequencies) under the root")
+    emc = tuple(sorted(fallback_emc_hz))
+    if not emc:
+        r = board.emc.read()
+        emc = tuple(sorted({f for f in (r.min_hz, r.max_hz) if f}))
+    if not emc:
+        raise ValueError("no EMC rates known for this board (min_rate/max_rate missing)")
+    caps: list[int | None] = [None, None, None]
+    mode = board.read_mode()
+    if mode is not None and mode.id is not None and board.nvpmodel.available:
+        m = board.nvpmodel.conf().mode(mode.id)
+        caps = [m.max_cap("GPU"), m.max_cap("EMC"), m.max_cap("CPU_A78_0")]
+    return BoardTables(tuple(gpu), emc, tuple(cpu), caps[0], caps[1], caps[2])
+
+
+def read_zone_samples(board: SysfsBoard) -> tuple[ZoneSample, ...]:
+    out = []
+    for z in board.read_zones():
+        trip = next((t.temp_c for t in z.trips if t.type == "passive" and t.temp_c is not None), None)
+        out.append(ZoneSample(z.name, z.temp_c, trip))
+    return tuple(out)
+
+
+class ClockApplier:
+    """Writes decisions through one journaled writer; skips what is already in force."""
+
+    def __init__(self, board: SysfsBoard, writer: ClockWriter) -> None:
+        self.board, self.writer = board, writer
+        self.applied: tuple[int, int, int, int] | None = None
+        self.fan_applied: int | None = None
+        self.emc_locked = False
+        self.writes = 0
+        self._cpu_min = {cl.name: r.min_khz or cl.available_khz[0]
+                         for cl, r in zip(board.info.cpu.clusters, board.cpu.read())}
+
+    def set_mode(self, name: str) -> bool:
+        """Switch to the profile's nvpmodel mode (by name, from this board's nvpmodel.conf) if another
+        is in force. Returns True if it switched."""
+        conf = self.board.nvpmodel.conf()
+        mode = conf.mode(name)          # ValueError naming this board's modes
+        cur = self.board.read_mode()
+        if cur is not None and cur.id == mode.id:
+            return False
+        self._guarded(lambda: self.board.set_mode(mode.id, self.writer))
+        self.applied = None             # nvpmodel rewrote caps: re-apply everything next time
+        return True
+
+    def apply(self, d: Decision, fan_ours: bool = False) -> int:
+        """Write what changed. Returns the number of domains written."""
+        def go() -> int:
+            n = 0
+            g0, g1, emc, cpu = d.clocks()
+            prev = self.applied
+            with self.writer.transaction():
+                if prev is None or (prev[0], prev[1]) != (g0, g1):
+                    self.board.gpu.set_range(self.writer, g0, g1)
+                    n += 1
+                if prev is None or prev[2] != emc:
+                    if not self.emc_locked:
+                        self.board.emc.lock(self.writer, emc)
+                        self.emc_locked = True
+                    else:
+                        self.writer.write(self.board.info.emc.rate or "", emc, group="emc", role="rate")
+                    n += 1
+                if prev is None or prev[3] != cpu:
+                    for cl in self.board.info.cpu.clusters:
+                        if self.board.cpu.is_online(cl.lead):
+                            self.board.cpu.set_range(self.writer, cl.name, min(self._cpu_min[cl.name], cpu), cpu)
+                    n += 1
+                if fan_ours and d.fan_pwm is not None and d.fan_pwm != self.fan_applied and self.board.fan.available:
+                    self.board.set_fan(d.fan_pwm, self.writer)
+                    self.fan_applied = d.fan_pwm
+                    n += 1
+            self.applied = (g0, g1, emc, cpu)
+            return n
+        n = self._guarded(go)
+        self.writes += n
+        return n
+
+    def _guarded(self, fn: Callable[[], int | object]) -> int:
+        try:
+            out = fn()
+        except Exception:
+            # the writer rolled back its own transaction; put back everything else the journal holds
+            self.restore()
+            raise
+        return out if isinstance(out, int) else 0
+
+    def restore(self) -> None:
+        self.applied, self.fan_applied, self.emc_locked = None, None, False
+        if self.writer.journal is not None:
+            self.writer.journal.restore()
+
+
+@dataclass
+class LoopStats:
+    events: int = 0
+    decisions: int = 0
+    switches: int = 0
+    writes: int = 0
+    critical_entries: int = 0
+    messages: list[str] = field(default_factory=list)
+
+
+class PowerLoop:
+    """Sensors -> ``decide`` -> applier, driven by phase events and timer ticks (time passed in)."""
+
+    def __init__(self, controller: DvfsController, profile: Profile, applier: ClockApplier | None,
+                 zones: Callable[[], tuple[ZoneSample, ...]] | None, *, fan_ours: bool = False,
+                 sensor_period_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.controller, self.profile, self.applier = controller, profile, applier
+        self.zones, self.fan_ours, self.sensor_period_s = zones, fan_ours, sensor_period_s
+        self.state = DvfsState()
+        self.decision: Decision | None = None
+        self.stats = LoopStats()
+        self._clock = clock
+        self._phase = PhaseIn("idle")
+        self._phase_t: float | None = None
+        self._sensed_t = float("-inf")
+
+    @property
+    def phase(self) -> PhaseIn:
+        return self._phase
+
+    def set_profile(self, profile: Profile) -> None:
+        self.profile = profile
+
+    def on_event(self, p: PhaseIn, now: float) -> Decision:
+        steps: tuple[StepSample, ...] = ()
+        d = self.decision
+        if self._phase.kind != "idle" and self._phase_t is not None and d is not None and \
+                d.gpu_min_hz == d.gpu_max_hz:   # pinned clocks: the step ran at a known point
+            steps = (StepSample(self._phase, d.gpu_max_hz, d.emc_hz, now - self._phase_t),)
+        self._phase, self._phase_t = p, now
+        self.stats.events += 1
+        return self._decide(now, steps)
+
+    def tick(self, now: float) -> Decision:
+        return self._decide(now, ())
+
+    def next_wake(self) -> float | None:
+        w = self.decision.wake_at if self.decision is not None else None
+        if self.zones is not None:
+            nxt = self._sensed_t + self.sensor_period_s
+            w = nxt if w is None else min(w, nxt)
+        return w
+
+    def _decide(self, now: float, steps: tuple[StepSample, ...]) -> Decision:
+        zones = None
+        if self.zones is not None and now - self._sensed_t >= self.sensor_period_s:
+            zones, self._sensed_t = self.zones(), now
+        readings = Readings(zones, self.fan_ours, steps)
+        was_critical = self.state.thermal.critical
+        d, self.state = self.controller.decide(readings, self._phase, self.profile, self.state, now)
+        self.stats.decisions += 1
+        if d.message and (d.critical or d.message != (self.decision.message if self.decision else None)):
+            (log.error if d.critical else log.warning)("%s", d.message)
+            if len(self.stats.messages) < 100:
+                self.stats.messages.append(f"t={now:.1f}s {d.message}")
+        if d.critical and not was_critical:
+            self.stats.critical_entries += 1
+        if self.decision is None or d.clocks() != self.decision.clocks() or d.fan_pwm != self.decision.fan_pwm:
+            self.stats.switches += 1
+            if self.applier is not None:
+                self.stats.writes += self.applier.apply(d, self.fan_ours)
+        self.decision = d
+        return d
