@@ -158,6 +158,11 @@ class PowerLoop:
         self._sensed_t = float("-inf")
 
     @property
+    def sensed_at(self) -> float:
+        """When the zones were last read."""
+        return self._sensed_t
+
+    @property
     def phase(self) -> PhaseIn:
         return self._phase
 
