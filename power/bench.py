@@ -303,8 +303,11 @@ def all_policies(cfg: BenchConfig) -> tuple[str, ...]:
 
 def run_bench(cfg: BenchConfig) -> list[PolicyResult]:
     """Every policy over the same seeded trace, each on a fresh twin tree."""
-    board_for(cfg.board, cfg.l4t)               # KeyError naming valid boards
-    model_shape(cfg.shape)
+    try:
+        board_for(cfg.board, cfg.l4t)
+        model_shape(cfg.shape)
+    except KeyError as exc:                     # the message names the valid boards / shapes
+        raise ValueError(str(exc.args[0])) from None
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"unknown precision {cfg.precision!r}; allowed: {', '.join(PRECISIONS)}")
     if cfg.fan not in ("daemon", "off", "ours"):

@@ -1,0 +1,73 @@
+"""`orin-agent bench ...`: benchmarks. ``bench power`` replays a request trace through the power
+controller against the twin in virtual time (power.bench) and prints one row per policy. Thin: the
+logic is in ``power.bench``; this file parses options and prints."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from agent.cli_common import cli_errors
+
+app = typer.Typer(help="Benchmarks: energy per token of the power policies on the twin.", no_args_is_help=True)
+
+
+@app.command("power")
+def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board."),
+          l4t: str = typer.Option("r36", "--l4t", help="L4T layout of the twin (r35 or r36)."),
+          shape: str = typer.Option("llama-3-8b", "--model-shape", help="Model shape for the cost model."),
+          precision: str = typer.Option("int4", "--precision", help="fp16, int8, int4 or q4f16."),
+          trace: str = typer.Option("chat", "--trace", help="chat, rag or batch."),
+          ambient: float = typer.Option(25.0, "--ambient", help="Ambient temperature, °C."),
+          duration: float = typer.Option(3600.0, "--duration", min=1.0, help="Trace length, virtual seconds."),
+          seed: int = typer.Option(0, "--seed", help="Trace seed."),
+          max_batch: int = typer.Option(8, "--max-batch", min=1, help="Sequences decoded together."),
+          fan: str = typer.Option("daemon", "--fan", help="daemon (nvfancontrol), ours (controller) or off."),
+          policy: list[str] = typer.Option([], "--policy", help="Only these policies (repeatable)."),
+          profile_dir: Path = typer.Option(Path("/etc/orin-agent/profiles"), "--profile-dir",
+                                           help="User profiles (added to the shipped ones)."),
+          json_out: bool = typer.Option(False, "--json", help="One JSON record per policy, one per line."),
+          out: Path = typer.Option(Path("bench-power"), "--out", help="Folder for results.json and the plot."),
+          plot: bool = typer.Option(True, "--plot/--no-plot", help="Write the PNG plot.")) -> None:
+    """Energy per token, TTFT/TPOT, peak power and temperature per policy, side by side."""
+    from power.bench import BenchConfig, compare, run_bench
+
+    with cli_errors():
+        cfg = BenchConfig(board, l4t, shape, precision, trace, ambient, duration, seed, max_batch, fan,
+                          tuple(policy), str(profile_dir))
+        results = run_bench(cfg)
+        deltas = compare(results)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"power-{trace}-{ambient:g}C"
+        doc = {"config": cfg.__dict__ | {"policies": [r.policy for r in results]},
+               "results": [r.record() | {"vs_maxn": deltas.get(r.policy)} for r in results]}
+        (out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str))
+        if plot:
+            from power.bench_plot import plot as draw
+            draw(results, out / f"{stem}.png",
+                 f"{board} {shape} {precision}, trace {trace}, ambient {ambient:g} °C, fan {fan}", 99.0)
+        if json_out:
+            for r in doc["results"]:
+                sys.stdout.write(json.dumps(r, default=str) + "\n")
+            return
+        table = Table(title=f"{trace} trace, {duration:g} s, ambient {ambient:g} °C (twin: {board}, {shape} {precision})")
+        for col in ("policy", "J/token", "vs MAXN", "TTFT p50/p95 s", "TPOT p50/p95 ms", "peak W",
+                    "max °C", "s >= trip", "switch µs"):
+            table.add_column(col, justify="left" if col == "policy" else "right")
+        for r in results:
+            d = deltas.get(r.policy, {})
+            table.add_row(r.policy, f"{r.joules_per_token:.3f}", f"{d.get('energy_per_token_pct', 0):+.1f} %",
+                          f"{r.ttft_p50_s:.3f} / {r.ttft_p95_s:.3f}",
+                          f"{r.tpot_p50_s * 1e3:.1f} / {r.tpot_p95_s * 1e3:.1f}", f"{r.peak_power_w:.1f}",
+                          f"{r.max_zone_c:.1f}", f"{r.time_above_trip_s:.0f}",
+                          "-" if r.switch_cost_us is None else f"{r.switch_cost_us:.0f}")
+        Console().print(table)
+        typer.echo(f"wrote {out / (stem + '.json')}" + (f" and {out / (stem + '.png')}" if plot else ""))
+
+
+def register(root_app: typer.Typer) -> None:
+    root_app.add_typer(app, name="bench")
