@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from agent import cli_model, cli_power, cli_serve, cli_twin
+from agent import cli_bench, cli_model, cli_power, cli_serve, cli_twin
 
 app = typer.Typer(
     name="orin-agent",
@@ -21,6 +21,7 @@ cli_model.register(app)
 cli_serve.register(app)
 app.add_typer(cli_power.app, name="power")
 app.add_typer(cli_twin.app, name="twin")
+cli_bench.register(app)
 
 
 def main() -> None:
