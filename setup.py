@@ -28,6 +28,7 @@ setup(
         "httpx>=0.27",
         "jinja2>=3.1",
         "prometheus-client>=0.20",
+        "matplotlib>=3.7",
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "openai>=1.30"],
