@@ -145,3 +145,6 @@ def restore(root: Path = typer.Option(Path("/"), "--root", help=ROOT_HELP),
             typer.echo(f"nothing to restore (no journal in {run_dir})")
         else:
             typer.echo(f"restored {len(report.restored)} file(s) under {root}")
+
+from agent import cli_profiles  # noqa: E402  (profiles, show, set, state: issue 4)
+cli_profiles.register(app)
