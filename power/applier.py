@@ -156,6 +156,7 @@ class PowerLoop:
         self._phase = PhaseIn("idle")
         self._phase_t: float | None = None
         self._sensed_t = float("-inf")
+        self._switched = False
 
     @property
     def sensed_at(self) -> float:
@@ -172,12 +173,17 @@ class PowerLoop:
     def on_event(self, p: PhaseIn, now: float) -> Decision:
         steps: tuple[StepSample, ...] = ()
         d = self.decision
+        # a step measures its clock point when the clocks were pinned and did not move at its start
+        # (a step that began with a switch includes the 5-8 ms the new clocks take to settle)
         if self._phase.kind != "idle" and self._phase_t is not None and d is not None and \
-                d.gpu_min_hz == d.gpu_max_hz:   # pinned clocks: the step ran at a known point
+                d.gpu_min_hz == d.gpu_max_hz and not self._switched:
             steps = (StepSample(self._phase, d.gpu_max_hz, d.emc_hz, now - self._phase_t),)
         self._phase, self._phase_t = p, now
         self.stats.events += 1
-        return self._decide(now, steps)
+        before = self.stats.switches
+        out = self._decide(now, steps)
+        self._switched = self.stats.switches != before
+        return out
 
     def tick(self, now: float) -> Decision:
         return self._decide(now, ())

@@ -6,9 +6,9 @@ profile's clock policy into concrete clocks from the board's tables:
 - ``auto`` picks the (GPU, EMC) point of least predicted joules per token whose predicted step time
   is within the profile's latency targets (slack over the fastest allowed point, and/or an absolute
   TTFT/TPOT), starting from the roofline cost model (``power.costmodel``) and correcting it online:
-  each measured step updates an EWMA of measured/predicted time for its clock point (and for its
-  phase as a whole, used for points not measured yet), so a board slower or faster than the model
-  converges to its own best point (RESEARCH.md: a GPU-clock-only latency model misses by up to 32 %
+  each measured step updates an EWMA of measured/predicted time for its clock point (points not
+  measured yet keep the model's time), so a board slower or faster than the model converges to its
+  own best point (RESEARCH.md: a GPU-clock-only latency model misses by up to 32 %
   on Orin, so learn per-clock-point step times online). Decode comes out GPU-low/EMC-high, prefill
   GPU-high/EMC-lower, because that is what the model (and the board) rewards.
 - idle drops to the idle policy after ``idle_hold_s`` (< 1 s); shorter idle gaps keep the busy
@@ -209,10 +209,6 @@ class DvfsController:
         return t.gpu_hz[0], t.gpu_hz[0], t.emc_hz[0], t.cpu_khz[0]
 
     # -- auto
-    def _ratio(self, ratios: Mapping[tuple[object, ...], float], kind: str, g: int, e: int) -> float:
-        r = ratios.get((kind, g, e))
-        return r if r is not None else ratios.get((kind,), 1.0)
-
     def _auto(self, p: PhaseIn, b: _Bounds, gpu_cap: int, profile: Profile,
               ratios: Mapping[tuple[object, ...], float]) -> tuple[int, int, float]:
         assert self.planner is not None
@@ -224,11 +220,12 @@ class DvfsController:
         emcs = [b.emc] if b.emc is not None else [f for f in t.emc_hz if f <= t.emc_top]
         bucket, batch = size_bucket(p), max(1, p.batch)
         base = self.planner.candidates(p.kind, bucket, batch, tuple(gpus), tuple(emcs))
-        default = ratios.get((p.kind,), 1.0)
         cands = []
         for s, jt, g, e in base:
-            # measured time scales the energy too: the rails burn for as long as the step runs
-            r = ratios.get((p.kind, g, e), default)
+            # measured time scales the energy too: the rails burn for as long as the step runs. A
+            # point never measured keeps the model's time: when a measured point turns out too slow
+            # the next decision tries the next cheapest, until the measured points settle it.
+            r = ratios.get((p.kind, g, e), 1.0)
             cands.append((s * r, jt * r, g, e))
         fastest = min(c[0] for c in cands)
         lat = profile.latency
@@ -281,9 +278,9 @@ class DvfsController:
             if s.phase.kind == "prefill":
                 pred *= max(1, s.phase.n_tokens) / size_bucket(s.phase)
             ratio = s.seconds / pred
-            for key in ((s.phase.kind, s.gpu_hz, s.emc_hz), (s.phase.kind,)):
-                old = r.get(key)
-                r[key] = ratio if old is None else old + EWMA_ALPHA * (ratio - old)
+            key = (s.phase.kind, s.gpu_hz, s.emc_hz)
+            old = r.get(key)
+            r[key] = ratio if old is None else old + EWMA_ALPHA * (ratio - old)
         return MappingProxyType(r)
 
     def decide(self, readings: Readings, phase: PhaseIn, profile: Profile, state: DvfsState,
@@ -309,9 +306,9 @@ class DvfsController:
         new = replace(state, ratios=ratios, thermal=therm, verdict=verdict, last_key=key, decided_s=now)
         if critical:
             g0, g1, e, c = self.floor()
-            d = Decision("critical", g0, g1, e, c, fan, level, True,
-                         f"critical: {verdict.hottest if verdict else '?'} at "
-                         f"{verdict.hottest_c if verdict else float('nan'):.1f} °C", message=msg)
+            where = (f"{verdict.hottest} at {verdict.hottest_c:.1f} °C" if verdict is not None
+                     and verdict.hottest_c is not None else "last reading (zones now unreadable)")
+            d = Decision("critical", g0, g1, e, c, fan, level, True, f"critical: {where}", message=msg)
             return d, replace(new, last=d, idle_since=None if busy_kind else state.idle_since)
         if busy_kind:
             plain = self._busy_decision(phase, profile, level, ratios)
