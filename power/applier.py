@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from power.backend import SysfsBoard
+from power.errors import BoardWriteError
 from power.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, StepSample
 from power.profile import BoardTables, Profile
 from power.thermalctl import ZoneSample
@@ -119,9 +120,12 @@ class ClockApplier:
     def _guarded(self, fn: Callable[[], int | object]) -> int:
         try:
             out = fn()
-        except Exception:
+        except Exception as exc:
             # the writer rolled back its own transaction; put back everything else the journal holds
-            self.restore()
+            try:
+                self.restore()
+            except OSError as again:
+                raise BoardWriteError(f"{exc}\nputting the other files back also failed: {again}") from exc
             raise
         return out if isinstance(out, int) else 0
 
