@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from agent import cli_bench, cli_model, cli_power, cli_serve, cli_twin
+from agent import cli_bench, cli_build, cli_model, cli_power, cli_serve, cli_twin
 
 app = typer.Typer(
     name="orin-agent",
@@ -18,6 +18,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 cli_model.register(app)
+cli_build.register(app)
 cli_serve.register(app)
 app.add_typer(cli_power.app, name="power")
 app.add_typer(cli_twin.app, name="twin")
