@@ -3,7 +3,7 @@ a frozen `ServiceConfig`; command-line flags override the file. Every error name
 
     [model]   dir, backend ("torch" | "ort"), slices ("0:4,4:8"), max_seq, device
     [server]  host, port, token, token_file, max_body_bytes
-    [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, profile
+    [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, profile, power_control
     [limits]  max_batch, max_queue, max_prompt_tokens, max_output_tokens, default_max_tokens,
               shutdown_grace_s
     [log]     level
@@ -41,6 +41,7 @@ class ServiceConfig:
     root: str | None = None  # None: "/" on an Orin, else a fresh twin
     run_dir: str = "/run/orin-agent"
     profile: str = "balanced"
+    power_control: bool = True  # run power.controller (phase-aware DVFS + thermal) when it can open the board
     max_batch: int = 8
     max_queue: int = 64
     max_prompt_tokens: int | None = None  # None: the context less one
@@ -104,6 +105,7 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("board", "root"): ("root", (str,)),
     ("board", "run_dir"): ("run_dir", (str,)),
     ("board", "profile"): ("profile", (str,)),
+    ("board", "power_control"): ("power_control", (bool,)),
     ("limits", "max_batch"): ("max_batch", (int,)),
     ("limits", "max_queue"): ("max_queue", (int,)),
     ("limits", "max_prompt_tokens"): ("max_prompt_tokens", (int,)),
@@ -138,7 +140,7 @@ def config_from_mapping(doc: Mapping[str, Any], source: str) -> ServiceConfig:
                 known = sorted(k for s, k in _SCHEMA if s == section)
                 raise ConfigError(f"{source}: unknown key {section}.{key}; known keys: {', '.join(known)}")
             field_name, types = spec
-            if isinstance(value, bool) or not isinstance(value, types):
+            if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
                 names = " or ".join(t.__name__ for t in types)
                 raise ConfigError(f"{source}: {section}.{key}: must be {names}, got {value!r}")
             if key == "token_file":

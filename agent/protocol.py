@@ -141,6 +141,15 @@ def _finite(name: str, v: float | None, lo: float, hi: float, default: float) ->
     return v
 
 
+# Below this a temperature is greedy: dividing logits by 1e-126 overflows to inf (vLLM uses 1e-5 too).
+SAMPLING_EPS = 1e-5
+
+
+def _temperature(v: float | None) -> float:
+    t = _finite("temperature", v, 0.0, 2.0, 1.0)  # OpenAI's default is 1
+    return 0.0 if t < SAMPLING_EPS else t
+
+
 def render_chat(template: str | None, messages: list[Message], eos_token: str = "", bos_token: str = "") -> str:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
@@ -211,7 +220,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: An
                          f"{limits.max_prompt_tokens}", "prompt" if kind == "completion" else "messages")
     return ParsedRequest(
         kind, ids, text, max_tokens,
-        _finite("temperature", body.temperature, 0.0, 2.0, 1.0),  # OpenAI's default is 1
+        _temperature(body.temperature),
         _finite("top_p", body.top_p, 1e-9, 1.0, 1.0), top_k,
         _finite("repetition_penalty", body.repetition_penalty, 1e-3, 10.0, 1.0),
         body.seed, stop, bool(body.stream), include_usage, body.priority or "interactive",

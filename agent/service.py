@@ -129,6 +129,7 @@ class Service:
         self.sock: socket.socket | None = None
         self._stopped = False
         self._loaded = False
+        self.controller: Any = None
 
     @property
     def port(self) -> int:
@@ -157,6 +158,9 @@ class Service:
         listeners: list[Any] = [self.listener]
         if self.board.twin is not None:
             listeners.append(self.board.twin)
+        self.controller = self._open_controller()
+        if self.controller is not None:
+            listeners.append(self.controller)
         self.engine = Engine(ChainExecutor(chain), tokenizer, max_queue=cfg.max_queue,
                              listener=FanOut(*listeners), meter=meter, metrics=metrics,
                              on_tick=self.notifier.watchdog)
@@ -174,7 +178,29 @@ class Service:
         if self.board.twin is not None:
             self.board.twin.start()
         self.engine.start()
+        if self.controller is not None:
+            self.controller.start()
         self._loaded = True
+
+    def _open_controller(self) -> Any:
+        """power.controller on the board (or twin), or None: the service then runs at the board's own
+        clocks. Fails soft: a board the controller cannot drive is logged, never fatal."""
+        b, cfg = self.board, self.cfg
+        if not cfg.power_control or b is None or b.root is None or b.run_dir is None:
+            return None
+        try:
+            from power.controller import PowerController
+        except ImportError as exc:
+            log.warning("no power controller (%s): serving at the board's own clocks", exc)
+            return None
+        try:
+            ctl = PowerController.open(b.root, b.run_dir, cfg.profile)
+        except Exception as exc:  # noqa: BLE001 - any board/profile problem: log it and serve anyway
+            log.warning("power controller not started (%s: %s): serving at the board's own clocks",
+                        type(exc).__name__, exc)
+            return None
+        log.info("power controller on %s, profile %s", b.root, cfg.profile)
+        return ctl
 
     def _ready(self) -> tuple[bool, str]:
         if not self._loaded or self.engine is None or not self.engine.alive:
@@ -250,6 +276,11 @@ class Service:
             if not self.engine.wait_idle(self.cfg.shutdown_grace_s):
                 log.warning("grace period over: cancelling %d request(s)", self.engine.in_flight)
             self.engine.stop()
+        if self.controller is not None:
+            try:
+                self.controller.stop()  # puts its clock files back and releases the journal
+            except Exception as exc:  # noqa: BLE001 - the journal restore below still runs
+                log.error("power controller stop failed: %s", exc)
         b = self.board
         if b is not None:
             if b.twin is not None:

@@ -47,7 +47,8 @@ def test_start_restores_what_a_killed_run_left_changed(tiny_checkpoint: Path, tm
     crash_after_write(root, tmp_path / "run", board_path, "306000000\n")
     assert host.read_text() == "306000000\n" and (tmp_path / "run" / "journal.json").exists()
     # twin=False: use the tree at tmp/root as it is (the service still finds and runs its twin model)
-    with running_service(tiny_checkpoint, tmp_path, twin=False) as svc:
+    # power_control=False: the controller would otherwise write the GPU clock again once serving
+    with running_service(tiny_checkpoint, tmp_path, twin=False, power_control=False) as svc:
         assert host.read_text() == original
         assert not (tmp_path / "run" / "journal.json").exists()
         with httpx.Client(base_url=svc.url, timeout=30) as c:
