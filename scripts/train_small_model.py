@@ -31,17 +31,20 @@ import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import Tensor
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script from any cwd
-from partition.checkpoint import save_model  # noqa: E402
+from partition.checkpoint import load_model, save_model  # noqa: E402
 from partition.config import ModelConfig  # noqa: E402
 from partition.model import Transformer, rope_cos_sin  # noqa: E402
+from partition.tokenizer import Tokenizer as ModelTokenizer  # noqa: E402
 
 EOT = "<|endoftext|>"  # end of a file; also the model's eos
 PAD = "<|pad|>"
@@ -85,10 +88,8 @@ def split_of(sha256: str) -> str:
     return "train"
 
 
-def build_tokenizer(texts: list[str], vocab_size: int) -> "Tokenizer":  # noqa: F821 (lazy import)
+def build_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     """Byte-level BPE: every byte is in the base alphabet, so any string round-trips exactly."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     # No normalizer: source text must come back byte for byte (tabs, trailing spaces, form feeds).
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -279,7 +280,7 @@ def windows(stream: Tensor, seq_len: int) -> Tensor:
 
 
 @torch.no_grad()
-def eval_loss(loss_fn, model: Transformer, stream: Tensor, seq_len: int, batch: int) -> float:
+def eval_loss(loss_fn: Callable[[Transformer, Tensor, Tensor, float], Tensor], model: Transformer, stream: Tensor, seq_len: int, batch: int) -> float:
     model.eval()
     w = windows(stream, seq_len)
     total, count = 0.0, 0
@@ -394,7 +395,7 @@ def train(args: argparse.Namespace) -> None:
                test_loss_bf16=test, test_ppl_bf16=math.exp(test), train_seconds=round(elapsed, 1),
                tokens_per_second=round(tokens_seen / elapsed), forward_check_diff=diff)
     print(f"best val {best_val:.4f} (ppl {math.exp(best_val):.2f}) at step {best_step}; test ppl "
-          f"{math.exp(test):.2f} (bf16 autocast); {elapsed:.0f} s, {tokens_seen / elapsed:,.0f} tok/s; "
+          f"{math.exp(test):.2f} ({'bf16 autocast' if on_gpu else 'fp32'}); {elapsed:.0f} s, {tokens_seen / elapsed:,.0f} tok/s; "
           f"forward check {diff:.2e}", flush=True)
 
     out = Path(args.out)
@@ -482,12 +483,9 @@ def greedy(model: Transformer, prompt_ids: list[int], max_new: int, eos: int | N
 
 
 def evaluate(args: argparse.Namespace) -> None:
-    from partition.checkpoint import load_model
-    from partition.tokenizer import Tokenizer
-
     model_dir = Path(args.model_dir)
     model = load_model(model_dir)
-    tok = Tokenizer.from_dir(model_dir, model.config)
+    tok = ModelTokenizer.from_dir(model_dir, model.config)
     corpus = json.loads((model_dir / "corpus.json").read_text())
     test = [r for r in corpus["files"] if r["split"] == "test"]
     root = stdlib_dir()
