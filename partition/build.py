@@ -89,6 +89,17 @@ class BuildManifest:
             versions=raw["versions"], created=raw["created"])
 
 
+def graph_code_hash() -> str:
+    """sha256 of the source that shapes the exported graph (model definition and exporter): a cached
+    build made by other code is stale even when the weights and options match."""
+    from partition import export, model
+
+    h = hashlib.sha256()
+    for mod in (model, export):
+        h.update(Path(mod.__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _versions() -> dict[str, str]:
     import onnx
     import onnxruntime
@@ -96,7 +107,7 @@ def _versions() -> dict[str, str]:
     import torch
 
     return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
-            "onnxscript": onnxscript.__version__}
+            "onnxscript": onnxscript.__version__, "graph_code": graph_code_hash()}
 
 
 def slice_file(spec: SliceSpec) -> str:
@@ -174,6 +185,8 @@ def mismatch(manifest: BuildManifest, build_dir: Path, digest: str, specs: Seque
         return f"its slices are {manifest.slices_str}, not {','.join(map(str, specs))}"
     if manifest.options != options:
         return f"it was exported with {manifest.options.key()}, not {options.key()}"
+    if manifest.versions.get("graph_code") != graph_code_hash():
+        return "it was exported by another version of the model or exporter code"
     for s in manifest.slices if check_files else ():
         path = build_dir / s.file
         if not path.is_file() or sha256_file(path) != s.sha256:
@@ -182,7 +195,7 @@ def mismatch(manifest: BuildManifest, build_dir: Path, digest: str, specs: Seque
 
 
 def cache_key(digest: str, specs: Sequence[SliceSpec], options: ExportOptions) -> str:
-    text = f"{digest}|{','.join(map(str, specs))}|{options.key()}"
+    text = f"{digest}|{','.join(map(str, specs))}|{options.key()}|{graph_code_hash()}"
     return f"{digest[:12]}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 

@@ -107,16 +107,16 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         keys = torch.cat((past_k, k), dim=2)  # (B, KV, P + T, hd)
         values = torch.cat((past_v, v), dim=2)
+        # Grouped-query attention without copying K/V per query head: fold each KV head's group of
+        # query heads into the row dimension, (B, H, T, hd) -> (B, KV, G * T, hd), row = g * T + t.
         group = self.n_heads // self.n_kv_heads
-        if group > 1:  # grouped-query attention: each KV head serves `group` query heads
-            s = keys.shape[2]
-            keys = keys[:, :, None].expand(b, self.n_kv_heads, group, s, self.head_dim).reshape(
-                b, self.n_heads, s, self.head_dim)
-            values = values[:, :, None].expand(b, self.n_kv_heads, group, s, self.head_dim).reshape(
-                b, self.n_heads, s, self.head_dim)
+        q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)
+        if group > 1:
+            mask = mask.repeat(1, 1, group, 1)  # (B, 1, G * T, P + T), rows ordered as q's
         scores = torch.matmul(q.float(), keys.float().transpose(2, 3)) / math.sqrt(self.head_dim)
-        probs = torch.softmax(scores + mask, dim=-1).to(values.dtype)  # (B, H, T, P + T), fp32 softmax
-        out = torch.matmul(probs, values).transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+        probs = torch.softmax(scores + mask, dim=-1).to(values.dtype)  # (B, KV, G*T, P+T), fp32 softmax
+        out = torch.matmul(probs, values)  # (B, KV, G * T, hd)
+        out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
         return self.o_proj(out), k, v
 
 

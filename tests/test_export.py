@@ -58,7 +58,7 @@ def test_manifest_records_the_build(built: tuple[Path, Path]) -> None:
     assert raw["model_hash"] == model_hash(model_dir)
     assert raw["opset"] == 17 and raw["exporter"] == "torchscript"
     assert raw["config"]["n_layers"] == 4
-    assert set(raw["versions"]) == {"torch", "onnx", "onnxruntime", "onnxscript"}
+    assert set(raw["versions"]) == {"torch", "onnx", "onnxruntime", "onnxscript", "graph_code"}
     first, middle, last = raw["slices"]
     assert (first["start"], first["end"], last["start"], last["end"]) == (0, 1, 3, 4)
     assert first["inputs"][0] == {"name": "input_ids", "dtype": "int32", "shape": ["B", "T"]}

@@ -19,7 +19,7 @@ BACKENDS = ("torch", "ort", "trt")
 MAX_SEQ_CAP = 8192  # default cache length cap: presets declare up to 131072 positions
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(ValueError):
     """A backend that cannot run here (not implemented yet, or its library is missing)."""
 
 
