@@ -117,7 +117,8 @@ def save_model(model: Transformer, out_dir: str | Path) -> None:
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(model.config.to_hf_dict(dtype), indent=2) + "\n")
 
 
 def model_hash(model_dir: str | Path) -> str:

@@ -70,8 +70,9 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """A config.json that Hugging Face transformers (and this loader) read back unchanged."""
+    def to_hf_dict(self, torch_dtype: str = "float32") -> dict[str, Any]:
+        """A config.json that Hugging Face transformers (and this loader) read back unchanged;
+        `torch_dtype` records the dtype of the weights on disk."""
         out: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": _MODEL_TYPES[self.architecture],
@@ -87,7 +88,7 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
-            "torch_dtype": "float32",
+            "torch_dtype": torch_dtype,
         }
         if self.architecture == "LlamaForCausalLM":
             out["attention_bias"] = self.qkv_bias

