@@ -29,6 +29,9 @@ def generate(
     max_seq: Optional[int] = typer.Option(None, "--max-seq", help="KV-cache length in tokens "
                                           "(default: the model's context, at most 2048)."),
     device: str = typer.Option("cpu", help="cpu or cuda (torch backend)."),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay decode "
+                                               "steps as CUDA graphs (torch backend; default: on with "
+                                               "--device cuda, off on CPU, where asking for it is an error)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
@@ -40,7 +43,8 @@ def generate(
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
         tokenizer = Tokenizer.from_dir(model)
-        chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device)
+        chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device,
+                           cuda_graphs=cuda_graphs)
         gen = Generation(chain, tokenizer, prompt, params)
         pieces: list[str] = []
         for delta in gen.stream():

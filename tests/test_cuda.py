@@ -39,3 +39,64 @@ def test_cuda_fp16_greedy_generation_runs(tiny_checkpoint: Path) -> None:
                    SamplingParams(max_tokens=32, ignore_eos=True))
     text = "".join(g.stream())
     assert g.stats.completion_tokens == 32 and text
+
+
+# CUDA-graph decode (partition/runners/cuda_graphs.py) against the eager runner, the reference.
+
+def _pair(model_dir: Path, dtype: torch.dtype, max_seq: int, max_batch: int = 1,
+          buckets: bool = True) -> tuple[Chain, Chain]:
+    """Eager and graphed two-slice chains over one CUDA model (weights shared, caches separate)."""
+    model = load_model(model_dir, dtype=dtype, device="cuda")
+    specs = even_slices(model.config.n_layers, 2)
+    eager = Chain([TorchRunner(model, s, max_seq, max_batch) for s in specs])
+    graphed = Chain([TorchRunner(model, s, max_seq, max_batch, cuda_graphs=True, graph_buckets=buckets)
+                     for s in specs])
+    return eager, graphed
+
+
+def _captured(chain: Chain) -> set[tuple[int, int]]:
+    return {key for r in chain.runners for key in r.graphs.graphs}
+
+
+@pytest.mark.parametrize("buckets", [True, False])
+def test_cuda_graphs_fp32_decode_matches_eager(tiny_checkpoint: Path, buckets: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    eager, graphed = _pair(tiny_checkpoint, torch.float32, max_seq=600, buckets=buckets)
+    prompt = 250  # decoding from 250 crosses the 256-slot bucket: two graphs when bucketed
+    ids = np.random.default_rng(0).integers(1, 300, (1, prompt), dtype=np.int32)
+    pos = np.arange(prompt, dtype=np.int32)[None]
+    assert np.abs(eager.forward(ids, pos) - graphed.forward(ids, pos)).max() < 1e-4  # prefill: both eager
+    for step in range(16):
+        tok, p = np.array([[step + 3]], dtype=np.int32), np.array([[prompt + step]], dtype=np.int32)
+        assert np.abs(eager.forward(tok, p) - graphed.forward(tok, p)).max() < 1e-4, step
+    assert _captured(graphed) == ({(1, 256), (1, 512)} if buckets else {(1, 600)})
+
+
+def test_cuda_graphs_fp32_batch_rows_and_fallback(tiny_checkpoint: Path) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    eager, graphed = _pair(tiny_checkpoint, torch.float32, max_seq=128, max_batch=2)
+    for chain in (eager, graphed):  # rows with different histories: 10 and 20 tokens
+        chain.forward(np.arange(1, 11, dtype=np.int32)[None], np.arange(10, dtype=np.int32)[None], [0])
+        chain.forward(np.arange(5, 25, dtype=np.int32)[None], np.arange(20, dtype=np.int32)[None], [1])
+    for step in range(8):  # rows 0..1 together: graphed, each row written at its own position
+        tok = np.array([[step + 1], [step + 2]], dtype=np.int32)
+        p = np.array([[10 + step], [20 + step]], dtype=np.int32)
+        assert np.abs(eager.forward(tok, p) - graphed.forward(tok, p)).max() < 1e-4, step
+    # Row 1 alone is not rows 0..B-1: eager fallback on the same cache, then graphs again.
+    tok, p = np.array([[7]], dtype=np.int32), np.array([[28]], dtype=np.int32)
+    assert np.abs(eager.forward(tok, p, [1]) - graphed.forward(tok, p, [1])).max() < 1e-4
+    tok, p = np.array([[9], [8]], dtype=np.int32), np.array([[18], [29]], dtype=np.int32)
+    assert np.abs(eager.forward(tok, p) - graphed.forward(tok, p)).max() < 1e-4
+    assert _captured(graphed) == {(2, 128)}
+
+
+def test_cuda_graphs_bf16_greedy_tokens_match_eager(tiny_checkpoint: Path) -> None:
+    eager, graphed = _pair(tiny_checkpoint, torch.bfloat16, max_seq=256)
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    runs = [Generation(chain, tok, "def parse(", params) for chain in (eager, graphed)]
+    for g in runs:
+        "".join(g.stream())
+    assert runs[0].stats.completion_tokens == 64
+    assert runs[1].stats.token_ids == runs[0].stats.token_ids
+    assert _captured(graphed) == {(1, 256)}

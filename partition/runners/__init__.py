@@ -2,8 +2,9 @@
 point the rest of the project uses: it picks the backend, builds (or reuses) ONNX slices for ONNX
 Runtime, and hands back a `Chain`.
 
-Backends: "torch" (PyTorch eager, CPU or CUDA), "ort" (ONNX Runtime on exported slices; CPU EP here,
-CUDA / TensorRT EPs through `providers`), "trt" (TensorRT engines: a later issue, the seam is here).
+Backends: "torch" (PyTorch eager, CPU or CUDA, with CUDA-graph decode on CUDA), "ort" (ONNX Runtime on
+exported slices; CPU EP here, CUDA / TensorRT EPs through `providers`), "trt" (TensorRT engines: a
+later issue, the seam is here).
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def _stderr(msg: str) -> None:
 def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None = None,
                max_seq: int | None = None, max_batch: int = 1, device: str = "cpu",
                build_dir: Path | None = None, providers: Sequence[str | tuple[str, dict[str, Any]]] | None = None,
-               cache_dir: Path | None = None, options: Any = None, export_options: Any = None) -> Chain:
+               cache_dir: Path | None = None, options: Any = None, export_options: Any = None,
+               cuda_graphs: bool | None = None) -> Chain:
     """The model in `model_dir` as a Chain of slice runners.
 
     slices: "0:4,4:8" (contiguous, covering every layer) or None for one slice.
@@ -39,9 +41,17 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     build_dir / cache_dir / export_options: where the ONNX slices live for "ort" (see
     partition.build.ensure_build); a missing build is exported once, with a message on stderr.
     options: partition.runners.ort_runner.OrtOptions for "ort" (threads, past mode, IO binding).
+    cuda_graphs: replay decode steps as CUDA graphs (backend "torch"). None = on exactly when the
+    device is CUDA: decode there is launch-bound, graphs match eager (tests/test_cuda.py) and were
+    2.3-5.0x faster on an H200 (docs/BENCHMARKS.md); True on CPU or another backend is an error.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    on_cuda = device.startswith("cuda")
+    if cuda_graphs and (backend != "torch" or not on_cuda):
+        raise ValueError(f"CUDA graphs are a feature of the torch backend on a CUDA device (got backend "
+                         f"{backend!r}, device {device!r}); drop --cuda-graphs or use --backend torch --device cuda")
+    graphs = on_cuda and backend == "torch" if cuda_graphs is None else cuda_graphs
     model_dir = Path(model_dir)
     from partition.config import load_config
 
@@ -61,13 +71,13 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
         from partition.runners.torch_runner import TorchRunner
 
         model = load_model(model_dir, device=device)
-        runners = [TorchRunner(model, s, seq, max_batch) for s in specs]
+        runners = [TorchRunner(model, s, seq, max_batch, cuda_graphs=graphs) for s in specs]
     else:
         from partition.build import ensure_build
         from partition.export import ExportOptions
         from partition.runners.ort_runner import OrtOptions, OrtRunner
 
-        if providers is None and device.startswith("cuda"):
+        if providers is None and on_cuda:
             providers = ["cuda"]
         folder, manifest = ensure_build(model_dir, specs, build_dir=build_dir, cache_dir=cache_dir,
                                         options=export_options or ExportOptions(), log=_stderr)

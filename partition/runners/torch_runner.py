@@ -1,5 +1,9 @@
 """PyTorch runner (CPU or CUDA): a SliceModule plus a preallocated fixed-shape KV-cache written by
-position, so no step ever reallocates or copies the whole cache."""
+position, so no step ever reallocates or copies the whole cache.
+
+Eager is the reference path. With `cuda_graphs=True` (CUDA only) decode steps of rows 0..B-1 replay a
+captured graph instead (partition/runners/cuda_graphs.py); prefill and any other slot set stay eager,
+and both paths read and write the same cache, so they can alternate freely."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -9,12 +13,17 @@ import torch
 
 from partition.model import SliceModule, Transformer
 from partition.runners.base import SliceRunner, SliceSpec
+from partition.runners.cuda_graphs import DecodeGraphs
 
 
 class TorchRunner(SliceRunner):
     array_kind = "torch"
 
-    def __init__(self, model: Transformer, spec: SliceSpec, max_seq: int, max_batch: int = 1) -> None:
+    def __init__(self, model: Transformer, spec: SliceSpec, max_seq: int, max_batch: int = 1,
+                 cuda_graphs: bool = False, graph_buckets: bool = True) -> None:
+        """cuda_graphs: replay captured graphs for decode (needs a CUDA model: refused on CPU rather
+        than silently ignored, so a benchmark never reports eager numbers as graphed ones).
+        graph_buckets: capture per power-of-two past length instead of over the whole max_seq buffer."""
         cfg = model.config
         self.spec, self.max_seq, self.max_batch = spec, max_seq, max_batch
         self.module = SliceModule(model, spec.start, spec.end)
@@ -23,6 +32,11 @@ class TorchRunner(SliceRunner):
         shape = (max_batch, cfg.n_kv_heads, max_seq, cfg.head_dim)
         # One K and one V buffer per layer, allocated once: (max_batch, KV, max_seq, hd).
         self.cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * spec.n_layers)]
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {self.device}; "
+                             "leave CUDA graphs off (the eager path is used) or load the model with device='cuda'")
+        self.graphs = DecodeGraphs(self.module, self.cache, max_batch, max_seq, cfg.hidden_size, self.dtype,
+                                   self.device, bucketed=graph_buckets) if cuda_graphs else None
 
     def _past(self, rows: list[int], past_len: int) -> list[torch.Tensor]:
         if rows == list(range(rows[0], rows[0] + len(rows))):  # contiguous rows: a view, no copy
@@ -34,6 +48,9 @@ class TorchRunner(SliceRunner):
     def run(self, x: Any, positions: np.ndarray, slots: Sequence[int] | None = None) -> torch.Tensor:
         positions = np.asarray(positions, dtype=np.int32)
         rows = self.check_room(positions, slots)
+        b, t = positions.shape
+        if self.graphs is not None and t == 1 and rows == list(range(b)):
+            return self.graphs.run(x, positions)
         pos = torch.from_numpy(positions).to(self.device)
         if self.spec.is_first:
             x = torch.as_tensor(np.asarray(x, dtype=np.int32) if not torch.is_tensor(x) else x,
@@ -42,9 +59,8 @@ class TorchRunner(SliceRunner):
             x = torch.as_tensor(x, device=self.device).to(self.dtype)
         past_len = int(positions[:, 0].max())  # rows with a shorter history mask the extra slots
         out, *new = self.module(x, pos, *self._past(rows, past_len))
-        t = positions.shape[1]
-        for b, row in enumerate(rows):
-            start = int(positions[b, 0])
+        for i, row in enumerate(rows):
+            start = int(positions[i, 0])
             for cache, fresh in zip(self.cache, new):
-                cache[row, :, start:start + t] = fresh[b]
+                cache[row, :, start:start + t] = fresh[i]
         return out[:, -1] if self.spec.is_last else out

@@ -1,0 +1,119 @@
+"""CUDA-graph decode for the PyTorch runner: one captured graph per (batch size, past length bucket)
+replays a whole decode step of a slice (every layer, and the KV-cache write) with one launch.
+
+Why: in decode (T == 1) each layer is a dozen small kernels, so an eager step is bound by Python and
+kernel-launch overhead, not by memory traffic (measured on the H200: docs/BENCHMARKS.md, "PyTorch CUDA
+runner (H200)"). A graph needs fixed shapes and addresses, which the runner's preallocated cache gives:
+  - inputs are copied into static buffers (token ids or hidden states, positions) before each replay;
+  - `past` is a fixed view `cache[:B, :, :L]` of each layer's buffer, never the filled prefix: the
+    slice's mask attends slot k of row b iff k < positions[b, 0] (partition/model.py), so slots past
+    a row's history are invisible and L can be any length >= the longest history;
+  - the new K/V are written inside the graph by position (`scatter_` along the sequence dim, index
+    from the static positions buffer), in place on the preallocated cache.
+
+Attention over L slots costs L, not the filled length, so L is bucketed: the smallest power of two
+>= the longest history (at least `min_bucket`), capped at max_seq. That bounds the waste to 2x the
+history and costs one capture per bucket used (log2(max_seq) at most per batch size).
+
+Only rows 0..B-1 are graphed (the cache views must be fixed); other slot sets, prefill (T > 1) and
+CPU stay eager, and the eager runner remains the reference the graphs are tested against.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from partition.model import SliceModule
+
+MIN_BUCKET = 256  # shortest past length captured: below this the attention is noise next to the weights
+WARMUP_STEPS = 2  # eager runs on a side stream before a capture (cuBLAS handles, allocator), per PyTorch's docs
+
+
+def past_buckets(max_seq: int, min_bucket: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Past lengths that may be captured: powers of two from min_bucket, then max_seq itself."""
+    if max_seq < 1 or min_bucket < 1:
+        raise ValueError(f"max_seq ({max_seq}) and min_bucket ({min_bucket}) must be positive")
+    out: list[int] = []
+    n = min_bucket
+    while n < max_seq:
+        out.append(n)
+        n *= 2
+    return (*out, max_seq)
+
+
+def bucket_for(history: int, buckets: tuple[int, ...]) -> int:
+    """The shortest bucket that holds `history` past slots (the last bucket is max_seq)."""
+    for n in buckets:
+        if history <= n:
+            return n
+    raise ValueError(f"history {history} exceeds the largest past length {buckets[-1]}")
+
+
+class DecodeGraphs:
+    """Captured decode steps of one slice over one runner's cache; built lazily, one per (B, L)."""
+
+    def __init__(self, module: SliceModule, cache: list[Tensor], max_batch: int, max_seq: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, bucketed: bool = True,
+                 min_bucket: int = MIN_BUCKET) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; this slice is on {device}")
+        self.module, self.cache = module, cache
+        self.is_first, self.is_last = module.is_first, module.is_last
+        self.buckets = past_buckets(max_seq, min_bucket) if bucketed else (max_seq,)
+        # Static inputs, allocated once: each graph reads the first B rows of them.
+        self.x = (torch.zeros((max_batch, 1), dtype=torch.int32, device=device) if self.is_first
+                  else torch.zeros((max_batch, 1, hidden_size), dtype=dtype, device=device))  # (Bmax, 1[, D])
+        self.positions = torch.zeros((max_batch, 1), dtype=torch.int32, device=device)  # (Bmax, 1)
+        # One memory pool for all graphs of this slice: safe because graphs never run concurrently and
+        # each replay's output is cloned before another graph can reuse the pool's blocks.
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+
+    def _step(self, b: int, past_len: int) -> Callable[[], Tensor]:
+        """One decode step of rows 0..b-1 reading only static buffers: the function that is captured."""
+        cache_rows = [c[:b] for c in self.cache]  # (b, KV, max_seq, hd) views, fixed addresses
+        past = [c[:, :, :past_len] for c in cache_rows]  # (b, KV, L, hd)
+        kv, hd = self.cache[0].shape[1], self.cache[0].shape[3]
+
+        def step() -> Tensor:
+            pos = self.positions[:b]  # (b, 1)
+            out, *new = self.module(self.x[:b], pos, *past)
+            slot = pos.long().view(b, 1, 1, 1).expand(b, kv, 1, hd)  # row r writes at positions[r, 0]
+            for cache, fresh in zip(cache_rows, new):
+                cache.scatter_(2, slot, fresh)  # fresh (b, KV, 1, hd), in place on the cache
+            return out[:, -1] if self.is_last else out
+
+        return step
+
+    def _capture(self, b: int, past_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        step = self._step(b, past_len)
+        # Warm-up on a side stream (PyTorch's CUDA-graph recipe). It runs the real step on the inputs
+        # already in the static buffers; writing the same K/V at the same slot again is idempotent.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        return graph, out
+
+    def run(self, x: Any, positions: np.ndarray) -> Tensor:
+        """Decode rows 0..B-1: x (B, 1) ids or (B, 1, D) hidden states (numpy or torch, any device),
+        positions int32 (B, 1) on the host (the bucket is picked there, with no device sync).
+        Returns what the eager runner would: logits (B, V) or hidden states (B, 1, D)."""
+        b = positions.shape[0]
+        self.x[:b].copy_(torch.as_tensor(x))  # converts dtype and device as needed
+        self.positions[:b].copy_(torch.from_numpy(positions))
+        key = (b, bucket_for(int(positions[:, 0].max()), self.buckets))
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(*key)
+        graph, out = entry
+        graph.replay()
+        return out.clone()  # the pool is shared between graphs: hand back a tensor no replay overwrites
