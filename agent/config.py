@@ -34,6 +34,7 @@ class ServiceConfig:
     slices: str | None = None
     max_seq: int | None = None  # None: the model's context, at most 2048
     device: str = "cpu"
+    threads: int = 0  # CPU threads for the model's kernels; 0 = every core but one
     host: str = "127.0.0.1"
     port: int = 8000
     token: str | None = None
@@ -66,6 +67,8 @@ class ServiceConfig:
 
         if self.backend not in ("torch", "ort"):
             raise bad("model.backend", "must be 'torch' or 'ort'", self.backend)
+        if self.threads < 0:
+            raise bad("model.threads", "must be >= 0 (0 = every core but one)", self.threads)
         if self.max_seq is not None and self.max_seq < 2:
             raise bad("model.max_seq", "must be >= 2", self.max_seq)
         if not 0 <= self.port <= 65535:
@@ -97,6 +100,7 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("model", "slices"): ("slices", (str,)),
     ("model", "max_seq"): ("max_seq", (int,)),
     ("model", "device"): ("device", (str,)),
+    ("model", "threads"): ("threads", (int,)),
     ("server", "host"): ("host", (str,)),
     ("server", "port"): ("port", (int,)),
     ("server", "token"): ("token", (str,)),

@@ -18,8 +18,9 @@ from agent.phases import PhaseEvent
 from agent.service import Service
 
 DEMO_PROMPTS = (
-    ("completion", "def fibonacci(n):"),
-    ("chat", "Write a function that reverses a list."),
+    ("completion", "def parse(source, filename='<unknown>'):"),
+    # The shipped model is a completion model of Python source: its chat template joins the messages.
+    ("chat", "class Stack:\n    \"\"\"A last-in, first-out queue.\"\"\""),
     ("completion", "import os\nimport sys\n\n\ndef main():"),
 )
 
@@ -68,7 +69,10 @@ def stream_request(client: httpx.Client, kind: str, prompt: str, max_tokens: int
         url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
     else:
         url, body = "/v1/completions", {"prompt": prompt}
-    body.update({"max_tokens": max_tokens, "temperature": 0, "stream": True,
+    # Seeded sampling with a mild repetition penalty: reproducible, and a small model under pure greedy
+    # decoding falls into loops.
+    body.update({"max_tokens": max_tokens, "temperature": 0.6, "top_p": 0.9, "seed": 0,
+                 "repetition_penalty": 1.1, "stream": True,
                  "stream_options": {"include_usage": True}})
     t0 = time.monotonic()
     first = last = None

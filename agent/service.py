@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import uvicorn
 
 from agent.api import ApiState, create_app
@@ -61,27 +62,22 @@ def setup_logging(level: str = "info") -> None:
     root.propagate = False
 
 
-def build_chain(cfg: ServiceConfig) -> Chain:
-    """load_chain from partition.runners when it is there; else torch slices built here."""
-    try:
-        from partition.runners import load_chain  # type: ignore[attr-defined]
-    except ImportError:
-        load_chain = None
-    if load_chain is not None:
-        return load_chain(cfg.model_dir, backend=cfg.backend, slices=cfg.slices, max_seq=cfg.max_seq,
-                          max_batch=cfg.max_batch, device=cfg.device)
-    if cfg.backend != "torch":
-        raise ValueError(f"backend {cfg.backend!r} needs partition.runners.load_chain, which is not in this "
-                         "checkout yet; use --backend torch")
-    from partition.checkpoint import load_model
-    from partition.runners.base import even_slices, parse_slices
-    from partition.runners.torch_runner import TorchRunner
+def compute_threads(cfg: ServiceConfig) -> int:
+    """Threads for the model's CPU kernels: `model.threads`, or 0 = every core but one. The spare core
+    keeps the HTTP loop, the power controller and the twin off the kernels' cores: measured on 2 cores
+    (docs/BENCHMARKS.md), torch decode through the service ran at ~80 tok/s with 2 threads and ~210
+    with 1, because a preempted OpenMP thread stalls its whole team."""
+    return cfg.threads or max(1, (os.cpu_count() or 1) - 1)
 
-    model = load_model(cfg.model_dir, device=cfg.device)
-    n = model.config.n_layers
-    specs = parse_slices(cfg.slices, n) if cfg.slices else even_slices(n, 1)
-    max_seq = cfg.max_seq or min(model.config.max_position_embeddings, 2048)
-    return Chain([TorchRunner(model, s, max_seq, max_batch=cfg.max_batch) for s in specs])
+
+def build_chain(cfg: ServiceConfig) -> Chain:
+    from partition.runners import load_chain
+    from partition.runners.ort_runner import OrtOptions
+
+    threads = compute_threads(cfg)
+    torch.set_num_threads(threads)
+    return load_chain(cfg.model_dir, backend=cfg.backend, slices=cfg.slices, max_seq=cfg.max_seq,
+                      max_batch=cfg.max_batch, device=cfg.device, options=OrtOptions(threads=threads))
 
 
 @dataclass
