@@ -31,6 +31,9 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, model_dir: str | Path, config: ModelConfig | None = None) -> "Tokenizer":
         model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise TokenizerError(f"{model_dir}: no such model folder; give a checkpoint folder with config.json, "
+                                 "*.safetensors and tokenizer.json (or leave --model out for the shipped model)")
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{path}: not found; the model folder needs a tokenizer.json "
