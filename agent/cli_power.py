@@ -15,6 +15,7 @@ from rich.table import Table
 
 from agent.cli_common import cli_errors
 from power.backend import open_board
+from power.controller import clear_state, read_state
 from power.journal import DEFAULT_RUN_DIR, restore_run_dir
 from power.status import BoardStatus, read_status
 
@@ -36,7 +37,21 @@ def _mhz(v: int | None, unit: str) -> str:
     return f"{v / (1e6 if unit == 'Hz' else 1e3):.1f}"
 
 
-def render_status(st: BoardStatus) -> Group:
+def controller_line(state: dict | None) -> str:
+    """One line from the power controller's state file, or '-' when no controller has run."""
+    if not state:
+        return "-"
+    d = state.get("decision") or {}
+    line = f"profile {state.get('profile')}, phase {state.get('phase')}"
+    if d:
+        line += (f"; GPU {d.get('gpu_min_hz', 0) / 1e6:.0f}-{d.get('gpu_max_hz', 0) / 1e6:.0f} MHz, "
+                 f"EMC {d.get('emc_hz', 0) / 1e6:.0f} MHz ({d.get('reason')})")
+    if state.get("failed"):
+        line += f"; FAILED: {state['failed']}"
+    return line
+
+
+def render_status(st: BoardStatus, state: dict | None = None) -> Group:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
@@ -48,6 +63,7 @@ def render_status(st: BoardStatus) -> Group:
     total = f"{st.total_mw / 1000:.2f} W" if st.total_mw is not None else "-"
     fan = f"{st.fan_pwm}/255" if st.fan_pwm is not None else "-"
     head.add_row("total power / fan", f"{total} / {fan}")
+    head.add_row("power controller", escape(controller_line(state)))
 
     clocks = Table(title="clocks (MHz)", title_justify="left")
     for col in ("clock", "cur", "min", "max", "notes"):
@@ -97,41 +113,46 @@ def status(root: Path = typer.Option(Path("/"), "--root", help=ROOT_HELP),
            json_out: bool = typer.Option(False, "--json", help="Print JSON (one object per sample)."),
            watch: bool = typer.Option(False, "--watch", help="Refresh until Ctrl-C."),
            interval: float = typer.Option(1.0, "--interval", min=0.1, help="Seconds between samples with --watch."),
-           backend: str = typer.Option("auto", "--backend", help="auto, sysfs or jtop.")) -> None:
-    """Board, L4T, power mode, every clock (cur/min/max), zone temperatures, rails and total power, fan."""
+           backend: str = typer.Option("auto", "--backend", help="auto, sysfs or jtop."),
+           run_dir: Path = typer.Option(Path(DEFAULT_RUN_DIR), "--run-dir",
+                                        help="The service's run directory (its power controller's state).")) -> None:
+    """Board, L4T, power mode, every clock (cur/min/max), zone temperatures, rails and total power, fan,
+    and the power controller's profile, phase and last decision when a service runs."""
     with cli_errors():
         board = open_board(_check_root(root), backend=backend)
         try:
             if not watch:
-                _emit(read_status(board), json_out)
+                _emit(read_status(board), read_state(run_dir), json_out)
                 return
             try:
-                _watch(board, json_out, interval)
+                _watch(board, run_dir, json_out, interval)
             except KeyboardInterrupt:
                 return  # Ctrl-C is how --watch ends
         finally:
             board.close()
 
 
-def _watch(board: object, json_out: bool, interval: float) -> None:
+def _watch(board: object, run_dir: Path, json_out: bool, interval: float) -> None:
     from rich.live import Live
 
     if json_out:  # JSON lines: one compact object per sample
         while True:
-            sys.stdout.write(json.dumps(read_status(board).to_dict(), default=str) + "\n")  # type: ignore[arg-type]
+            data = {**read_status(board).to_dict(), "controller": read_state(run_dir)}  # type: ignore[arg-type]
+            sys.stdout.write(json.dumps(data, default=str) + "\n")
             sys.stdout.flush()
             time.sleep(interval)
-    with Live(render_status(read_status(board)), auto_refresh=False) as live:  # type: ignore[arg-type]
+    view = lambda: render_status(read_status(board), read_state(run_dir))  # type: ignore[arg-type]  # noqa: E731
+    with Live(view(), auto_refresh=False) as live:
         while True:
             time.sleep(interval)
-            live.update(render_status(read_status(board)), refresh=True)  # type: ignore[arg-type]
+            live.update(view(), refresh=True)
 
 
-def _emit(st: BoardStatus, json_out: bool) -> None:
+def _emit(st: BoardStatus, state: dict | None, json_out: bool) -> None:
     if json_out:
-        sys.stdout.write(st.to_json() + "\n")
+        sys.stdout.write(json.dumps({**st.to_dict(), "controller": state}, indent=2, default=str) + "\n")
     else:
-        Console().print(render_status(st))
+        Console().print(render_status(st, state))
 
 
 @app.command("restore")
@@ -141,6 +162,7 @@ def restore(root: Path = typer.Option(Path("/"), "--root", help=ROOT_HELP),
     """Put back every clock/fan file the agent changed, from the journal in the run directory."""
     with cli_errors():
         report = restore_run_dir(run_dir, _check_root(root))
+        clear_state(run_dir)
         if not report.restored:
             typer.echo(f"nothing to restore (no journal in {run_dir})")
         else:

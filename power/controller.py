@@ -47,6 +47,12 @@ def write_state(run_dir: str | os.PathLike[str], doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def clear_state(run_dir: str | os.PathLike[str]) -> None:
+    """Forget the controller's state once the board is restored: the file must not describe clocks that
+    are no longer in force."""
+    (Path(run_dir) / STATE_FILE).unlink(missing_ok=True)
+
+
 def read_state(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         return json.loads((Path(run_dir) / STATE_FILE).read_text())
@@ -113,6 +119,7 @@ class PowerController:
             self._thread.join(timeout=5)
         try:
             self.applier.restore()
+            clear_state(self.run_dir)
         finally:
             if self.applier.writer.journal is not None:
                 self.applier.writer.journal.close()

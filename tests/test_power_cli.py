@@ -115,3 +115,18 @@ def test_jtop_backend_readings_and_setters(tmp_path):
     assert any(e.path.endswith("pwm1") for e in w.journal.entries)  # restore puts the fan file back
     board.close()
     assert jet.closed
+
+
+def test_status_shows_the_controller_state_until_restore(tmp_path):
+    from power.twin import create_twin
+
+    root, run = tmp_path / "twin", tmp_path / "run"
+    create_twin(root, "agx-orin-64gb", "r36")
+    args = ["--root", str(root), "--run-dir", str(run)]
+    assert json.loads(runner.invoke(app, ["power", "status", *args, "--json"]).output)["controller"] is None
+    assert runner.invoke(app, ["power", "set", "eco", *args]).exit_code == 0
+    doc = json.loads(runner.invoke(app, ["power", "status", *args, "--json"]).output)
+    assert doc["controller"]["profile"] == "eco" and doc["controller"]["phase"] == "idle"
+    assert "profile eco, phase idle" in runner.invoke(app, ["power", "status", *args]).output
+    assert runner.invoke(app, ["power", "restore", *args]).exit_code == 0
+    assert json.loads(runner.invoke(app, ["power", "status", *args, "--json"]).output)["controller"] is None
