@@ -26,20 +26,26 @@ DEMO_PROMPTS = (
 
 
 class ClockSampler:
-    """A phase listener that notes the GPU and EMC clocks in force at each phase (one read per event)."""
+    """A phase listener that notes the GPU and EMC clocks in force during each phase: read at the next
+    event, i.e. at the end of the phase, once the controller has had the phase's steps to switch them
+    (read at its start they would still be the previous phase's)."""
 
     def __init__(self, reader: BoardReader | None) -> None:
         self.reader = reader
         self.lock = threading.Lock()
         self.samples: list[tuple[float, str, int | None, int | None]] = []
+        self._open: PhaseEvent | None = None
 
     def on_phase(self, event: PhaseEvent) -> None:
-        if self.reader is None or event.kind == "idle":
+        if self.reader is None:
+            return
+        ended, self._open = self._open, event if event.kind != "idle" else None
+        if ended is None:
             return
         gpu = self.reader.gpu.read().cur_hz if self.reader.gpu is not None and self.reader.gpu.available else None
         emc = self.reader.emc.read().cur_hz if self.reader.emc is not None and self.reader.emc.available else None
         with self.lock:
-            self.samples.append((event.t, event.kind, gpu, emc))
+            self.samples.append((ended.t, ended.kind, gpu, emc))
 
     def clocks(self, kind: str, t0: float, t1: float) -> str:
         with self.lock:

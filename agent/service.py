@@ -28,6 +28,7 @@ from agent.metrics import ServiceMetrics
 from agent.phases import FanOut, NullListener, PhaseListener
 from agent.protocol import Limits
 from agent.sdnotify import Notifier
+from partition.config import load_config
 from partition.runners.chain import Chain
 from partition.tokenizer import Tokenizer
 
@@ -186,11 +187,15 @@ class Service:
             return None
         try:
             from power.controller import PowerController
+            from power.costmodel import shape_of
         except ImportError as exc:
             log.warning("no power controller (%s): serving at the board's own clocks", exc)
             return None
         try:
-            ctl = PowerController.open(b.root, b.run_dir, cfg.profile)
+            # `auto` plans from the cost model of the model being served, in the precision an Orin's
+            # engines run it (TensorRT FP16).
+            shape = shape_of(cfg.model_dir.name, load_config(cfg.model_dir))
+            ctl = PowerController.open(b.root, b.run_dir, cfg.profile, shape=shape, precision="fp16")
         except Exception as exc:  # noqa: BLE001 - any board/profile problem: log it and serve anyway
             log.warning("power controller not started (%s: %s): serving at the board's own clocks",
                         type(exc).__name__, exc)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from power.applier import ClockApplier, PowerLoop, read_zone_samples, tables_from_board
 from power.backend import SysfsBoard, open_board
 from power.board_specs import board_for
+from power.costmodel import ModelShape
 from power.dvfs import DvfsController, PhaseIn, Planner
 from power.profile import DEFAULT_USER_DIR, Profile, ProfileStore
 
@@ -70,9 +71,11 @@ class PowerController:
 
     @classmethod
     def open(cls, root: str | os.PathLike[str], run_dir: str | os.PathLike[str], profile: str | Profile,
-             *, profile_dir: str | None = DEFAULT_USER_DIR, shape: str | None = None,
+             *, profile_dir: str | None = DEFAULT_USER_DIR, shape: str | ModelShape | None = None,
              precision: str = "int4", fan_ours: bool = False) -> "PowerController":
-        """Board, journal, profile (nvpmodel mode applied), tables and planner for ``root``."""
+        """Board, journal, profile (nvpmodel mode applied), tables and planner for ``root``. With a
+        model shape (a preset name or the served model's ModelShape) `auto` plans from the cost model;
+        without one it falls back to a fixed rule."""
         prof = profile if isinstance(profile, Profile) else ProfileStore(profile_dir).load(profile)
         board = open_board(root)
         writer = board.writer(run_dir)

@@ -15,7 +15,7 @@ playground benchmarks). The online correction of issue 4 (learning per-clock ste
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from power.board_specs import BoardSpec, active_tpcs
 from power.twin.physics import Activity, Clocks, power
@@ -67,13 +67,17 @@ _EXTRA_SHAPES = {
 }
 
 
+def shape_of(name: str, c: Any) -> ModelShape:
+    """The shape of a partition.config.ModelConfig (a preset, or the model being served)."""
+    return ModelShape(name, c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim,
+                      c.intermediate_size, c.vocab_size, c.tie_word_embeddings)
+
+
 def model_shape(name: str) -> ModelShape:
     """A named shape: partition.config's presets (the one model definition), then a few extras."""
     from partition.config import PRESETS      # stdlib-only module; imported late to keep this light
     if name in PRESETS:
-        c = PRESETS[name]
-        return ModelShape(name, c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim,
-                          c.intermediate_size, c.vocab_size, c.tie_word_embeddings)
+        return shape_of(name, PRESETS[name])
     if name in _EXTRA_SHAPES:
         return _EXTRA_SHAPES[name]
     raise KeyError(f"unknown model shape {name!r}; known: {', '.join(sorted([*PRESETS, *_EXTRA_SHAPES]))}")

@@ -28,7 +28,8 @@ from types import MappingProxyType
 from typing import Mapping
 
 from power.board_specs import BoardSpec, active_tpcs
-from power.costmodel import CostParams, DEFAULT_PARAMS, OperatingPoint, decode_step, model_shape, prefill_step
+from power.costmodel import (CostParams, DEFAULT_PARAMS, ModelShape, OperatingPoint, decode_step, model_shape,
+                             prefill_step)
 from power.profile import BoardTables, Profile, resolve_clock
 from power.thermalctl import ThermalState, ThermalVerdict, ZoneSample, thermal_step
 
@@ -113,7 +114,7 @@ def size_bucket(p: PhaseIn) -> int:
 class Planner:
     """Predicted step time and energy per clock point, for one board, model shape and precision."""
     spec: BoardSpec
-    shape_name: str
+    shape: ModelShape
     precision: str
     tpcs: int
     params: CostParams = DEFAULT_PARAMS
@@ -123,10 +124,12 @@ class Planner:
         default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
-    def for_board(cls, spec: BoardSpec, shape: str, precision: str, mode_id: int | None = None) -> "Planner":
+    def for_board(cls, spec: BoardSpec, shape: str | ModelShape, precision: str,
+                  mode_id: int | None = None) -> "Planner":
+        """shape: a preset name, or the ModelShape of the model being served."""
         m = spec.mode(spec.default_mode if mode_id is None else mode_id)
-        model_shape(shape)  # fail early on an unknown shape
-        return cls(spec, shape, precision, active_tpcs(spec, m.tpc_pg_mask))
+        resolved = model_shape(shape) if isinstance(shape, str) else shape  # fail early on an unknown name
+        return cls(spec, resolved, precision, active_tpcs(spec, m.tpc_pg_mask))
 
     def candidates(self, kind: str, bucket: int, batch: int, gpus: tuple[int, ...],
                    emcs: tuple[int, ...]) -> tuple[tuple[float, float, int, int], ...]:
@@ -147,7 +150,7 @@ class Planner:
         if hit is not None:
             return hit
         op = OperatingPoint(gpu_hz, emc_hz, self.tpcs)
-        shape = model_shape(self.shape_name)
+        shape = self.shape
         if kind == "prefill":
             c = prefill_step(self.spec, shape, self.precision, op, bucket, 0, self.params)
         else:
