@@ -23,7 +23,7 @@ def _is_jetson() -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reasons = {
         "cuda": None if _has_cuda() else "no CUDA GPU on this machine (run on the lent GPU machine)",
-        "jetson": None if _is_jetson() else "not a Jetson Orin (run `orin-agent smoke` on a board)",
+        "jetson": None if _is_jetson() else "not a Jetson Orin (run these tests on a board)",
         "tensorrt": None if importlib.util.find_spec("tensorrt") else
         "TensorRT's Python bindings are not installed (JetPack's python3-libnvinfer provides them)",
     }
