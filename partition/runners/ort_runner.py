@@ -10,7 +10,7 @@ Past K/V are fed one of two ways (the masking rule in model.py makes both exact)
   * "prefix": only the filled slots [0, max start) of the rows in the batch, copied into one
     contiguous array per layer (ORT takes no strided tensors): work grows with the context.
   * "full": the whole fixed buffer (P = max_seq), zero-copy when the rows are a contiguous range:
-    no copy, but attention (and the graph's GQA Expand) runs over every slot of max_seq.
+    no copy, but attention runs over every slot of max_seq.
 The default comes from a measurement on the 2-core CPU machine (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
