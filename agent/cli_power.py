@@ -15,7 +15,7 @@ from rich.table import Table
 
 from agent.cli_common import cli_errors
 from power.backend import open_board
-from power.controller import clear_state, read_state
+from power.controller import clear_state, describe_state, read_state
 from power.journal import DEFAULT_RUN_DIR, restore_run_dir
 from power.status import BoardStatus, read_status
 
@@ -37,20 +37,6 @@ def _mhz(v: int | None, unit: str) -> str:
     return f"{v / (1e6 if unit == 'Hz' else 1e3):.1f}"
 
 
-def controller_line(state: dict | None) -> str:
-    """One line from the power controller's state file, or '-' when no controller has run."""
-    if not state:
-        return "-"
-    d = state.get("decision") or {}
-    line = f"profile {state.get('profile')}, phase {state.get('phase')}"
-    if d:
-        line += (f"; GPU {d.get('gpu_min_hz', 0) / 1e6:.0f}-{d.get('gpu_max_hz', 0) / 1e6:.0f} MHz, "
-                 f"EMC {d.get('emc_hz', 0) / 1e6:.0f} MHz ({d.get('reason')})")
-    if state.get("failed"):
-        line += f"; FAILED: {state['failed']}"
-    return line
-
-
 def render_status(st: BoardStatus, state: dict | None = None) -> Group:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
@@ -63,7 +49,7 @@ def render_status(st: BoardStatus, state: dict | None = None) -> Group:
     total = f"{st.total_mw / 1000:.2f} W" if st.total_mw is not None else "-"
     fan = f"{st.fan_pwm}/255" if st.fan_pwm is not None else "-"
     head.add_row("total power / fan", f"{total} / {fan}")
-    head.add_row("power controller", escape(controller_line(state)))
+    head.add_row("power controller", escape(describe_state(state)))
 
     clocks = Table(title="clocks (MHz)", title_justify="left")
     for col in ("clock", "cur", "min", "max", "notes"):

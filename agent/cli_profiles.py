@@ -116,7 +116,7 @@ def set_profile(name: str = typer.Argument(..., help="Profile name."),
 def state(run_dir: Path = typer.Option(Path("/run/orin-agent"), "--run-dir", help="The controller's run directory."),
           json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """The power controller's active profile, phase and last decision (from its state file)."""
-    from power.controller import read_state
+    from power.controller import describe_state, read_state
 
     with cli_errors():
         st = read_state(run_dir)
@@ -126,12 +126,7 @@ def state(run_dir: Path = typer.Option(Path("/run/orin-agent"), "--run-dir", hel
         if json_out:
             sys.stdout.write(json.dumps(st, indent=2) + "\n")
             return
-        d = st.get("decision") or {}
-        typer.echo(f"profile {st.get('profile')}  phase {st.get('phase')}")
-        if d:
-            typer.echo(f"GPU {d.get('gpu_min_hz', 0) / 1e6:.0f}-{d.get('gpu_max_hz', 0) / 1e6:.0f} MHz  "
-                       f"EMC {d.get('emc_hz', 0) / 1e6:.0f} MHz  CPU max {d.get('cpu_max_khz', 0) / 1e3:.0f} MHz  "
-                       f"({d.get('reason')})")
+        typer.echo(describe_state(st))
         if st.get("thermal"):
             th = st["thermal"]
             typer.echo(f"hottest {th.get('hottest')} {th.get('hottest_c')} °C, target {th.get('target_c')} °C, "

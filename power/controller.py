@@ -54,6 +54,21 @@ def clear_state(run_dir: str | os.PathLike[str]) -> None:
     (Path(run_dir) / STATE_FILE).unlink(missing_ok=True)
 
 
+def describe_state(state: dict[str, Any] | None) -> str:
+    """One line for people from a state file's content: profile, phase, last decision; '-' when none."""
+    if not state:
+        return "-"
+    d = state.get("decision") or {}
+    line = f"profile {state.get('profile')}, phase {state.get('phase')}"
+    if d:
+        line += (f"; GPU {d.get('gpu_min_hz', 0) / 1e6:.0f}-{d.get('gpu_max_hz', 0) / 1e6:.0f} MHz, "
+                 f"EMC {d.get('emc_hz', 0) / 1e6:.0f} MHz, CPU max {d.get('cpu_max_khz', 0) / 1e3:.0f} MHz "
+                 f"({d.get('reason')})")
+    if state.get("failed"):
+        line += f"; FAILED: {state['failed']}"
+    return line
+
+
 def read_state(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         return json.loads((Path(run_dir) / STATE_FILE).read_text())
