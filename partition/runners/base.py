@@ -71,6 +71,21 @@ def check_tiling(specs: Sequence[SliceSpec], n_layers: int) -> None:
         raise ValueError(f"slices end at layer {pos} but the model has {n_layers} layers")
 
 
+def row_range(rows: Sequence[int]) -> slice | None:
+    """The cache rows as one slice when they are consecutive (a view of the cache), else None."""
+    return slice(rows[0], rows[0] + len(rows)) if list(rows) == list(range(rows[0], rows[0] + len(rows))) else None
+
+
+def write_new_kv(cache: Sequence[Any], new: Sequence[Any], rows: Sequence[int], positions: np.ndarray) -> None:
+    """Write each layer's new K/V (B, KV, T, hd) into the cache rows at their positions: the only cache
+    write of a step (numpy or torch arrays alike; T slots per row, never the whole cache)."""
+    t = positions.shape[1]
+    for i, row in enumerate(rows):
+        start = int(positions[i, 0])
+        for buf, fresh in zip(cache, new):
+            buf[row, :, start:start + t] = fresh[i]
+
+
 class ContextFull(ValueError):
     """A step would write past the end of the preallocated KV-cache."""
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from partition.runners.base import SliceRunner, SliceSpec
+from partition.runners.base import SliceRunner, SliceSpec, row_range, write_new_kv
 
 # Short names accepted in `providers`; full ORT names pass through.
 PROVIDER_ALIASES = {
@@ -142,14 +142,14 @@ class OrtRunner(SliceRunner):
             c.fill(0.0)
 
     def _past(self, rows: list[int], past_len: int) -> list[np.ndarray]:
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        span = row_range(rows)
         if self.options.past_mode == "full":
-            if contiguous:
-                return [c[rows[0]:rows[0] + len(rows)] for c in self.cache]  # views, zero-copy
+            if span is not None:
+                return [c[span] for c in self.cache]  # views, zero-copy
             return [c[rows] for c in self.cache]
-        if contiguous:
+        if span is not None:
             # (B, KV, P, hd) out of (max_batch, KV, max_seq, hd): strided, so one copy per layer.
-            return [np.ascontiguousarray(c[rows[0]:rows[0] + len(rows), :, :past_len]) for c in self.cache]
+            return [np.ascontiguousarray(c[span, :, :past_len]) for c in self.cache]
         return [np.ascontiguousarray(c[rows][:, :, :past_len]) for c in self.cache]
 
     def run(self, x: Any, positions: np.ndarray, slots: Sequence[int] | None = None) -> np.ndarray:
@@ -164,11 +164,7 @@ class OrtRunner(SliceRunner):
         else:
             outs = self.session.run(self.output_names, feeds)
         out, new = outs[0], outs[1:]
-        t = positions.shape[1]
-        for b, row in enumerate(rows):
-            start = int(positions[b, 0])
-            for cache, fresh in zip(self.cache, new):
-                cache[row, :, start:start + t] = fresh[b]
+        write_new_kv(self.cache, new, rows, positions)
         return out[:, -1] if self.spec.is_last else out
 
     def _run_bound(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from partition.model import SliceModule, Transformer
-from partition.runners.base import SliceRunner, SliceSpec
+from partition.runners.base import SliceRunner, SliceSpec, row_range, write_new_kv
 from partition.runners.cuda_graphs import DecodeGraphs
 
 
@@ -39,8 +39,9 @@ class TorchRunner(SliceRunner):
                                    self.device, bucketed=graph_buckets) if cuda_graphs else None
 
     def _past(self, rows: list[int], past_len: int) -> list[torch.Tensor]:
-        if rows == list(range(rows[0], rows[0] + len(rows))):  # contiguous rows: a view, no copy
-            return [c[rows[0]:rows[0] + len(rows), :, :past_len] for c in self.cache]
+        span = row_range(rows)
+        if span is not None:  # consecutive rows: a view, no copy
+            return [c[span, :, :past_len] for c in self.cache]
         idx = torch.tensor(rows, device=self.device)
         return [c[:, :, :past_len].index_select(0, idx) for c in self.cache]
 
@@ -59,8 +60,5 @@ class TorchRunner(SliceRunner):
             x = torch.as_tensor(x, device=self.device).to(self.dtype)
         past_len = int(positions[:, 0].max())  # rows with a shorter history mask the extra slots
         out, *new = self.module(x, pos, *self._past(rows, past_len))
-        for i, row in enumerate(rows):
-            start = int(positions[i, 0])
-            for cache, fresh in zip(self.cache, new):
-                cache[row, :, start:start + t] = fresh[i]
+        write_new_kv(self.cache, new, rows, positions)
         return out[:, -1] if self.spec.is_last else out
