@@ -1,5 +1,5 @@
 """The energy benchmark: a request trace replayed through the real controller against the twin, in
-virtual time, for several policies side by side. Owns issue 4 item 5 (the CLI is agent/cli_bench.py).
+virtual time, for several policies side by side. The CLI is agent/cli/bench.py.
 
 Per policy, on a fresh twin tree (tmpfs when there is one):
 - a simple engine: prefill-first continuous batching up to ``max_batch`` sequences; a prefill step

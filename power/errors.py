@@ -1,7 +1,7 @@
 """The board layer's error types.
 
 Each is an ``OSError`` (the project's CLI turns ValueError/OSError into a one-line message and exit
-code 2, agent/cli_common.py) whose message names the file or command and says what to do.
+code 2, agent/cli/common.py) whose message names the file or command and says what to do.
 """
 from __future__ import annotations
 

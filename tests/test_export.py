@@ -163,7 +163,7 @@ def test_cache_reuses_a_matching_build_only(built: tuple[Path, Path], tmp_path: 
 
 @pytest.fixture()
 def cli() -> typer.Typer:
-    from agent import cli_build
+    from agent.cli import build as cli_build
 
     app = typer.Typer()
 

@@ -1,6 +1,6 @@
 """`orin-agent power profiles | show | set | state`: the power profiles (power.profile) and the
 controller's state. Thin: every value comes from ``power``; registered on the ``power`` sub-app by
-``register(power_app)`` (agent/cli_power.py calls it).
+``register(power_app)`` (agent/cli/power.py calls it).
 
 ``set`` without a running service applies the profile's power mode and its idle clocks directly,
 journaled (``orin-agent power restore`` undoes it). The service has no API to switch profiles yet,
@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from agent.cli_common import cli_errors
+from agent.cli.common import cli_errors
 from power.profile import DEFAULT_USER_DIR, ProfileStore
 
 ROOT_HELP = "Root of the board's file tree: '/' on an Orin, a twin folder elsewhere."

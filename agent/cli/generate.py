@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from agent.cli_common import cli_errors, print_json
+from agent.cli.common import cli_errors, print_json
 from partition.paths import DEFAULT_MODEL_DIR
 
 MODEL_HELP = "Checkpoint folder (config.json, *.safetensors, tokenizer.json); default: the shipped model."

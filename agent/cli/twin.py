@@ -100,3 +100,7 @@ def run(
         return
     if not quiet:
         typer.echo(f"stopped: {_line(st)} energy={st.energy_j:.1f}J")
+
+
+def register(root_app: typer.Typer) -> None:
+    root_app.add_typer(app, name="twin")

@@ -13,7 +13,8 @@ from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
 
-from agent.cli_common import cli_errors
+from agent.cli import profiles
+from agent.cli.common import cli_errors
 from power.backend import open_board
 from power.controller import clear_state, describe_state, read_state
 from power.journal import DEFAULT_RUN_DIR, restore_run_dir
@@ -154,5 +155,9 @@ def restore(root: Path = typer.Option(Path("/"), "--root", help=ROOT_HELP),
         else:
             typer.echo(f"restored {len(report.restored)} file(s) under {root}")
 
-from agent import cli_profiles  # noqa: E402  (profiles, show, set, state: issue 4)
-cli_profiles.register(app)
+
+profiles.register(app)  # profiles, show, set, state on the same sub-app
+
+
+def register(root_app: typer.Typer) -> None:
+    root_app.add_typer(app, name="power")

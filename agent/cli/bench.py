@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from agent.cli_common import cli_errors
+from agent.cli.common import cli_errors
 
 app = typer.Typer(help="Benchmarks: energy per token of the power policies on the twin.", no_args_is_help=True)
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from agent.cli_common import cli_errors, print_json
+from agent.cli.common import cli_errors, print_json
 from partition.paths import DEFAULT_MODEL_DIR
 
 
