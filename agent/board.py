@@ -26,7 +26,7 @@ TWIN_L4T = "r36"
 
 @dataclass(frozen=True)
 class BoardSnapshot:
-    power_mw: float | None  # board total: VDD_IN where measured, else the sum of the rails (power.rails)
+    power_mw: float | None  # board total: VDD_IN where measured, else the sum of the rails (power.hw.rails)
     rails_mw: dict[str, float] = field(default_factory=dict)
     temps_c: dict[str, float] = field(default_factory=dict)
     gpu_hz: int | None = None
@@ -43,10 +43,10 @@ class BoardReader:
         self.gpu: Any = None
         self.emc: Any = None
         try:
-            from power.emc import Emc, find_emc
-            from power.gpu import GpuClock, find_gpu
-            from power.rails import PowerRails, find_rails
-            from power.thermal import Thermal, find_zones
+            from power.hw.emc import Emc, find_emc
+            from power.hw.gpu import GpuClock, find_gpu
+            from power.hw.rails import PowerRails, find_rails
+            from power.hw.thermal import Thermal, find_zones
         except ImportError as exc:  # power/ not installed in this checkout: no readings, no energy
             log.warning("board readings unavailable: %s", exc)
             return
@@ -146,7 +146,7 @@ class TwinDriver:
 
 def is_orin(root: str = "/") -> bool:
     try:
-        from power.identity import read_identity
+        from power.hw.identity import read_identity
     except ImportError:
         return False
     return read_identity(root).is_orin
@@ -169,7 +169,7 @@ def make_twin_root(board: str = TWIN_BOARD, l4t: str = TWIN_L4T) -> Path | None:
 def recover_board(run_dir: str | os.PathLike[str], root: str | os.PathLike[str]) -> int:
     """On start, before anything else: put back what a crashed previous run left changed (its journal
     under run_dir). Returns the number of files restored."""
-    from power.journal import Journal
+    from power.hw.journal import Journal
 
     journal = Journal(run_dir, root, recover=False)
     try:
@@ -185,7 +185,7 @@ def recover_board(run_dir: str | os.PathLike[str], root: str | os.PathLike[str])
 
 def restore_board(run_dir: str | os.PathLike[str], root: str | os.PathLike[str]) -> int:
     """On stop: `orin-agent power restore`'s call. Returns the number of files restored."""
-    from power.journal import restore_run_dir
+    from power.hw.journal import restore_run_dir
 
     report = restore_run_dir(run_dir, root)
     return len(report.restored)

@@ -110,7 +110,7 @@ def setup_board(cfg: ServiceConfig) -> BoardSetup:
         try:
             recover_board(run_dir, root)  # a crashed run's changes are put back before anything else
         except ImportError:
-            log.warning("power.journal is not available: no crash recovery of board files")
+            log.warning("power.hw.journal is not available: no crash recovery of board files")
     return BoardSetup(root, run_dir, twin, temp)
 
 
@@ -187,7 +187,7 @@ class Service:
             return None
         try:
             from power.controller import PowerController
-            from power.costmodel import shape_of
+            from power.physics.costmodel import shape_of
         except ImportError as exc:
             log.warning("no power controller (%s): serving at the board's own clocks", exc)
             return None

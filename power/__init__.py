@@ -1,2 +1,4 @@
-"""power: the board — discovery and journaled access (sysfs, nvpmodel, jetson_clocks, jtop), the twin,
-the cost model, power profiles and the DVFS / thermal controllers."""
+"""power: the board and its control. Layers, lowest first: ``power.hw`` (files and tools), ``power.physics``
+(specs, equations, cost model), ``power.policy`` (tables, profiles, DVFS, thermal), the runtime
+(``power.control``, ``power.applier``, ``power.controller``), and ``power.twin`` (the simulated board) and
+``power.bench`` on top. ``power`` never imports ``agent``."""

@@ -1,8 +1,8 @@
 """Applying controller decisions to the board, and the loop that ties sensors, the pure controller and
 the writes together. Owns issue 4 item 2's applier.
 
-- :class:`ClockApplier` writes a :class:`power.dvfs.Decision` through the board layer's journaled
-  :class:`power.writer.ClockWriter` (allowlisted paths, kernel write order, read-back, rollback of a
+- :class:`ClockApplier` writes a :class:`power.policy.dvfs.Decision` through the board layer's journaled
+  :class:`power.hw.writer.ClockWriter` (allowlisted paths, kernel write order, read-back, rollback of a
   half-applied transaction). It remembers what it last applied and skips domains whose clocks did
   not change, so a phase switch touches only the files that move (usually GPU min/max and the EMC
   rate). Any write error restores the whole journal before it propagates: clocks are never left
@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from power.backend import SysfsBoard
-from power.errors import BoardWriteError
-from power.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, StepSample
-from power.profile import BoardTables, Profile
-from power.thermalctl import ZoneSample
-from power.writer import ClockWriter
+from power.hw.backends import SysfsBoard
+from power.hw.errors import BoardWriteError
+from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, StepSample
+from power.policy.profiles import BoardTables, Profile
+from power.policy.thermal import ZoneSample
+from power.hw.writer import ClockWriter
 
 log = logging.getLogger("orin_agent.power")
 

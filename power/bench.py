@@ -5,7 +5,7 @@ Per policy, on a fresh twin tree (tmpfs when there is one):
 - a simple engine: prefill-first continuous batching up to ``max_batch`` sequences; a prefill step
   produces a request's first token, a decode step one token for every active sequence;
 - each step's time and the workload it presents come from the cost model at the clocks the twin
-  has settled on (``power.costmodel``); the twin integrates power and temperature over the step;
+  has settled on (``power.physics.costmodel``); the twin integrates power and temperature over the step;
 - controller policies get the engine's phase events through :class:`power.applier.PowerLoop`, which
   writes through the journaled board layer into the twin tree; the twin re-reads its limits after
   each write and settles the new clocks for ``SETTLE_S`` (ORIN.md: GPU 5 ms, EMC 8 ms) before the
@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from power.applier import ClockApplier, PowerLoop, read_zone_samples, tables_from_board
-from power.backend import SysfsBoard
-from power.board_specs import board_for
-from power.costmodel import OperatingPoint, PRECISIONS, decode_step, model_shape, prefill_step
-from power.dvfs import DvfsController, PhaseIn, Planner
-from power.profile import ProfileStore
+from power.hw.backends import SysfsBoard
+from power.physics.boards import board_for
+from power.physics.costmodel import OperatingPoint, PRECISIONS, decode_step, model_shape, prefill_step
+from power.policy.dvfs import DvfsController, PhaseIn, Planner
+from power.policy.profiles import ProfileStore
 from power.traces import Request, make_trace
 from power.twin import IDLE, Twin, create_twin
 

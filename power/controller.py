@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from power.applier import ClockApplier, PowerLoop, read_zone_samples, tables_from_board
-from power.backend import SysfsBoard, open_board
-from power.board_specs import board_for
-from power.costmodel import ModelShape
-from power.dvfs import DvfsController, PhaseIn, Planner
-from power.profile import DEFAULT_USER_DIR, Profile, ProfileStore
+from power.hw.backends import SysfsBoard, open_board
+from power.physics.boards import board_for
+from power.physics.costmodel import ModelShape
+from power.policy.dvfs import DvfsController, PhaseIn, Planner
+from power.policy.profiles import DEFAULT_USER_DIR, Profile, ProfileStore
 
 log = logging.getLogger("orin_agent.power")
 STATE_FILE = "power-state.json"

@@ -10,10 +10,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from power.backend import SysfsBoard
-from power.nvpmodel import ModeReading
-from power.rails import PowerRails, RailReading
-from power.thermal import ZoneReading
+from power.hw.backends import SysfsBoard
+from power.hw.nvpmodel import ModeReading
+from power.hw.rails import PowerRails, RailReading
+from power.hw.thermal import ZoneReading
 
 
 @dataclass(frozen=True)

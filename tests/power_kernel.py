@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 
-from power.journal import BoardIO
+from power.hw.journal import BoardIO
 
 PAIRS = {"min_freq": "max_freq", "max_freq": "min_freq",
          "scaling_min_freq": "scaling_max_freq", "scaling_max_freq": "scaling_min_freq"}

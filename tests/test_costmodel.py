@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from power.board_specs import board_for
-from power.costmodel import (OperatingPoint, bandwidth_ceiling_tokens_per_s, decode_step,
+from power.physics.boards import board_for
+from power.physics.costmodel import (OperatingPoint, bandwidth_ceiling_tokens_per_s, decode_step,
                              decode_tokens_per_s, model_shape, prefill_step)
 
 AGX = board_for("agx-orin-64gb", "r36")

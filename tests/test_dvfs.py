@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from power.board_specs import BOARDS
-from power.dvfs import (Decision, DvfsController, DvfsState, PhaseIn, Planner, Readings, StepSample,
+from power.physics.boards import BOARDS
+from power.policy.dvfs import (Decision, DvfsController, DvfsState, PhaseIn, Planner, Readings, StepSample,
                         tables_for)
-from power.profile import ProfileStore
-from power.thermalctl import ZoneSample
+from power.policy.profiles import ProfileStore
+from power.policy.thermal import ZoneSample
 
 SPEC = BOARDS["agx-orin-64gb"]
 STORE = ProfileStore(None)

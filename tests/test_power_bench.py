@@ -10,12 +10,12 @@ from typer.testing import CliRunner
 
 from agent.cli import app
 from power.applier import ClockApplier, PowerLoop, read_zone_samples, tables_from_board
-from power.backend import SysfsBoard
+from power.hw.backends import SysfsBoard
 from power.bench import BenchConfig, compare, run_bench
-from power.board_specs import BOARDS
-from power.dvfs import DvfsController, PhaseIn, Planner
-from power.errors import BoardWriteError
-from power.profile import ProfileStore
+from power.physics.boards import BOARDS
+from power.policy.dvfs import DvfsController, PhaseIn, Planner
+from power.hw.errors import BoardWriteError
+from power.policy.profiles import ProfileStore
 from power.traces import make_trace
 from power.twin import Twin, create_twin
 

@@ -7,8 +7,8 @@ import time
 from typer.testing import CliRunner
 
 from agent.cli import app
-from power.backend import JtopBoard, SysfsBoard
-from power.journal import JOURNAL_NAME
+from power.hw.backends import JtopBoard, SysfsBoard
+from power.hw.journal import JOURNAL_NAME
 from power.status import read_status
 from power_tree import make_tree, snapshot
 

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from power import sysfs
-from power.backend import SysfsBoard, open_board
-from power.discovery import discover
+from power.hw import sysfs
+from power.hw.backends import SysfsBoard, open_board
+from power.hw.discovery import discover
 from power.status import read_status
 from power_tree import make_tree, put
 

@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 
-from power.backend import SysfsBoard
-from power.errors import BoardWriteError, JournalError, RefusedWrite
-from power.journal import JOURNAL_NAME, BoardIO, Journal, restore_run_dir
-from power.nvpmodel import NvpModel
-from power.tools import run_tool
+from power.hw.backends import SysfsBoard
+from power.hw.errors import BoardWriteError, JournalError, RefusedWrite
+from power.hw.journal import JOURNAL_NAME, BoardIO, Journal, restore_run_dir
+from power.hw.nvpmodel import NvpModel
+from power.hw.tools import run_tool
 from power_kernel import FakeKernel, SimulatedCrash
 from power_tree import make_tree, snapshot
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from power.identity import module_from_compatible
-from power.parsers import (NvpModelConfError, format_store_file, parse_compatible, parse_jetson_clocks_show,
+from power.hw.identity import module_from_compatible
+from power.hw.parsers import (NvpModelConfError, format_store_file, parse_compatible, parse_jetson_clocks_show,
                            parse_nv_tegra_release, parse_nvpmodel_conf, parse_nvpmodel_query,
                            parse_nvpmodel_status, parse_store_file, parse_tegrastats)
 

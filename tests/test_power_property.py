@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from power.backend import SysfsBoard
-from power.errors import BoardWriteError, RefusedWrite
-from power.journal import JOURNAL_NAME, restore_run_dir
-from power.sysfs import resolve
+from power.hw.backends import SysfsBoard
+from power.hw.errors import BoardWriteError, RefusedWrite
+from power.hw.journal import JOURNAL_NAME, restore_run_dir
+from power.hw.sysfs import resolve
 from power_kernel import FakeKernel, SimulatedCrash
 from power_tree import CPU_KHZ, GPU_HZ, make_tree, snapshot
 

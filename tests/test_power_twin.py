@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 twin = pytest.importorskip("power.twin")
 
 from agent.cli import app  # noqa: E402
-from power.backend import SysfsBoard  # noqa: E402
-from power.board_specs import board_for  # noqa: E402
-from power.discovery import discover  # noqa: E402
+from power.hw.backends import SysfsBoard  # noqa: E402
+from power.physics.boards import board_for  # noqa: E402
+from power.hw.discovery import discover  # noqa: E402
 from power_tree import snapshot  # noqa: E402
 
 CASES = [(b, l4t) for b in sorted(twin.BOARDS) for l4t in ("r35", "r36")]

@@ -25,7 +25,7 @@ def crash_after_write(root: Path, run_dir: Path, board_path: str, value: str) ->
     """A child process journals and changes one board file, then dies by SIGKILL mid-run."""
     code = textwrap.dedent(f"""
         import os, signal
-        from power.journal import Journal
+        from power.hw.journal import Journal
         j = Journal({str(run_dir)!r}, {str(root)!r})
         host = os.path.join({str(root)!r}, {board_path.lstrip('/')!r})
         j.record({board_path!r}, open(host, 'rb').read())
@@ -38,7 +38,7 @@ def crash_after_write(root: Path, run_dir: Path, board_path: str, value: str) ->
 
 def test_start_restores_what_a_killed_run_left_changed(tiny_checkpoint: Path, tmp_path: Path) -> None:
     from power.twin.layout import twin_paths
-    from power.board_specs import board_for
+    from power.physics.boards import board_for
 
     root = make_twin(tmp_path / "root")
     board_path = "/" + twin_paths(board_for("agx-orin-64gb", "r36"), "r36").gpu_devfreq + "/max_freq"

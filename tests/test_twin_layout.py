@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from power.board_specs import BOARDS, L4T_RELEASES, board_for
+from power.physics.boards import BOARDS, L4T_RELEASES, board_for
 from power.twin import create_twin, read_meta
 
 CASES = [(b, l) for b in BOARDS for l in L4T_RELEASES]
@@ -166,7 +166,7 @@ def test_nvpmodel_conf_and_status(tree: tuple[Path, str, str]) -> None:
     assert not missing, f"nvpmodel.conf names paths the {l4t} tree lacks: {missing}"
     assert re.fullmatch(rf"pmode:{spec.default_mode:04d} fmode:\w+",
                         _r(root, "var/lib/nvpmodel/status"))
-    parsers = pytest.importorskip("power.parsers")
+    parsers = pytest.importorskip("power.hw.parsers")
     conf = parsers.parse_nvpmodel_conf(text)
     assert [m.id for m in conf.modes] == [m.id for m in spec.modes]
 

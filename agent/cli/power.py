@@ -15,9 +15,9 @@ from rich.table import Table
 
 from agent.cli import profiles
 from agent.cli.common import cli_errors
-from power.backend import open_board
+from power.hw.backends import open_board
 from power.controller import clear_state, describe_state, read_state
-from power.journal import DEFAULT_RUN_DIR, restore_run_dir
+from power.hw.journal import DEFAULT_RUN_DIR, restore_run_dir
 from power.status import BoardStatus, read_status
 
 app = typer.Typer(help="Read the board's clocks, temperatures and power; restore what the agent changed.",

@@ -1,4 +1,4 @@
-"""`orin-agent power profiles | show | set | state`: the power profiles (power.profile) and the
+"""`orin-agent power profiles | show | set | state`: the power profiles (power.policy.profiles) and the
 controller's state. Thin: every value comes from ``power``; registered on the ``power`` sub-app by
 ``register(power_app)`` (agent/cli/power.py calls it).
 
@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agent.cli.common import cli_errors
-from power.profile import DEFAULT_USER_DIR, ProfileStore
+from power.policy.profiles import DEFAULT_USER_DIR, ProfileStore
 
 ROOT_HELP = "Root of the board's file tree: '/' on an Orin, a twin folder elsewhere."
 DIR_HELP = "User profile folder (its profiles add to and override the shipped ones)."
@@ -79,10 +79,10 @@ def set_profile(name: str = typer.Argument(..., help="Profile name."),
                 dry_run: bool = typer.Option(False, "--dry-run", help="Print the writes, change nothing.")) -> None:
     """Apply a profile's power mode and idle clocks now (journaled; `power restore` undoes it)."""
     from power.applier import ClockApplier, tables_from_board
-    from power.backend import SysfsBoard, open_board
-    from power.board_specs import BOARDS
+    from power.hw.backends import SysfsBoard, open_board
+    from power.physics.boards import BOARDS
     from power.controller import write_state
-    from power.dvfs import DvfsController, PhaseIn, Readings, DvfsState
+    from power.policy.dvfs import DvfsController, PhaseIn, Readings, DvfsState
 
     with cli_errors():
         prof = _store(profile_dir).load(name)

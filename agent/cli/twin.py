@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from power.board_specs import BOARDS, L4T_RELEASES
+from power.physics.boards import BOARDS, L4T_RELEASES
 from power.twin import WORKLOAD_FILE, Twin, TwinState, create_twin
 
 app = typer.Typer(help="The simulated Orin: lay out a board's sysfs tree in a folder and run its model.",

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from power.board_specs import BoardSpec, board_for
+from power.physics.boards import BoardSpec, board_for
 from power.twin.nvpmodel_conf import (ENGINE_CAPS, GPU0_KNEXT, GPU0_R35, engine_cap_paths,
                                       render_nvpmodel_conf)
 

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from power.board_specs import BoardSpec, active_tpcs, board_for
+from power.physics.boards import BoardSpec, active_tpcs, board_for
 from power.twin.layout import WORKLOAD_FILE, ZONE_KINDS, TwinPaths, read_meta, twin_paths
-from power.twin.physics import (FAN_POLL_S, PHASE_CPU_CORES, PHASE_INTENSITY, Activity, Clocks,
+from power.physics.equations import (FAN_POLL_S, PHASE_CPU_CORES, PHASE_INTENSITY, Activity, Clocks,
                                 Power, Thermal, clamp_to_limits, cpu_governor, emc_governor,
                                 fan_curve, gpu_governor, power, snap_down, thermal_step)
 

@@ -1,9 +1,9 @@
 """The twin's physics: rail power from clocks and activity, the RC thermal model, and the clock
 governors (podgov, schedutil, the EMC bandwidth manager, nvfancontrol) as pure functions.
 
-Owned by the twin; also used by ``power.costmodel`` for energy. No I/O, no clock reads: every
+Owned by the twin; also used by ``power.physics.costmodel`` for energy. No I/O, no clock reads: every
 function takes what it needs and returns a value, so the same code serves the twin in real time, the
-twin in virtual time and the cost model. Constants live in ``power.board_specs`` with their sources.
+twin in virtual time and the cost model. Constants live in ``power.physics.boards`` with their sources.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
-from power.board_specs import BoardSpec
+from power.physics.boards import BoardSpec
 
 # --- clocks and activity ----------------------------------------------------------------------
 

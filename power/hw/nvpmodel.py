@@ -15,14 +15,14 @@ import os
 import re
 from dataclasses import dataclass
 
-from power import sysfs
-from power.cpu import ClusterInfo, CpuFreq
-from power.emc import Emc
-from power.gpu import GpuClock
-from power.parsers import (NvpModelConf, NvpModelConfError, PowerMode, format_nvpmodel_status,
+from power.hw import sysfs
+from power.hw.cpu import ClusterInfo, CpuFreq
+from power.hw.emc import Emc
+from power.hw.gpu import GpuClock
+from power.hw.parsers import (NvpModelConf, NvpModelConfError, PowerMode, format_nvpmodel_status,
                            parse_nvpmodel_conf, parse_nvpmodel_query, parse_nvpmodel_status)
-from power.tools import Runner, ToolError, run_tool
-from power.writer import ClockWriter
+from power.hw.tools import Runner, ToolError, run_tool
+from power.hw.writer import ClockWriter
 
 CONF = "/etc/nvpmodel.conf"
 STATUS = "/var/lib/nvpmodel/status"

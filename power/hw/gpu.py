@@ -10,9 +10,9 @@ import os
 import posixpath
 from dataclasses import dataclass
 
-from power import sysfs
-from power.errors import FeatureUnavailable
-from power.writer import ClockWriter
+from power.hw import sysfs
+from power.hw.errors import FeatureUnavailable
+from power.hw.writer import ClockWriter
 
 DEVFREQ_CLASS = "/sys/class/devfreq"
 GA10B_COMPATIBLE = "nvidia,ga10b"

@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from power import sysfs
-from power.errors import BoardWriteError, JournalError, RefusedWrite  # noqa: F401 (re-exported)
+from power.hw import sysfs
+from power.hw.errors import BoardWriteError, JournalError, RefusedWrite  # noqa: F401 (re-exported)
 
 DEFAULT_RUN_DIR = "/run/orin-agent"
 JOURNAL_NAME = "journal.json"

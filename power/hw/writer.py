@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from power import sysfs
-from power.errors import BoardWriteError, RefusedWrite
-from power.journal import BoardIO, Journal, describe_os_error
+from power.hw import sysfs
+from power.hw.errors import BoardWriteError, RefusedWrite
+from power.hw.journal import BoardIO, Journal, describe_os_error
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import os
 import re
 from dataclasses import dataclass
 
-from power import sysfs
-from power.gpu import snap
-from power.writer import ClockWriter
+from power.hw import sysfs
+from power.hw.gpu import snap
+from power.hw.writer import ClockWriter
 
 CPU_DIR = "/sys/devices/system/cpu"
 CLUSTER_SIZE = 4

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from power import sysfs
-from power.errors import FeatureUnavailable
-from power.writer import ClockWriter
+from power.hw import sysfs
+from power.hw.errors import FeatureUnavailable
+from power.hw.writer import ClockWriter
 
 BPMP_EMC = "/sys/kernel/debug/bpmp/debug/clk/emc"
 CAP_PATHS = ("/sys/kernel/nvpmodel_emc_cap/emc_iso_cap", "/sys/kernel/nvpmodel_clk_cap/emc")

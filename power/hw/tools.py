@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable, Sequence
 
-from power.errors import ToolError
+from power.hw.errors import ToolError
 
 # nvpmodel -q answers at once; a mode switch can take a few seconds on a loaded board.
 DEFAULT_TIMEOUT_S = 30.0

@@ -10,8 +10,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from power import sysfs
-from power.parsers import L4tRelease, parse_compatible, parse_nv_tegra_release
+from power.hw import sysfs
+from power.hw.parsers import L4tRelease, parse_compatible, parse_nv_tegra_release
 
 MODEL = "/proc/device-tree/model"
 COMPATIBLE = "/proc/device-tree/compatible"

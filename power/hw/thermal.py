@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from power import sysfs
+from power.hw import sysfs
 
 THERMAL_CLASS = "/sys/class/thermal"
 OFFLINE_MILLI_C = -256000

@@ -17,20 +17,20 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from power import sysfs
-from power.errors import FeatureUnavailable
-from power.cpu import CpuFreq
-from power.discovery import BoardInfo, discover
-from power.emc import Emc
-from power.fan import PWM_MAX, Fan, FanReading
-from power.gpu import GpuClock
-from power.jetson_clocks import JetsonClocks
-from power.journal import DEFAULT_RUN_DIR, BoardIO, Journal
-from power.nvpmodel import ModeChange, ModeReading, NvpModel
-from power.rails import PowerRails, RailReading
-from power.thermal import Thermal, ZoneReading
-from power.tools import Runner, run_tool
-from power.writer import ClockWriter
+from power.hw import sysfs
+from power.hw.errors import FeatureUnavailable
+from power.hw.cpu import CpuFreq
+from power.hw.discovery import BoardInfo, discover
+from power.hw.emc import Emc
+from power.hw.fan import PWM_MAX, Fan, FanReading
+from power.hw.gpu import GpuClock
+from power.hw.jetson_clocks import JetsonClocks
+from power.hw.journal import DEFAULT_RUN_DIR, BoardIO, Journal
+from power.hw.nvpmodel import ModeChange, ModeReading, NvpModel
+from power.hw.rails import PowerRails, RailReading
+from power.hw.thermal import Thermal, ZoneReading
+from power.hw.tools import Runner, run_tool
+from power.hw.writer import ClockWriter
 
 JTOP_SOCKET = "/run/jtop.sock"  # ORIN.md: jtop.service listens here
 

@@ -4,7 +4,7 @@ Owned by the twin / cost-model work; used by the power controller and the energy
 arithmetic, no I/O. A step's time is the larger of its compute time (FLOPs at the GPU clock, the
 active TPCs and an efficiency) and its memory time (bytes at the EMC bandwidth and an efficiency),
 plus a per-layer launch overhead that scales with the GPU clock. Energy is the twin's power model
-(``power.twin.physics.power``) at those clocks, times the step's time.
+(``power.physics.equations.power``) at those clocks, times the step's time.
 
 Published anchors it reproduces (tests/test_costmodel.py, ../shared/ORIN.md): AGX Orin 64GB MAXN,
 Llama-3-8B INT4 weight-only decode about 35.9 tok/s and prefill 91 ms / 128 tokens, 582 ms / 1024
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from power.board_specs import BoardSpec, active_tpcs
-from power.twin.physics import Activity, Clocks, power
+from power.physics.boards import BoardSpec, active_tpcs
+from power.physics.equations import Activity, Clocks, power
 
 if TYPE_CHECKING:
     from power.twin.model import Workload

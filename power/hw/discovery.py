@@ -9,15 +9,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from power import sysfs
-from power.cpu import CpuInfo, find_cpus
-from power.emc import BPMP_EMC, EmcInfo, find_emc
-from power.fan import PWM_GLOB, FanInfo, find_fan
-from power.gpu import GpuInfo, find_gpu
-from power.identity import COMPATIBLE, MODEL, NV_TEGRA_RELEASE, BoardIdentity, read_identity
-from power.nvpmodel import CONF as NVPMODEL_CONF
-from power.rails import INA3221_DRIVER, RailInfo, find_rails
-from power.thermal import THERMAL_CLASS, ZoneInfo, find_zones
+from power.hw import sysfs
+from power.hw.cpu import CpuInfo, find_cpus
+from power.hw.emc import BPMP_EMC, EmcInfo, find_emc
+from power.hw.fan import PWM_GLOB, FanInfo, find_fan
+from power.hw.gpu import GpuInfo, find_gpu
+from power.hw.identity import COMPATIBLE, MODEL, NV_TEGRA_RELEASE, BoardIdentity, read_identity
+from power.hw.nvpmodel import CONF as NVPMODEL_CONF
+from power.hw.rails import INA3221_DRIVER, RailInfo, find_rails
+from power.hw.thermal import THERMAL_CLASS, ZoneInfo, find_zones
 
 
 @dataclass(frozen=True)

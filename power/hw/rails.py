@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from power import sysfs
+from power.hw import sysfs
 
 INA3221_DRIVER = "/sys/bus/i2c/drivers/ina3221"
 TOTAL_RAIL = "VDD_IN"

@@ -6,7 +6,7 @@ a fan duty, with hysteresis. Owns issue 4 item 3.
   ORIN.md; ``DEFAULT_TRIP_C`` is used only when no zone exposes a passive trip).
 - Level: rises one step per ``STEP_S`` while the hottest online zone is above the target, falls one
   step per ``2 x STEP_S`` once it is ``hysteresis_c`` below; between the two it holds (no flapping).
-  ``power.dvfs`` turns the level into caps: prefill's GPU cap comes down first, decode's later.
+  ``power.policy.dvfs`` turns the level into caps: prefill's GPU cap comes down first, decode's later.
 - Critical: at or above the critical limit the clocks go to the floor whatever the profile says,
   until the zone is ``hysteresis_c`` below it; the verdict carries a message for the log.
 - An offline zone (unreadable, or tegrastats' -256 °C) is reported, never read as cold; with every
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from power.profile import FanPolicy, ThermalPolicy
+from power.policy.profiles import FanPolicy, ThermalPolicy
 
 DEFAULT_TRIP_C = 99.0   # AGX Orin software-throttle trip on every zone (ORIN.md, upstream T234 patch)
 STEP_S = 1.0            # one level per second: the kernel's passive polling period on T234 (1000 ms)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import os
 
-from power import sysfs
-from power.cpu import CpuFreq
-from power.emc import Emc
-from power.fan import PWM_MAX, Fan
-from power.gpu import GpuClock
-from power.parsers import ClockShow, CpuShow, JetsonClocksShow, parse_jetson_clocks_show
-from power.tools import Runner, run_tool
-from power.writer import ClockWriter
+from power.hw import sysfs
+from power.hw.cpu import CpuFreq
+from power.hw.emc import Emc
+from power.hw.fan import PWM_MAX, Fan
+from power.hw.gpu import GpuClock
+from power.hw.parsers import ClockShow, CpuShow, JetsonClocksShow, parse_jetson_clocks_show
+from power.hw.tools import Runner, run_tool
+from power.hw.writer import ClockWriter
 
 
 class JetsonClocks:

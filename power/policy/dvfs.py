@@ -5,7 +5,7 @@ profile's clock policy into concrete clocks from the board's tables:
 - fixed values (fractions, frequencies) are snapped to the table and capped by the power mode;
 - ``auto`` picks the (GPU, EMC) point of least predicted joules per token whose predicted step time
   is within the profile's latency targets (slack over the fastest allowed point, and/or an absolute
-  TTFT/TPOT), starting from the roofline cost model (``power.costmodel``) and correcting it online:
+  TTFT/TPOT), starting from the roofline cost model (``power.physics.costmodel``) and correcting it online:
   each measured step updates an EWMA of measured/predicted time for its clock point (points not
   measured yet keep the model's time), so a board slower or faster than the model converges to its
   own best point (RESEARCH.md: a GPU-clock-only latency model misses by up to 32 %
@@ -14,7 +14,7 @@ profile's clock policy into concrete clocks from the board's tables:
 - idle drops to the idle policy after ``idle_hold_s`` (< 1 s); shorter idle gaps keep the busy
   clocks (no churn between decode steps), busy phases alternating faster than ``dwell_s`` run at the
   element-wise maximum of both phases' clocks;
-- the thermal controller (``power.thermalctl``) lowers caps (prefill first, then decode) and at
+- the thermal controller (``power.policy.thermal``) lowers caps (prefill first, then decode) and at
   critical sends every clock to the board's floor.
 
 No I/O and no clock reads: readings, the phase and ``now`` come in; a decision and the new state go
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
-from power.board_specs import BoardSpec, active_tpcs
-from power.costmodel import (CostParams, DEFAULT_PARAMS, ModelShape, OperatingPoint, decode_step, model_shape,
+from power.physics.boards import BoardSpec, active_tpcs
+from power.physics.costmodel import (CostParams, DEFAULT_PARAMS, ModelShape, OperatingPoint, decode_step, model_shape,
                              prefill_step)
-from power.profile import BoardTables, Profile, resolve_clock
-from power.thermalctl import ThermalState, ThermalVerdict, ZoneSample, thermal_step
+from power.policy.profiles import BoardTables, Profile, resolve_clock
+from power.policy.thermal import ThermalState, ThermalVerdict, ZoneSample, thermal_step
 
 EWMA_ALPHA = 0.3            # weight of a new step-time sample in the correction ratio
 RECHECK_S = 1.0             # re-decide at least this often while a phase persists (thermal, corrections)

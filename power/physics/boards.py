@@ -1,7 +1,7 @@
 """Board specifications of the Jetson Orin family: clock tables, power modes, rails, bandwidth,
 compute and the power/thermal constants the twin and the cost model are built on.
 
-Owned by the twin and the cost model (``power.twin``, ``power.costmodel``). Pure data, no I/O.
+Owned by the twin and the cost model (``power.twin``, ``power.physics.costmodel``). Pure data, no I/O.
 Readers of a real board never trust these numbers: they read ``available_frequencies`` and
 ``nvpmodel.conf`` from the device (see ../shared/ORIN.md). Every constant says where it comes from:
 *published* (a datasheet, NVIDIA's file or a paper), *captured* (read off a real board in a public
@@ -74,7 +74,7 @@ class RailSpec:
 
 @dataclass(frozen=True)
 class PowerConstants:
-    """The twin's power model (see power/twin/physics.py for the equations)."""
+    """The twin's power model (see power/physics/equations.py for the equations)."""
     gpu_w_per_tpc: float        # dynamic GPU power per TPC at ref clock, full activity
     gpu_ref_hz: int             # reference clock of the fit
     gpu_exp: float              # dynamic power ~ f^gpu_exp along the V-f curve

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from power import sysfs
-from power.errors import FeatureUnavailable
-from power.writer import ClockWriter
+from power.hw import sysfs
+from power.hw.errors import FeatureUnavailable
+from power.hw.writer import ClockWriter
 
 PWM_GLOB = "/sys/devices/platform/pwm-fan*/hwmon/hwmon*/pwm1"
 PWM_MAX = 255

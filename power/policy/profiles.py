@@ -7,7 +7,7 @@ max); a user directory (default ``/etc/orin-agent/profiles``) adds or overrides 
 merged key by key). A bad file raises :class:`ProfileError` naming the file, the key and the
 allowed values.
 
-A clock value is ``"auto"`` (the controller picks it from the cost model, see ``power.dvfs``),
+A clock value is ``"auto"`` (the controller picks it from the cost model, see ``power.policy.dvfs``),
 ``"min"`` / ``"max"``, a fraction of the board's maximum (``0.6`` or ``"60%"``) or a frequency
 (``"1300 MHz"``, ``"2.2 GHz"``, or an integer in Hz). Pure: no I/O except reading profile files.
 """
