@@ -46,12 +46,12 @@ class BoardReader:
             from power.hw.emc import Emc, find_emc
             from power.hw.gpu import GpuClock, find_gpu
             from power.hw.rails import PowerRails, find_rails
-            from power.hw.thermal import Thermal, find_zones
+            from power.hw.thermal import ThermalZones, find_zones
         except ImportError as exc:  # power/ not installed in this checkout: no readings, no energy
             log.warning("board readings unavailable: %s", exc)
             return
         self.rails = PowerRails(self.root, find_rails(self.root))
-        self.thermal = Thermal(self.root, find_zones(self.root))
+        self.thermal = ThermalZones(self.root, find_zones(self.root))
         self.gpu = GpuClock(self.root, find_gpu(self.root))
         self.emc = Emc(self.root, find_emc(self.root))
 

@@ -28,7 +28,7 @@ from power.hw.jetson_clocks import JetsonClocks
 from power.hw.journal import DEFAULT_RUN_DIR, BoardIO, Journal
 from power.hw.nvpmodel import ModeChange, ModeReading, NvpModel
 from power.hw.rails import PowerRails, RailReading
-from power.hw.thermal import Thermal, ZoneReading
+from power.hw.thermal import ThermalZones, ZoneReading
 from power.hw.tools import Runner, run_tool
 from power.hw.writer import ClockWriter
 
@@ -47,7 +47,7 @@ class SysfsBoard:
         self.gpu = GpuClock(self.root, self.info.gpu)
         self.emc = Emc(self.root, self.info.emc)
         self.cpu = CpuFreq(self.root, self.info.cpu)
-        self.thermal = Thermal(self.root, self.info.zones)
+        self.thermal = ThermalZones(self.root, self.info.zones)
         self.rails = PowerRails(self.root, self.info.rails)
         self.fan = Fan(self.root, self.info.fan)
         self.nvpmodel = NvpModel(self.root, self.gpu, self.emc, self.cpu, runner)

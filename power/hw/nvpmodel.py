@@ -19,7 +19,7 @@ from power.hw import sysfs
 from power.hw.cpu import ClusterInfo, CpuFreq
 from power.hw.emc import Emc
 from power.hw.gpu import GpuClock
-from power.hw.parsers import (NvpModelConf, NvpModelConfError, PowerMode, format_nvpmodel_status,
+from power.hw.parsers import (NvpModelConf, NvpModelConfError, ConfMode, format_nvpmodel_status,
                            parse_nvpmodel_conf, parse_nvpmodel_query, parse_nvpmodel_status)
 from power.hw.tools import Runner, ToolError, run_tool
 from power.hw.writer import ClockWriter
@@ -100,7 +100,7 @@ class NvpModel:
             return ModeChange(cur or ModeReading(mode_id, m.name if m else None, "nvpmodel -m"), (), ())
         return self._emulate(self.conf().mode(mode), writer)
 
-    def _emulate(self, mode: PowerMode, writer: ClockWriter) -> ModeChange:
+    def _emulate(self, mode: ConfMode, writer: ClockWriter) -> ModeChange:
         """Apply a mode's settings to a twin tree the way nvpmodel would, as one transaction.
 
         Order: cores online first (an offline core's cpufreq files may vanish), then CPU, GPU and EMC

@@ -52,7 +52,7 @@ class ModeSetting:
 
 
 @dataclass(frozen=True)
-class PowerMode:
+class ConfMode:
     id: int
     name: str
     settings: tuple[ModeSetting, ...]
@@ -98,10 +98,10 @@ class PowerMode:
 @dataclass(frozen=True)
 class NvpModelConf:
     params: dict[str, ParamDef]
-    modes: tuple[PowerMode, ...]
+    modes: tuple[ConfMode, ...]
     default_id: int | None
 
-    def mode(self, key: int | str) -> PowerMode:
+    def mode(self, key: int | str) -> ConfMode:
         """A mode by id or name (case-insensitive); ``ValueError`` naming the choices otherwise."""
         for m in self.modes:
             if (isinstance(key, int) and m.id == key) or (isinstance(key, str) and
@@ -118,7 +118,7 @@ _ATTR = re.compile(r"(\w+)=(\S+)")
 def parse_nvpmodel_conf(text: str) -> NvpModelConf:
     """Parse nvpmodel.conf (format described in the file's own header; see tests/data/nvpmodel)."""
     params: dict[str, ParamDef] = {}
-    modes: list[PowerMode] = []
+    modes: list[ConfMode] = []
     default_id: int | None = None
     section: tuple[str, dict[str, str]] | None = None
     cur_args: dict[str, str] = {}
@@ -132,7 +132,7 @@ def parse_nvpmodel_conf(text: str) -> NvpModelConf:
         if kind == "PARAM":
             params[attrs["NAME"]] = ParamDef(attrs["NAME"], attrs.get("TYPE", ""), dict(cur_args))
         elif kind == "POWER_MODEL":
-            modes.append(PowerMode(int(attrs["ID"]), attrs.get("NAME", attrs["ID"]), tuple(cur_settings)))
+            modes.append(ConfMode(int(attrs["ID"]), attrs.get("NAME", attrs["ID"]), tuple(cur_settings)))
         section, cur_args, cur_settings = None, {}, []
 
     for lineno, raw in enumerate(text.splitlines(), 1):

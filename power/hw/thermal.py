@@ -77,7 +77,7 @@ def read_trips(root: str | os.PathLike[str], zone: str) -> tuple[TripPoint, ...]
                  for i in idx)
 
 
-class Thermal:
+class ThermalZones:
     def __init__(self, root: str | os.PathLike[str], zones: tuple[ZoneInfo, ...]) -> None:
         self.root, self.zones = root, zones
 

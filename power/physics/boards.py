@@ -45,7 +45,7 @@ def _cpu_table(top_khz: int, last_grid_khz: int) -> tuple[int, ...]:
 # --- specs -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class PowerMode:
+class ModeSpec:
     """One nvpmodel POWER_MODEL block. ``None`` = no cap (-1 in the file; EMC may be written 0)."""
     id: int
     name: str
@@ -116,7 +116,7 @@ class BoardSpec:
     memory_gb: int
     cpu_clusters: tuple[tuple[int, ...], ...]
     cpu_khz: tuple[int, ...]
-    modes: tuple[PowerMode, ...]
+    modes: tuple[ModeSpec, ...]
     default_mode: int
     rails: tuple[RailSpec, ...]
     power: PowerConstants
@@ -141,7 +141,7 @@ class BoardSpec:
         = 204.7 GB/s on AGX, the published 204.8 GB/s."""
         return emc_hz * 2 * self.dram_bus_bits / 8
 
-    def mode(self, mode_id: int) -> PowerMode:
+    def mode(self, mode_id: int) -> ModeSpec:
         for m in self.modes:
             if m.id == mode_id:
                 return m
@@ -203,46 +203,46 @@ def _p3767_power(cap_w: float) -> PowerConstants:
 # --- power modes (NVIDIA's nvpmodel files; ORIN.md's AGX table) -------------------------------
 
 _AGX64_MODES = (
-    PowerMode(0, "MAXN", 12, None, None, 0, None, True),
-    PowerMode(1, "MODE_15W", 4, 1113600, 420750000, 248, 2133000000, False,
+    ModeSpec(0, "MAXN", 12, None, None, 0, None, True),
+    ModeSpec(1, "MODE_15W", 4, 1113600, 420750000, 248, 2133000000, False,
               614400000, 294400000, 307200000, 217600000),
-    PowerMode(2, "MODE_30W", 8, 1728000, 624750000, 240, None, True,
+    ModeSpec(2, "MODE_30W", 8, 1728000, 624750000, 240, None, True,
               1369600000, 729600000, 512000000, 358400000),
-    PowerMode(3, "MODE_50W", 12, 1497600, 828750000, 0, None, True,
+    ModeSpec(3, "MODE_50W", 12, 1497600, 828750000, 0, None, True,
               1369600000, 729600000, 704000000, 486400000),
 )
 # AGX 32GB (nvpmodel_p3701_0004.conf). NVIDIA's file caps the GPU at 408/612/816 MHz, points of the
 # older 102 MHz grid; this twin's 32GB table uses the 64GB grid, so the caps are its nearest points
 # 420.75/624.75/828.75 MHz (the same values ORIN.md gives for the 64GB modes).
 _AGX32_MODES = (
-    PowerMode(0, "MAXN", 8, None, None, 128, None),
-    PowerMode(1, "MODE_15W", 4, 1113600, 420750000, 248, 2133000000, False,
+    ModeSpec(0, "MAXN", 8, None, None, 128, None),
+    ModeSpec(1, "MODE_15W", 4, 1113600, 420750000, 248, 2133000000, False,
               614400000, 294400000, 307200000, 217600000),
-    PowerMode(2, "MODE_30W", 8, 1728000, 624750000, 240, None, False,
+    ModeSpec(2, "MODE_30W", 8, 1728000, 624750000, 240, None, False,
               1369600000, 729600000, 512000000, 358400000),
-    PowerMode(3, "MODE_40W", 8, 1497600, 828750000, 128, None, False,
+    ModeSpec(3, "MODE_40W", 8, 1497600, 828750000, 128, None, False,
               1228800000, 652800000, 704000000, 486400000),
 )
 # Orin NX 16GB (nvpmodel_p3767_0000.conf). Its 25W mode really caps the GPU at 408 MHz (CPU-heavy).
 _NX16_MODES = (
-    PowerMode(0, "MAXN", 8, None, None, 240, None, True),
-    PowerMode(1, "10W", 4, 1190400, 612000000, 252, 2133000000, False,
+    ModeSpec(0, "MAXN", 8, None, None, 240, None, True),
+    ModeSpec(1, "10W", 4, 1190400, 612000000, 252, 2133000000, False,
               153600000, 115000000, 115000000, 115000000),
-    PowerMode(2, "15W", 4, 1651200, 612000000, 252, None, True,
+    ModeSpec(2, "15W", 4, 1651200, 612000000, 252, None, True,
               614400000, 294400000, 115000000, 115000000),
-    PowerMode(3, "25W", 8, 1497600, 408000000, 240, None, True,
+    ModeSpec(3, "25W", 8, 1497600, 408000000, 240, None, True,
               614400000, 294400000, 512000000, 358400000),
 )
 # Orin Nano 8GB, JetPack 5 (nvpmodel_p3767_0003.conf) and JetPack 6.2 "Super"
 # (nvpmodel_p3767_0003_super.conf).
 _NANO_MODES = (
-    PowerMode(0, "15W", 6, None, None, 240, None, True),
-    PowerMode(1, "7W", 4, 960000, 408000000, 252, 2133000000),
+    ModeSpec(0, "15W", 6, None, None, 240, None, True),
+    ModeSpec(1, "7W", 4, 960000, 408000000, 252, 2133000000),
 )
 _NANO_SUPER_MODES = (
-    PowerMode(0, "15W", 6, 1497600, 612000000, 240, 2133000000),
-    PowerMode(1, "25W", 6, 1344000, 918000000, 240, 3199000000),
-    PowerMode(2, "MAXN_SUPER", 6, None, None, 240, None),
+    ModeSpec(0, "15W", 6, 1497600, 612000000, 240, 2133000000),
+    ModeSpec(1, "25W", 6, 1344000, 918000000, 240, 3199000000),
+    ModeSpec(2, "MAXN_SUPER", 6, None, None, 240, None),
 )
 
 # --- rails (upstream tegra234-p3701.dtsi / tegra234-p3767.dtsi INA3221 nodes) -------------------

@@ -102,7 +102,7 @@ _ZONE_LOCAL = {"cpu": ("cpu", 0.35), "gpu": ("gpu", 0.25), "cv0": ("cpu", 0.05),
 
 
 @dataclass(frozen=True)
-class Thermal:
+class Temperatures:
     sink_c: float
     zones_c: tuple[float, ...]      # in ZONE_KINDS order (tj last)
 
@@ -114,8 +114,8 @@ def fan_resistance(spec: BoardSpec, pwm: int) -> float:
     return 1 / g
 
 
-def thermal_step(spec: BoardSpec, th: Thermal, p: Power, ambient_c: float, pwm: int,
-                 dt: float, kinds: tuple[str, ...]) -> Thermal:
+def thermal_step(spec: BoardSpec, th: Temperatures, p: Power, ambient_c: float, pwm: int,
+                 dt: float, kinds: tuple[str, ...]) -> Temperatures:
     """Advance the RC model by ``dt`` with the exact exponential solution (stable at any dt)."""
     r = fan_resistance(spec, pwm)
     tau = r * spec.thermal.c_sink
@@ -130,7 +130,7 @@ def thermal_step(spec: BoardSpec, th: Thermal, p: Power, ambient_c: float, pwm: 
         ss = die + k * block[src]
         zones.append(old + (ss - old) * a)
     zones.append(max(zones))                        # tj: the hottest junction
-    return Thermal(sink, tuple(zones))
+    return Temperatures(sink, tuple(zones))
 
 
 # --- governors ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from pathlib import Path
 from power.physics.boards import BoardSpec, active_tpcs, board_for
 from power.twin.layout import WORKLOAD_FILE, ZONE_KINDS, TwinPaths, read_meta, twin_paths
 from power.physics.equations import (FAN_POLL_S, PHASE_CPU_CORES, PHASE_INTENSITY, Activity, Clocks,
-                                Power, Thermal, clamp_to_limits, cpu_governor, emc_governor,
+                                Power, Temperatures, clamp_to_limits, cpu_governor, emc_governor,
                                 fan_curve, gpu_governor, power, snap_down, thermal_step)
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ IDLE = Workload()
 
 
 @dataclass(frozen=True)
-class Limits:
+class TwinLimits:
     """The knobs the agent (or nvpmodel, or jetson_clocks) set in the tree."""
     gpu_min_hz: int
     gpu_max_hz: int
@@ -97,7 +97,7 @@ class TwinState:
     t_s: float
     clocks: Clocks
     power: Power
-    thermal: Thermal
+    thermal: Temperatures
     zone_names: tuple[str, ...]
     fan_pwm: int
     gpu_load: float                 # 0..1 (the file holds per-mille)
@@ -165,7 +165,7 @@ class Twin:
                         tpcs=active_tpcs(self.spec, lim.tpc_pg_mask),
                         cpu_khz=lim.cpu_min_khz, cpu_online=lim.cpu_online, gpu_powered=False)
         kinds = ZONE_KINDS
-        th = Thermal(ambient_c, tuple(ambient_c for _ in kinds))
+        th = Temperatures(ambient_c, tuple(ambient_c for _ in kinds))
         act = Activity(0.0, 0.0, 0.0, 0.0)
         self.state = TwinState(0.0, clocks, power(self.spec, clocks, act), th,
                                self.paths.thermal_zone_types, lim.fan_pwm, 0.0, 0.0, 0.0, 0, False)
@@ -189,7 +189,7 @@ class Twin:
             out.append((passive, hyst, critical))
         return tuple(out)
 
-    def read_limits(self) -> Limits:
+    def read_limits(self) -> TwinLimits:
         """Re-read every knob from the tree (about 30 small reads). Call after the agent writes."""
         r, p, s = self.root, self.paths, self.spec
         prev = getattr(self, "limits", None)
@@ -206,7 +206,7 @@ class Twin:
             online.append(sum(1 for c in cluster
                               if c == 0 or _int(r, f"{p.cpu}/cpu{c}/online", 1) == 1))
         fan = _int(r, f"{p.fan_hwmon}/pwm1", prev.fan_pwm if prev else 0)
-        lim = Limits(
+        lim = TwinLimits(
             gpu_min_hz=_int(r, f"{d}/min_freq", prev.gpu_min_hz if prev else s.gpu_hz[0]),
             gpu_max_hz=_int(r, f"{d}/max_freq", prev.gpu_max_hz if prev else s.gpu_max_hz),
             gpu_governor=_read(r, f"{d}/governor") or "nvhost_podgov",

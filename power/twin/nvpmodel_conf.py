@@ -10,7 +10,7 @@ are not redistributable, the format and the values are facts.
 """
 from __future__ import annotations
 
-from power.physics.boards import BoardSpec, PowerMode
+from power.physics.boards import BoardSpec, ModeSpec
 
 # (r35 path, r36 "KNEXT" path) of each clock-cap file, as in NVIDIA's p3701/p3767 files.
 GPU_DEVFREQ_R35 = "/sys/devices/17000000.ga10b/devfreq/17000000.ga10b"
@@ -106,7 +106,7 @@ def _cap(value: int | None) -> str:
     return "-1" if value is None else str(value)
 
 
-def _mode(spec: BoardSpec, m: PowerMode) -> list[str]:
+def _mode(spec: BoardSpec, m: ModeSpec) -> list[str]:
     out = [f"< POWER_MODEL ID={m.id} NAME={m.name} >"]
     out += [f"CPU_ONLINE CORE_{n} {1 if n < m.online_cores else 0}" for n in range(spec.cpu_count)]
     if spec.module.startswith("p3767"):
