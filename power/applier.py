@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from power.hw.backends import SysfsBoard
 from power.hw.errors import BoardWriteError
 from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, StepSample
-from power.policy.profiles import BoardTables, Profile
+from power.policy.profiles import Profile
+from power.policy.tables import BoardTables
 from power.policy.thermal import ZoneSample
 from power.hw.writer import ClockWriter
 

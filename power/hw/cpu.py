@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from power.hw import sysfs
-from power.hw.gpu import snap
+from power.policy.tables import snap
 from power.hw.writer import ClockWriter
 
 CPU_DIR = "/sys/devices/system/cpu"
@@ -140,8 +140,8 @@ class CpuFreq:
         file; in a tree with a directory per CPU each is written. Either way each distinct file once.
         """
         cl = self.cluster(cluster)
-        lo = snap(cl.available_khz, min_khz, down=False)
-        hi = snap(cl.available_khz, max_khz, down=True)
+        lo = snap(cl.available_khz, min_khz, up=True)
+        hi = snap(cl.available_khz, max_khz, up=False)
         if lo > hi:
             raise ValueError(f"{cl.name}: no available frequency in [{min_khz}, {max_khz}] kHz")
         seen: set[str] = set()

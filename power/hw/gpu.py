@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from power.hw import sysfs
 from power.hw.errors import FeatureUnavailable
 from power.hw.writer import ClockWriter
+from power.policy.tables import snap
 
 DEVFREQ_CLASS = "/sys/class/devfreq"
 GA10B_COMPATIBLE = "nvidia,ga10b"
@@ -89,18 +90,6 @@ def find_gpu(root: str | os.PathLike[str]) -> GpuInfo:
     return GpuInfo(devfreq, how, avail, first("load"), first("railgate_enable"), first("tpc_pg_mask"))
 
 
-def snap(freqs: tuple[int, ...], want: int, *, down: bool) -> int:
-    """The available frequency nearest ``want``: at or below it for a maximum (``down``), at or
-    above it for a minimum, so a request never widens the range it asked for."""
-    if not freqs:
-        return want
-    if down:
-        below = [f for f in freqs if f <= want]
-        return below[-1] if below else freqs[0]
-    above = [f for f in freqs if f >= want]
-    return above[0] if above else freqs[-1]
-
-
 class GpuClock:
     """The GPU's devfreq node. Setting min/max goes through a :class:`ClockWriter`."""
 
@@ -137,8 +126,8 @@ class GpuClock:
         """Clamp the GPU clock to [min_hz, max_hz], snapped to available frequencies."""
         if not self.info.devfreq:
             raise FeatureUnavailable("this board has no GPU devfreq node (the GPU may not have powered up yet)")
-        lo = snap(self.info.available_hz, min_hz, down=False)
-        hi = snap(self.info.available_hz, max_hz, down=True)
+        lo = snap(self.info.available_hz, min_hz, up=True)
+        hi = snap(self.info.available_hz, max_hz, up=False)
         if lo > hi:
             raise ValueError(f"GPU: no available frequency in [{min_hz}, {max_hz}] Hz "
                              f"(available: {', '.join(map(str, self.info.available_hz))})")

@@ -8,10 +8,10 @@ twin in virtual time and the cost model. Constants live in ``power.physics.board
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
 from power.physics.boards import BoardSpec
+from power.policy.tables import snap
 
 # --- clocks and activity ----------------------------------------------------------------------
 
@@ -135,23 +135,11 @@ def thermal_step(spec: BoardSpec, th: Temperatures, p: Power, ambient_c: float, 
 
 # --- governors ---------------------------------------------------------------------------------
 
-def snap_up(table: tuple[int, ...], f: float) -> int:
-    """Smallest table entry >= f (the top one if none)."""
-    i = bisect_left(table, f)
-    return table[min(i, len(table) - 1)]
-
-
-def snap_down(table: tuple[int, ...], f: float) -> int:
-    """Largest table entry <= f (the bottom one if none)."""
-    i = bisect_right(table, f) - 1
-    return table[max(i, 0)]
-
-
 def clamp_to_limits(table: tuple[int, ...], f: float, lo: float, hi: float) -> int:
     """devfreq/cpufreq: the effective range is [snap_up(min), snap_down(max)]; max wins over min."""
-    top = snap_down(table, hi)
-    bottom = min(snap_up(table, lo), top)
-    return snap_down(table, min(max(f, bottom), top))
+    top = snap(table, up=False, want=hi)
+    bottom = min(snap(table, up=True, want=lo), top)
+    return snap(table, up=False, want=min(max(f, bottom), top))
 
 
 PODGOV_TARGET_LOAD = 0.7        # estimate: podgov scales to keep the GPU ~70 % busy
@@ -164,8 +152,8 @@ def podgov(table: tuple[int, ...], cur: int, busy: float, lo: int, hi: int, dt: 
     if busy >= 0.98:
         samples = max(1, int(dt / PODGOV_SAMPLE_S))
         want = cur * (1 / PODGOV_TARGET_LOAD) ** min(samples, 40)
-        return clamp_to_limits(table, snap_up(table, want), lo, hi)
-    return clamp_to_limits(table, snap_up(table, busy * cur / PODGOV_TARGET_LOAD), lo, hi)
+        return clamp_to_limits(table, snap(table, up=True, want=want), lo, hi)
+    return clamp_to_limits(table, snap(table, up=True, want=busy * cur / PODGOV_TARGET_LOAD), lo, hi)
 
 
 def gpu_governor(governor: str, table: tuple[int, ...], cur: int, busy: float, lo: int, hi: int,
@@ -187,7 +175,7 @@ def cpu_governor(governor: str, table: tuple[int, ...], util: float, lo: int, hi
         return clamp_to_limits(table, table[-1], lo, hi)
     if governor == "powersave":
         return clamp_to_limits(table, table[0], lo, hi)
-    return clamp_to_limits(table, snap_up(table, SCHEDUTIL_MARGIN * util * table[-1]), lo, hi)
+    return clamp_to_limits(table, snap(table, up=True, want=SCHEDUTIL_MARGIN * util * table[-1]), lo, hi)
 
 
 EMC_TARGET_UTIL = 0.7           # estimate: the bandwidth manager keeps DRAM below ~70 % busy
@@ -197,7 +185,7 @@ EMC_IDLE_FLOOR_HZ = 2133000000  # captured: idle Orin boards report EMC at 2133 
 def emc_governor(spec: BoardSpec, demand_bytes_per_s: float, lo: int, hi: int) -> int:
     """Unlocked EMC: the lowest rate that serves the demand at the target utilisation."""
     table = spec.emc_hz
-    floor = snap_down(table, EMC_IDLE_FLOOR_HZ)
+    floor = snap(table, up=False, want=EMC_IDLE_FLOOR_HZ)
     for f in table:
         if f >= floor and spec.dram_bytes_per_s(f) * EMC_TARGET_UTIL >= demand_bytes_per_s:
             return clamp_to_limits(table, f, lo, hi)

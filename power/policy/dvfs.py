@@ -30,7 +30,8 @@ from typing import Mapping
 from power.physics.boards import BoardSpec, active_tpcs
 from power.physics.costmodel import (CostParams, DEFAULT_PARAMS, ModelShape, OperatingPoint, decode_step, model_shape,
                              prefill_step)
-from power.policy.profiles import BoardTables, Profile, resolve_clock
+from power.policy.profiles import Profile
+from power.policy.tables import BoardTables, resolve_clock, snap
 from power.policy.thermal import ThermalState, ThermalVerdict, ZoneSample, thermal_step
 
 EWMA_ALPHA = 0.3            # weight of a new step-time sample in the correction ratio
@@ -254,7 +255,7 @@ class DvfsController:
                 lo, hi = g, g
             else:   # no model to plan with: the textbook split (decode GPU-low/EMC-high, prefill GPU-high)
                 frac = 1.0 if p.kind == "prefill" else 0.45
-                g = resolve_clock_fraction(t.gpu_hz, frac, min(b.gpu_hi, gpu_cap))
+                g = min(snap(t.gpu_hz, frac * t.gpu_hz[-1], up=False), b.gpu_hi, gpu_cap)
                 lo = hi = max(min(g, b.gpu_hi), min(b.gpu_lo, b.gpu_hi))
                 e = b.emc if b.emc is not None else t.emc_top
             reason = "auto"
@@ -342,11 +343,6 @@ class DvfsController:
         d = Decision("idle", min(b.gpu_lo, hi), hi, b.emc if b.emc is not None else self.tables.emc_hz[0],
                      b.cpu_max, fan, level, False, "idle policy", wake_at=now + RECHECK_S, message=msg)
         return d, replace(new, last=d, idle_since=idle_since, busy=None, other=None)
-
-
-def resolve_clock_fraction(table: tuple[int, ...], frac: float, cap: int) -> int:
-    want = frac * table[-1]
-    return min(next((f for f in reversed(table) if f <= want), table[0]), cap)
 
 
 def _elementwise_max(a: Decision, b: Decision, why: str) -> Decision:

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 DEFAULT_USER_DIR = "/etc/orin-agent/profiles"
 PHASE_NAMES = ("prefill", "decode", "idle")
@@ -298,53 +302,3 @@ class ProfileStore:
             return build_profile(name, doc, (source,))
         base, srcs = self._doc(str(inc), (source,), None)
         return build_profile(name, merge(base, doc), (*srcs, source))
-
-
-# --- resolution against a board ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class BoardTables:
-    """The clock tables the controller picks from (read from the device or the twin's spec) and the
-    caps of the power mode in force. CPU in kHz, GPU/EMC in Hz."""
-    gpu_hz: tuple[int, ...]
-    emc_hz: tuple[int, ...]
-    cpu_khz: tuple[int, ...]
-    gpu_cap_hz: int | None = None
-    emc_cap_hz: int | None = None
-    cpu_cap_khz: int | None = None
-
-    @property
-    def gpu_top(self) -> int:
-        return max(f for f in self.gpu_hz if f <= (self.gpu_cap_hz or self.gpu_hz[-1])) \
-            if self.gpu_hz[0] <= (self.gpu_cap_hz or self.gpu_hz[-1]) else self.gpu_hz[0]
-
-    @property
-    def emc_top(self) -> int:
-        cap = self.emc_cap_hz or self.emc_hz[-1]
-        return max([f for f in self.emc_hz if f <= cap] or [self.emc_hz[0]])
-
-    @property
-    def cpu_top(self) -> int:
-        cap = self.cpu_cap_khz or self.cpu_khz[-1]
-        return max([f for f in self.cpu_khz if f <= cap] or [self.cpu_khz[0]])
-
-
-def snap_up(table: tuple[int, ...], f: float) -> int:
-    return next((x for x in table if x >= f - 0.5), table[-1])
-
-
-def snap_down(table: tuple[int, ...], f: float) -> int:
-    return next((x for x in reversed(table) if x <= f + 0.5), table[0])
-
-
-def resolve_clock(v: ClockValue, table: tuple[int, ...], top: int, *, up: bool, scale: float = 1.0) -> int | None:
-    """A table entry for ``v`` (None for auto), never above ``top`` (the mode's cap). A fraction is of
-    the board's maximum; ``up`` snaps to the next entry (minimums, EMC), else the one below (maximums).
-    ``scale`` converts Hz to the table's unit (1e-3 for kHz)."""
-    if v.kind == "auto":
-        return None
-    want = v.value * table[-1] if v.kind == "fraction" else v.value * scale
-    if v.kind == "fraction" and v.value == 0.0:
-        return table[0]
-    f = snap_up(table, want) if up else snap_down(table, want)
-    return min(f, top)

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from power.physics.boards import BoardSpec, active_tpcs, board_for
+from power.policy.tables import snap
 from power.twin.layout import WORKLOAD_FILE, ZONE_KINDS, TwinPaths, read_meta, twin_paths
 from power.physics.equations import (FAN_POLL_S, PHASE_CPU_CORES, PHASE_INTENSITY, Activity, Clocks,
                                 Power, Temperatures, clamp_to_limits, cpu_governor, emc_governor,
-                                fan_curve, gpu_governor, power, snap_down, thermal_step)
+                                fan_curve, gpu_governor, power, thermal_step)
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ class Twin:
         pw = power(s, clocks, act)
         while pw.module_w > s.power.module_cap_w and clocks.gpu_hz > s.gpu_hz[0]:
             # over the module budget: the hardware's over-current throttle pulls the GPU down (estimate)
-            clocks = replace(clocks, gpu_hz=snap_down(s.gpu_hz, clocks.gpu_hz - 1))
+            clocks = replace(clocks, gpu_hz=snap(s.gpu_hz, clocks.gpu_hz - 1, up=False))
             pw = power(s, clocks, act)
         if st.shutdown:
             pw = replace(pw, gpu_w=0.0, cpu_w=0.0, soc_w=0.0, dram_w=0.0, sys_w=0.0,
