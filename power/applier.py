@@ -1,5 +1,5 @@
 """Applying controller decisions to the board, and the loop that ties sensors, the pure controller and
-the writes together. Owns issue 4 item 2's applier.
+the writes together.
 
 - :class:`ClockApplier` writes a :class:`power.policy.dvfs.Decision` through the board layer's journaled
   :class:`power.hw.writer.ClockWriter` (allowlisted paths, kernel write order, read-back, rollback of a

@@ -1,7 +1,7 @@
 """Synthetic request traces for the energy benchmark: arrival times, prompt and output lengths,
 seeded so every policy in a run (and every run with the same seed) sees the same requests.
 
-Owns the traces of issue 4's benchmark. The shapes are estimates in the spirit of public chat and
+The traces of the energy benchmark. The shapes are estimates in the spirit of public chat and
 RAG logs, not fits to a data set (stated in docs/BENCHMARKS.md):
 - ``chat``: one user at an edge box. Poisson arrivals (mean gap 20 s: reading and typing between
   turns), prompts with multi-turn history (log-normal, median 400 tokens), answers log-normal with

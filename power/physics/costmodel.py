@@ -1,6 +1,6 @@
 """Roofline cost model of one LLM step on a Jetson Orin at given clocks: time, bound and energy.
 
-Owned by the twin / cost-model work; used by the power controller and the energy benchmark. Pure
+Used by the power controller (power.policy.dvfs) and the energy benchmark. Pure
 arithmetic, no I/O. A step's time is the larger of its compute time (FLOPs at the GPU clock, the
 active TPCs and an efficiency) and its memory time (bytes at the EMC bandwidth and an efficiency),
 plus a per-layer launch overhead that scales with the GPU clock. Energy is the twin's power model
@@ -10,18 +10,15 @@ Published anchors it reproduces (tests/test_costmodel.py, ../shared/ORIN.md): AG
 Llama-3-8B INT4 weight-only decode about 35.9 tok/s and prefill 91 ms / 128 tokens, 582 ms / 1024
 (TensorRT-LLM 0.12); the FP16 8B bandwidth ceiling about 12.8 tok/s; Orin Nano original -> Super
 Llama-3.1-8B 4-bit 14.0 -> 19.1 tok/s and Llama-3.2-3B 27.7 -> 43.1 tok/s (jetson-generative-ai-
-playground benchmarks). The online correction of issue 4 (learning per-clock step times) sits on top.
+playground benchmarks).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from power.physics.boards import BoardSpec, active_tpcs
-from power.physics.equations import Activity, Clocks, power
-
-if TYPE_CHECKING:
-    from power.twin.model import Workload
+from power.physics.equations import Activity, Clocks, Workload, power
 
 # --- model shapes --------------------------------------------------------------------------------
 
@@ -59,14 +56,6 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * kv_bytes
 
 
-# Shapes beyond partition.config.PRESETS (published config.json: meta-llama/Llama-2-7b-hf,
-# meta-llama/Llama-3.1-8B, which has Llama-3-8B's shape).
-_EXTRA_SHAPES = {
-    "llama-2-7b": ModelShape("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000),
-    "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
-}
-
-
 def shape_of(name: str, c: Any) -> ModelShape:
     """The shape of a partition.config.ModelConfig (a preset, or the model being served)."""
     return ModelShape(name, c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim,
@@ -74,13 +63,11 @@ def shape_of(name: str, c: Any) -> ModelShape:
 
 
 def model_shape(name: str) -> ModelShape:
-    """A named shape: partition.config's presets (the one model definition), then a few extras."""
+    """A named shape: one of partition.config's presets (the one list of model definitions)."""
     from partition.config import PRESETS      # stdlib-only module; imported late to keep this light
     if name in PRESETS:
         return shape_of(name, PRESETS[name])
-    if name in _EXTRA_SHAPES:
-        return _EXTRA_SHAPES[name]
-    raise KeyError(f"unknown model shape {name!r}; known: {', '.join(sorted([*PRESETS, *_EXTRA_SHAPES]))}")
+    raise KeyError(f"unknown model shape {name!r}; known: {', '.join(sorted(PRESETS))}")
 
 
 # --- precision ------------------------------------------------------------------------------------
@@ -186,9 +173,8 @@ class StepCost:
     def joules_per_token(self) -> float:
         return self.energy_j / self.tokens
 
-    def workload(self, spec: BoardSpec, op: OperatingPoint) -> "Workload":
+    def workload(self, spec: BoardSpec, op: OperatingPoint) -> Workload:
         """The twin workload this step presents at ``op`` (GPU busy throughout the step)."""
-        from power.twin.model import Workload
         mem = min(1.0, self.dram_bytes_per_s / spec.dram_bytes_per_s(op.emc_hz))
         return Workload(self.phase, 1.0, mem, 1.0, self.intensity)
 

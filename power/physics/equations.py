@@ -1,17 +1,60 @@
-"""The twin's physics: rail power from clocks and activity, the RC thermal model, and the clock
-governors (podgov, schedutil, the EMC bandwidth manager, nvfancontrol) as pure functions.
+"""The board's equations: the workload it runs, rail power from clocks and activity, the RC thermal
+model, and the clock governors (podgov, schedutil, the EMC bandwidth manager, nvfancontrol) as pure
+functions.
 
-Owned by the twin; also used by ``power.physics.costmodel`` for energy. No I/O, no clock reads: every
+Shared by the twin (power.twin.model) and the cost model (power.physics.costmodel). No I/O, no clock reads: every
 function takes what it needs and returns a value, so the same code serves the twin in real time, the
 twin in virtual time and the cost model. Constants live in ``power.physics.boards`` with their sources.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 from power.physics.boards import BoardSpec
 from power.policy.tables import snap
+
+PHASES = ("prefill", "decode", "idle")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the engine is doing, as the engine reports it in ``<root>/run/orin-agent-twin/workload.json``.
+
+    ``gpu_util``: fraction of time the GPU is busy at the current clocks (0..1). ``mem_util``:
+    fraction of the DRAM bandwidth *at the current EMC rate* the work uses (0..1), as actmon would
+    report it. ``cpu_cores``: cores' worth of busy CPU (default by phase). ``intensity``: switching
+    activity relative to a GPU stress test (default by phase, see PHASE_INTENSITY).
+    """
+    phase: str = "idle"
+    gpu_util: float = 0.0
+    mem_util: float = 0.0
+    cpu_cores: float | None = None
+    intensity: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"workload phase {self.phase!r}: must be one of {', '.join(PHASES)}")
+        for name in ("gpu_util", "mem_util"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"workload {name}={v}: must be within 0..1")
+
+    @classmethod
+    def from_json(cls, text: str) -> "Workload":
+        d = json.loads(text)
+        return cls(phase=str(d.get("phase", "idle")), gpu_util=float(d.get("gpu_util", 0.0)),
+                   mem_util=float(d.get("mem_util", 0.0)),
+                   cpu_cores=None if d.get("cpu_cores") is None else float(d["cpu_cores"]),
+                   intensity=None if d.get("intensity") is None else float(d["intensity"]))
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in self.__dict__.items() if v is not None})
+
+
+IDLE = Workload()
+
 
 # --- clocks and activity ----------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Power profiles: TOML data files (tuned-style ``include =`` inheritance) validated into frozen
 dataclasses, and resolved against a board's clock tables.
 
-Owns issue 4 item 1. Shipped profiles live in ``power/profiles/*.toml`` (eco, balanced, performance,
+Shipped profiles live in ``power/profiles/*.toml`` (eco, balanced, performance,
 max); a user directory (default ``/etc/orin-agent/profiles``) adds or overrides profiles by name.
 ``include = "balanced"`` merges the named profile first, then this file's keys (later wins, tables
 merged key by key). A bad file raises :class:`ProfileError` naming the file, the key and the

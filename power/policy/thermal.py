@@ -1,5 +1,5 @@
 """The thermal controller: a pure function from zone readings to a throttle level, a critical flag and
-a fan duty, with hysteresis. Owns issue 4 item 3.
+a fan duty, with hysteresis.
 
 - Limits: the profile's target/critical in °C, or derived from the zones' passive (software
   throttle) trip points minus margins (AGX Orin: 99.0 °C on every zone, upstream T234 thermal patch,

@@ -24,53 +24,16 @@ from pathlib import Path
 from power.physics.boards import BoardSpec, active_tpcs, board_for
 from power.policy.tables import snap
 from power.twin.layout import WORKLOAD_FILE, ZONE_KINDS, TwinPaths, read_meta, twin_paths
-from power.physics.equations import (FAN_POLL_S, PHASE_CPU_CORES, PHASE_INTENSITY, Activity, Clocks,
+from power.physics.equations import (IDLE, PHASES, Workload, FAN_POLL_S, PHASE_CPU_CORES, PHASE_INTENSITY, Activity, Clocks,
                                 Power, Temperatures, clamp_to_limits, cpu_governor, emc_governor,
                                 fan_curve, gpu_governor, power, thermal_step)
 
 log = logging.getLogger(__name__)
 
-PHASES = ("prefill", "decode", "idle")
 RAILGATE_DELAY_S = 0.5          # estimate: nvgpu rail-gates an idle GPU after ~500 ms
 THERMAL_POLL_S = 1.0            # polling-delay-passive = 1000 ms in the upstream T234 zones
 
 
-@dataclass(frozen=True)
-class Workload:
-    """What the engine is doing, as the engine reports it in ``<root>/run/orin-agent-twin/workload.json``.
-
-    ``gpu_util``: fraction of time the GPU is busy at the current clocks (0..1). ``mem_util``:
-    fraction of the DRAM bandwidth *at the current EMC rate* the work uses (0..1), as actmon would
-    report it. ``cpu_cores``: cores' worth of busy CPU (default by phase). ``intensity``: switching
-    activity relative to a GPU stress test (default by phase, see physics.PHASE_INTENSITY).
-    """
-    phase: str = "idle"
-    gpu_util: float = 0.0
-    mem_util: float = 0.0
-    cpu_cores: float | None = None
-    intensity: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.phase not in PHASES:
-            raise ValueError(f"workload phase {self.phase!r}: must be one of {', '.join(PHASES)}")
-        for name in ("gpu_util", "mem_util"):
-            v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
-                raise ValueError(f"workload {name}={v}: must be within 0..1")
-
-    @classmethod
-    def from_json(cls, text: str) -> "Workload":
-        d = json.loads(text)
-        return cls(phase=str(d.get("phase", "idle")), gpu_util=float(d.get("gpu_util", 0.0)),
-                   mem_util=float(d.get("mem_util", 0.0)),
-                   cpu_cores=None if d.get("cpu_cores") is None else float(d["cpu_cores"]),
-                   intensity=None if d.get("intensity") is None else float(d["intensity"]))
-
-    def to_json(self) -> str:
-        return json.dumps({k: v for k, v in self.__dict__.items() if v is not None})
-
-
-IDLE = Workload()
 
 
 @dataclass(frozen=True)
