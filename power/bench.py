@@ -19,6 +19,7 @@ passive trip, and the wall-clock cost of a phase switch (decide + writes) agains
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -27,11 +28,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from power.applier import ClockApplier, PowerLoop, read_zone_samples, tables_from_board
-from power.hw.backends import SysfsBoard
+from power.applier import PowerLoop, read_zone_samples
+from power.control import open_session
+from power.hw.backends import open_board
 from power.physics.boards import board_for
 from power.physics.costmodel import OperatingPoint, PRECISIONS, decode_step, model_shape, prefill_step
-from power.policy.dvfs import DvfsController, PhaseIn, Planner
+from power.policy.dvfs import PhaseIn
 from power.policy.profiles import ProfileStore
 from power.traces import Request, make_trace
 from power.twin import IDLE, Twin, create_twin
@@ -127,28 +129,21 @@ class _Run:
         self.spec = board_for(cfg.board, cfg.l4t)
         self.shape = model_shape(cfg.shape)
         create_twin(root, cfg.board, cfg.l4t)
-        self.board = SysfsBoard(root)
-        self.writer = self.board.writer(root / "run" / "orin-agent")
+        run_dir = root / "run" / "orin-agent"
         self.loop: PowerLoop | None = None
-        self.applier: ClockApplier | None = None
-        if policy == "maxn+jetson_clocks":
-            self.board.set_mode("MAXN", self.writer)
-            SysfsBoard(root).set_jetson_clocks(self.writer)
-        elif policy == "stock-maxn":
-            self.board.set_mode("MAXN", self.writer)
-        elif policy != "stock-default":
+        if policy in BASELINES:
+            self.board = open_board(root)
+            self.writer = self.board.writer(run_dir)
+            if policy != "stock-default":
+                self.board.set_mode("MAXN", self.writer)
+            if policy == "maxn+jetson_clocks":
+                open_board(root).set_jetson_clocks(self.writer)     # on the rediscovered MAXN tree
+        else:
             store = ProfileStore(cfg.profile_dir)
             profile = store.load_doc("auto", AUTO_DOC) if policy == "auto" else store.load(policy)
-            self.applier = ClockApplier(self.board, self.writer)
-            if profile.nvpmodel:
-                self.applier.set_mode(profile.nvpmodel)
-            self.board = SysfsBoard(root)       # re-discover after the mode change
-            self.applier.board = self.board
-            tables = tables_from_board(self.board, self.spec.emc_hz)
-            mode = self.board.read_mode()
-            planner = Planner.for_board(self.spec, cfg.shape, cfg.precision, mode.id if mode else None)
-            self.loop = PowerLoop(DvfsController(tables, planner), profile, self.applier, self._zones,
-                                  fan_ours=cfg.fan == "ours")
+            session = open_session(root, run_dir, profile, cfg.shape, precision=cfg.precision,
+                                   fan_ours=cfg.fan == "ours", spec=self.spec, zones=self._zones)
+            self.board, self.writer, self.loop = session.board, session.writer, session.loop
         self.twin = Twin(root, ambient_c=cfg.ambient_c, fan_daemon=cfg.fan == "daemon")
         self.trip_c = min((p for p, _, _ in self.twin.trips), default=TRIP_C * 1000) / 1000.0
         self._costs: dict[tuple[object, ...], Any] = {}
@@ -341,3 +336,28 @@ def compare(results: list[PolicyResult], baseline: str = "maxn+jetson_clocks") -
             "ttft_p95_pct": 100 * (r.ttft_p95_s / base.ttft_p95_s - 1),
         }
     return out
+
+
+def default_out_dir() -> Path:
+    """Where results go without ``--out``: the user's cache (``$XDG_CACHE_HOME`` or ~/.cache), never the
+    current folder."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "orin-agent" / "bench-power"
+
+
+def save_results(cfg: BenchConfig, results: list[PolicyResult], out: Path, *, plot: bool = True) -> dict[str, Any]:
+    """Write ``power-<trace>-<ambient>C.json`` (and the PNG plot) into ``out``; returns the document
+    with the paths written under ``"written"``."""
+    deltas = compare(results)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"power-{cfg.trace}-{cfg.ambient_c:g}C"
+    doc: dict[str, Any] = {"config": cfg.__dict__ | {"policies": [r.policy for r in results]},
+                           "results": [r.record() | {"vs_maxn": deltas.get(r.policy)} for r in results]}
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str))
+    written = [out / f"{stem}.json"]
+    if plot:
+        from power.bench_plot import plot as draw
+        draw(results, out / f"{stem}.png", f"{cfg.board} {cfg.shape} {cfg.precision}, trace {cfg.trace}, "
+             f"ambient {cfg.ambient_c:g} °C, fan {cfg.fan}", 99.0)
+        written.append(out / f"{stem}.png")
+    return doc | {"written": written}

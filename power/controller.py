@@ -7,30 +7,27 @@ small state file (``<run_dir>/power-state.json``) that ``orin-agent power status
 puts every changed file back (journal restore). Any write error restores the journal, logs it and
 disables the controller: the service keeps serving at the board's own clocks.
 
-Wiring (agent/service.py): ``PowerController.open(root, run_dir, profile)`` and pass it as the
+Wiring (agent/service.py): ``PowerController.open(root, run_dir, profile)`` (one board session) and pass it as the
 service's ``listener`` (or inside ``FanOut``); call ``start()`` after the engine starts and
 ``stop()`` before the board is restored.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
 import threading
 import time
-from pathlib import Path
 from typing import Any, Protocol
 
-from power.applier import ClockApplier, PowerLoop, read_zone_samples, tables_from_board
-from power.hw.backends import SysfsBoard, open_board
-from power.physics.boards import board_for
+from power.applier import ClockApplier, PowerLoop
+from power.control import DEFAULT_PROFILE_DIR, open_session
 from power.physics.costmodel import ModelShape
-from power.policy.dvfs import DvfsController, PhaseIn, Planner
-from power.policy.profiles import DEFAULT_USER_DIR, Profile, ProfileStore
+from power.policy.dvfs import PhaseIn
+from power.policy.profiles import Profile
+from power.state import STATE_FILE, clear_state, write_state
 
 log = logging.getLogger("orin_agent.power")
-STATE_FILE = "power-state.json"
 
 
 class _Event(Protocol):
@@ -39,41 +36,6 @@ class _Event(Protocol):
     n_tokens: int
     context: int
     batch: int
-
-
-def write_state(run_dir: str | os.PathLike[str], doc: dict[str, Any]) -> None:
-    path = Path(run_dir) / STATE_FILE
-    tmp = path.with_name(f".{STATE_FILE}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
-    os.replace(tmp, path)
-
-
-def clear_state(run_dir: str | os.PathLike[str]) -> None:
-    """Forget the controller's state once the board is restored: the file must not describe clocks that
-    are no longer in force."""
-    (Path(run_dir) / STATE_FILE).unlink(missing_ok=True)
-
-
-def describe_state(state: dict[str, Any] | None) -> str:
-    """One line for people from a state file's content: profile, phase, last decision; '-' when none."""
-    if not state:
-        return "-"
-    d = state.get("decision") or {}
-    line = f"profile {state.get('profile')}, phase {state.get('phase')}"
-    if d:
-        line += (f"; GPU {d.get('gpu_min_hz', 0) / 1e6:.0f}-{d.get('gpu_max_hz', 0) / 1e6:.0f} MHz, "
-                 f"EMC {d.get('emc_hz', 0) / 1e6:.0f} MHz, CPU max {d.get('cpu_max_khz', 0) / 1e3:.0f} MHz "
-                 f"({d.get('reason')})")
-    if state.get("failed"):
-        line += f"; FAILED: {state['failed']}"
-    return line
-
-
-def read_state(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    try:
-        return json.loads((Path(run_dir) / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 class PowerController:
@@ -86,38 +48,14 @@ class PowerController:
 
     @classmethod
     def open(cls, root: str | os.PathLike[str], run_dir: str | os.PathLike[str], profile: str | Profile,
-             *, profile_dir: str | None = DEFAULT_USER_DIR, shape: str | ModelShape | None = None,
+             *, profile_dir: str | None = DEFAULT_PROFILE_DIR, shape: str | ModelShape | None = None,
              precision: str = "int4", fan_ours: bool = False) -> "PowerController":
-        """Board, journal, profile (nvpmodel mode applied), tables and planner for ``root``. With a
-        model shape (a preset name or the served model's ModelShape) `auto` plans from the cost model;
-        without one it falls back to a fixed rule."""
-        prof = profile if isinstance(profile, Profile) else ProfileStore(profile_dir).load(profile)
-        board = open_board(root)
-        writer = board.writer(run_dir)
-        applier = ClockApplier(board, writer)
-        spec = None
-        ident = board.info.identity
-        if ident.board and ident.l4t is not None:
-            try:
-                spec = board_for(ident.board, ident.l4t.release if ident.l4t.release in ("r35", "r36") else "r36")
-            except KeyError:
-                spec = None
-        try:
-            if prof.nvpmodel:
-                applier.set_mode(prof.nvpmodel)
-                board = SysfsBoard(board.root) if isinstance(board, SysfsBoard) and board.backend == "sysfs" else board
-                applier.board = board
-            tables = tables_from_board(board, spec.emc_hz if spec else ())
-            mode = board.read_mode()
-            planner = (Planner.for_board(spec, shape, precision, mode.id if mode else None)
-                       if spec is not None and shape else None)
-        except Exception:
-            applier.restore()
-            writer.journal and writer.journal.close()
-            raise
-        loop = PowerLoop(DvfsController(tables, planner), prof, applier, lambda: read_zone_samples(board),
-                         fan_ours=fan_ours)
-        return cls(loop, applier, run_dir)
+        """The controller of a board session (:func:`power.control.open_session`). With a model shape
+        (a preset name or the served model's ModelShape) `auto` plans from the cost model; without
+        one it falls back to a fixed rule."""
+        session = open_session(root, run_dir, profile, shape, profile_dir=profile_dir, precision=precision,
+                               fan_ours=fan_ours)
+        return cls(session.loop, session.applier, run_dir)
 
     # -- PhaseListener
     def on_phase(self, event: _Event) -> None:

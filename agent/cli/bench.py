@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from agent.cli.common import cli_errors
+from agent.cli.common import cli_errors, profile_dir_option
 
 app = typer.Typer(help="Benchmarks: energy per token of the power policies on the twin.", no_args_is_help=True)
 
@@ -28,32 +28,26 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
           max_batch: int = typer.Option(8, "--max-batch", min=1, help="Sequences decoded together."),
           fan: str = typer.Option("daemon", "--fan", help="daemon (nvfancontrol), ours (controller) or off."),
           policy: list[str] = typer.Option([], "--policy", help="Only these policies (repeatable)."),
-          profile_dir: Path = typer.Option(Path("/etc/orin-agent/profiles"), "--profile-dir",
-                                           help="User profiles (added to the shipped ones)."),
+          profile_dir: Path = profile_dir_option(),
           json_out: bool = typer.Option(False, "--json", help="One JSON record per policy, one per line."),
-          out: Path = typer.Option(Path("bench-power"), "--out", help="Folder for results.json and the plot."),
+          out: Path | None = typer.Option(None, "--out", help="Folder for the results JSON and the plot "
+                                          "(default: ~/.cache/orin-agent/bench-power)."),
           plot: bool = typer.Option(True, "--plot/--no-plot", help="Write the PNG plot.")) -> None:
     """Energy per token, TTFT/TPOT, peak power and temperature per policy, side by side."""
-    from power.bench import BenchConfig, compare, run_bench
+    from power.bench import BenchConfig, compare, default_out_dir, run_bench, save_results
 
     with cli_errors():
         cfg = BenchConfig(board, l4t, shape, precision, trace, ambient, duration, seed, max_batch, fan,
                           tuple(policy), str(profile_dir))
         results = run_bench(cfg)
-        deltas = compare(results)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"power-{trace}-{ambient:g}C"
-        doc = {"config": cfg.__dict__ | {"policies": [r.policy for r in results]},
-               "results": [r.record() | {"vs_maxn": deltas.get(r.policy)} for r in results]}
-        (out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str))
-        if plot:
-            from power.bench_plot import plot as draw
-            draw(results, out / f"{stem}.png",
-                 f"{board} {shape} {precision}, trace {trace}, ambient {ambient:g} °C, fan {fan}", 99.0)
+        doc = save_results(cfg, results, out or default_out_dir(), plot=plot)
+        written = " and ".join(str(p) for p in doc["written"])
         if json_out:
             for r in doc["results"]:
                 sys.stdout.write(json.dumps(r, default=str) + "\n")
+            typer.echo(f"wrote {written}", err=True)
             return
+        deltas = compare(results)
         table = Table(title=f"{trace} trace, {duration:g} s, ambient {ambient:g} °C (twin: {board}, {shape} {precision})")
         for col in ("policy", "J/token", "vs MAXN", "TTFT p50/p95 s", "TPOT p50/p95 ms", "peak W",
                     "max °C", "s >= trip", "switch µs"):
@@ -66,7 +60,7 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
                           f"{r.max_zone_c:.1f}", f"{r.time_above_trip_s:.0f}",
                           "-" if r.switch_cost_us is None else f"{r.switch_cost_us:.0f}")
         Console().print(table)
-        typer.echo(f"wrote {out / (stem + '.json')}" + (f" and {out / (stem + '.png')}" if plot else ""))
+        typer.echo(f"wrote {written}")
 
 
 def register(root_app: typer.Typer) -> None:

@@ -1,13 +1,17 @@
 """What every CLI command shares: turning the packages' own errors into a one-line message and an exit
-code (never a traceback), and printing JSON for scripts."""
+code (never a traceback), printing JSON for scripts, and the board options (``--root``, ``--run-dir``,
+``--profile-dir``) whose defaults are power.control's constants."""
 from __future__ import annotations
 
 import json
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import typer
+
+from power.control import DEFAULT_PROFILE_DIR, DEFAULT_ROOT, DEFAULT_RUN_DIR
 
 
 @contextmanager
@@ -26,3 +30,23 @@ def cli_errors() -> Iterator[None]:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+ROOT_HELP = "Root of the board's file tree: '/' on an Orin, a twin folder elsewhere."
+RUN_DIR_HELP = "Where the restore journal and the power controller's state live."
+PROFILE_DIR_HELP = "User profile folder (its profiles add to and override the shipped ones)."
+
+
+def root_option(help: str = ROOT_HELP) -> Any:
+    """``--root``: the board's file tree (default ``/``)."""
+    return typer.Option(Path(DEFAULT_ROOT), "--root", help=help)
+
+
+def run_dir_option(help: str = RUN_DIR_HELP) -> Any:
+    """``--run-dir``: the restore journal and the controller's state file (default /run/orin-agent)."""
+    return typer.Option(Path(DEFAULT_RUN_DIR), "--run-dir", help=help)
+
+
+def profile_dir_option(help: str = PROFILE_DIR_HELP) -> Any:
+    """``--profile-dir``: the user's power profiles (default /etc/orin-agent/profiles)."""
+    return typer.Option(Path(DEFAULT_PROFILE_DIR), "--profile-dir", help=help)

@@ -14,17 +14,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from agent.cli import profiles
-from agent.cli.common import cli_errors
+from agent.cli.common import cli_errors, root_option, run_dir_option
 from power.hw.backends import open_board
-from power.controller import clear_state, describe_state, read_state
-from power.hw.journal import DEFAULT_RUN_DIR, restore_run_dir
+from power.state import clear_state, describe_state, read_state
+from power.hw.journal import restore_run_dir
 from power.status import BoardStatus, read_status
 
 app = typer.Typer(help="Read the board's clocks, temperatures and power; restore what the agent changed.",
                   no_args_is_help=True)
-
-ROOT_HELP = "Root of the board's file tree: '/' on an Orin, a twin folder elsewhere."
-
 
 def _check_root(root: Path) -> str:
     if not root.is_dir():
@@ -96,13 +93,12 @@ def c_fmt(hz: int) -> str:
 
 
 @app.command("status")
-def status(root: Path = typer.Option(Path("/"), "--root", help=ROOT_HELP),
+def status(root: Path = root_option(),
            json_out: bool = typer.Option(False, "--json", help="Print JSON (one object per sample)."),
            watch: bool = typer.Option(False, "--watch", help="Refresh until Ctrl-C."),
            interval: float = typer.Option(1.0, "--interval", min=0.1, help="Seconds between samples with --watch."),
            backend: str = typer.Option("auto", "--backend", help="auto, sysfs or jtop."),
-           run_dir: Path = typer.Option(Path(DEFAULT_RUN_DIR), "--run-dir",
-                                        help="The service's run directory (its power controller's state).")) -> None:
+           run_dir: Path = run_dir_option("The service's run directory (its power controller's state).")) -> None:
     """Board, L4T, power mode, every clock (cur/min/max), zone temperatures, rails and total power, fan,
     and the power controller's profile, phase and last decision when a service runs."""
     with cli_errors():
@@ -143,9 +139,8 @@ def _emit(st: BoardStatus, state: dict | None, json_out: bool) -> None:
 
 
 @app.command("restore")
-def restore(root: Path = typer.Option(Path("/"), "--root", help=ROOT_HELP),
-            run_dir: Path = typer.Option(Path(DEFAULT_RUN_DIR), "--run-dir",
-                                         help="Where the agent keeps its restore journal.")) -> None:
+def restore(root: Path = root_option(),
+            run_dir: Path = run_dir_option("Where the agent keeps its restore journal.")) -> None:
     """Put back every clock/fan file the agent changed, from the journal in the run directory."""
     with cli_errors():
         report = restore_run_dir(run_dir, _check_root(root))

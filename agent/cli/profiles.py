@@ -8,26 +8,21 @@ so ``set`` never talks to a running service; restart the service with the profil
 """
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from agent.cli.common import cli_errors
-from power.policy.profiles import DEFAULT_USER_DIR, ProfileStore
-
-ROOT_HELP = "Root of the board's file tree: '/' on an Orin, a twin folder elsewhere."
-DIR_HELP = "User profile folder (its profiles add to and override the shipped ones)."
+from agent.cli.common import cli_errors, print_json, profile_dir_option, root_option, run_dir_option
+from power.policy.profiles import ProfileStore
 
 
 def _store(profile_dir: Path) -> ProfileStore:
     return ProfileStore(str(profile_dir))
 
 
-def profiles(profile_dir: Path = typer.Option(Path(DEFAULT_USER_DIR), "--profile-dir", help=DIR_HELP),
+def profiles(profile_dir: Path = profile_dir_option(),
              json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List the profiles: name, where it comes from, description."""
     with cli_errors():
@@ -38,7 +33,7 @@ def profiles(profile_dir: Path = typer.Option(Path(DEFAULT_USER_DIR), "--profile
             rows.append({"name": name, "file": str(path), "description": p.description,
                          "nvpmodel": p.nvpmodel})
         if json_out:
-            sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+            print_json(rows)
             return
         t = Table(title="power profiles")
         for col in ("name", "nvpmodel", "description", "file"):
@@ -49,13 +44,13 @@ def profiles(profile_dir: Path = typer.Option(Path(DEFAULT_USER_DIR), "--profile
 
 
 def show(name: str = typer.Argument(..., help="Profile name."),
-         profile_dir: Path = typer.Option(Path(DEFAULT_USER_DIR), "--profile-dir", help=DIR_HELP),
+         profile_dir: Path = profile_dir_option(),
          json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """The merged profile (includes resolved), with the files it came from."""
     with cli_errors():
         doc = _store(profile_dir).load(name).to_dict()
         if json_out:
-            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+            print_json(doc)
             return
         c = Console()
         c.print(f"[bold]{doc['name']}[/bold]: {doc['description']}")
@@ -72,51 +67,23 @@ def show(name: str = typer.Argument(..., help="Profile name."),
 
 
 def set_profile(name: str = typer.Argument(..., help="Profile name."),
-                root: Path = typer.Option(Path("/"), "--root", help=ROOT_HELP),
-                run_dir: Path = typer.Option(Path("/run/orin-agent"), "--run-dir",
-                                             help="Where the restore journal and controller state live."),
-                profile_dir: Path = typer.Option(Path(DEFAULT_USER_DIR), "--profile-dir", help=DIR_HELP),
+                root: Path = root_option(),
+                run_dir: Path = run_dir_option(),
+                profile_dir: Path = profile_dir_option(),
                 dry_run: bool = typer.Option(False, "--dry-run", help="Print the writes, change nothing.")) -> None:
     """Apply a profile's power mode and idle clocks now (journaled; `power restore` undoes it)."""
-    from power.applier import ClockApplier, tables_from_board
-    from power.hw.backends import SysfsBoard, open_board
-    from power.physics.boards import BOARDS
-    from power.controller import write_state
-    from power.policy.dvfs import DvfsController, PhaseIn, Readings, DvfsState
+    from power.control import apply_profile
 
     with cli_errors():
-        prof = _store(profile_dir).load(name)
-        if not root.is_dir():
-            raise FileNotFoundError(f"--root {root}: no such directory")
-        board = open_board(root)
-        writer = board.writer(run_dir, dry_run=dry_run, echo=typer.echo, recover=False)
-        applier = ClockApplier(board, writer)
-        try:
-            if prof.nvpmodel:
-                applier.set_mode(prof.nvpmodel)
-                if not dry_run:
-                    board = SysfsBoard(board.root)
-                    applier.board = board
-            spec = BOARDS.get(board.info.identity.board or "")
-            tables = tables_from_board(board, spec.emc_hz if spec else ())
-            d, _ = DvfsController(tables).decide(Readings(), PhaseIn("idle"), prof, DvfsState(), 0.0)
-            applier.apply(d)
-        finally:
-            if writer.journal is not None:
-                writer.journal.close()      # leave the journal for `power restore`
+        prof, _ = apply_profile(root, run_dir, name, profile_dir=profile_dir, dry_run=dry_run, echo=typer.echo)
         if not dry_run:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_state(run_dir, {"profile": prof.name, "phase": "idle", "set_by": "orin-agent power set",
-                                  "decision": {"gpu_min_hz": d.gpu_min_hz, "gpu_max_hz": d.gpu_max_hz,
-                                               "emc_hz": d.emc_hz, "cpu_max_khz": d.cpu_max_khz,
-                                               "reason": d.reason}})
             typer.echo(f"profile {prof.name} applied to {root} (idle clocks; `orin-agent power restore` undoes it)")
 
 
-def state(run_dir: Path = typer.Option(Path("/run/orin-agent"), "--run-dir", help="The controller's run directory."),
+def state(run_dir: Path = run_dir_option("The controller's run directory."),
           json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """The power controller's active profile, phase and last decision (from its state file)."""
-    from power.controller import describe_state, read_state
+    from power.state import describe_state, read_state
 
     with cli_errors():
         st = read_state(run_dir)
@@ -124,7 +91,7 @@ def state(run_dir: Path = typer.Option(Path("/run/orin-agent"), "--run-dir", hel
             typer.echo(f"no power controller state in {run_dir} (no service running, no `power set`)")
             return
         if json_out:
-            sys.stdout.write(json.dumps(st, indent=2) + "\n")
+            print_json(st)
             return
         typer.echo(describe_state(st))
         if st.get("thermal"):

@@ -2,25 +2,20 @@
 
 A thin client over ``power.twin``: ``create`` lays out a board's tree, ``run`` runs the board model on
 it in real time, with the workload the engine writes to ``<DIR>/run/orin-agent-twin/workload.json``.
-Errors are one clear line and exit code 2, never a traceback.
+Errors are one clear line and exit code 2 (the shared ``cli_errors``), never a traceback.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
+from agent.cli.common import cli_errors, print_json
 from power.physics.boards import BOARDS, L4T_RELEASES
 from power.twin import WORKLOAD_FILE, Twin, TwinState, create_twin
 
 app = typer.Typer(help="The simulated Orin: lay out a board's sysfs tree in a folder and run its model.",
                   no_args_is_help=True)
-
-
-def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 @app.command()
@@ -32,21 +27,21 @@ def create(
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Lay out BOARD's sysfs / procfs / etc tree (L4T r35 or r36 layout) in DIRECTORY."""
-    if board not in BOARDS:
-        _fail(f"unknown board {board!r}; valid boards: {', '.join(BOARDS)}")
-    if l4t not in L4T_RELEASES:
-        _fail(f"unknown L4T release {l4t!r}; valid: {', '.join(L4T_RELEASES)}")
-    if directory.exists() and not directory.is_dir():
-        _fail(f"{directory} exists and is not a folder")
-    try:
-        paths = create_twin(directory, board, l4t, ambient_c=ambient)
-    except OSError as e:
-        _fail(f"cannot create the twin in {directory}: {e}")
-        return
+    with cli_errors():
+        if board not in BOARDS:
+            raise ValueError(f"unknown board {board!r}; valid boards: {', '.join(BOARDS)}")
+        if l4t not in L4T_RELEASES:
+            raise ValueError(f"unknown L4T release {l4t!r}; valid: {', '.join(L4T_RELEASES)}")
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(f"{directory} exists and is not a folder")
+        try:
+            paths = create_twin(directory, board, l4t, ambient_c=ambient)
+        except OSError as e:
+            raise OSError(f"cannot create the twin in {directory}: {e}") from e
     result = {"root": str(directory), "board": board, "l4t": l4t,
               "gpu_devfreq": paths.gpu_devfreq, "workload_file": WORKLOAD_FILE}
     if json_out:
-        typer.echo(json.dumps(result))
+        print_json(result)
     else:
         typer.echo(f"twin {board} ({l4t}) laid out in {directory}")
         typer.echo(f"  run it:      orin-agent twin run {directory}")
@@ -72,32 +67,30 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", help="No status line."),
 ) -> None:
     """Run the board model on DIRECTORY in real time until Ctrl-C (or --duration)."""
-    if period <= 0:
-        _fail("--period must be > 0")
-    try:
-        twin = Twin(directory, ambient_c=ambient, fan_daemon=not no_fan_daemon, atomic_writes=True)
-    except FileNotFoundError:
-        _fail(f"{directory} is not a twin tree (no {directory}/run/orin-agent-twin/twin.json); "
-              f"make one with `orin-agent twin create {directory}`")
-        return
-    except (KeyError, ValueError, OSError) as e:
-        _fail(f"cannot open the twin in {directory}: {e}")
-        return
-    every = max(1, round(1.0 / period))
-    ticks = [0]
+    with cli_errors():
+        if period <= 0:
+            raise ValueError("--period must be > 0")
+        try:
+            twin = Twin(directory, ambient_c=ambient, fan_daemon=not no_fan_daemon, atomic_writes=True)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{directory} is not a twin tree (no {directory}/run/orin-agent-twin/twin.json); "
+                                    f"make one with `orin-agent twin create {directory}`") from None
+        except (KeyError, ValueError, OSError) as e:
+            raise ValueError(f"cannot open the twin in {directory}: {e}") from None
+        every = max(1, round(1.0 / period))
+        ticks = [0]
 
-    def tick(st: TwinState) -> None:
-        ticks[0] += 1
-        if not quiet and ticks[0] % every == 0:
-            typer.echo(_line(st))
+        def tick(st: TwinState) -> None:
+            ticks[0] += 1
+            if not quiet and ticks[0] % every == 0:
+                typer.echo(_line(st))
 
-    try:
-        st = twin.run(period_s=period, duration_s=duration, on_tick=tick)
-    except KeyboardInterrupt:
-        st = twin.state
-    except OSError as e:
-        _fail(f"twin stopped: {e}")
-        return
+        try:
+            st = twin.run(period_s=period, duration_s=duration, on_tick=tick)
+        except KeyboardInterrupt:
+            st = twin.state
+        except OSError as e:
+            raise OSError(f"twin stopped: {e}") from None
     if not quiet:
         typer.echo(f"stopped: {_line(st)} energy={st.energy_j:.1f}J")
 

@@ -1,0 +1,119 @@
+"""Opening the board for control: the one place that goes profile -> board (one factory) -> journaled
+writer -> nvpmodel mode switch -> rediscovery -> clock tables -> planner -> control loop.
+
+Used by the service's controller (:meth:`power.controller.PowerController.open`), ``orin-agent power
+set`` (:func:`apply_profile`) and the energy benchmark (power.bench). Also the default paths every
+front end shares (``DEFAULT_ROOT``, ``DEFAULT_RUN_DIR``, ``DEFAULT_PROFILE_DIR``).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from power.applier import ClockApplier, PowerLoop, read_zone_samples, tables_from_board
+from power.hw.backends import SysfsBoard, open_board
+from power.hw.journal import DEFAULT_RUN_DIR as _JOURNAL_RUN_DIR
+from power.hw.writer import ClockWriter
+from power.physics.boards import BoardSpec, board_for
+from power.physics.costmodel import ModelShape
+from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Planner, Readings
+from power.policy.profiles import DEFAULT_USER_DIR, Profile, ProfileStore
+from power.policy.tables import BoardTables
+from power.policy.thermal import ZoneSample
+from power.state import write_state
+
+DEFAULT_ROOT = "/"
+DEFAULT_RUN_DIR = _JOURNAL_RUN_DIR          # the restore journal and the controller's state file
+DEFAULT_PROFILE_DIR = DEFAULT_USER_DIR      # the user's profiles, over the shipped ones
+
+
+@dataclass
+class Session:
+    """An open board under control: the board (rediscovered after the mode switch), its journaled
+    writer, the applier that writes decisions, and the loop that makes them."""
+    board: SysfsBoard
+    writer: ClockWriter
+    applier: ClockApplier
+    loop: PowerLoop
+    profile: Profile
+    spec: BoardSpec | None
+    tables: BoardTables
+
+    def close(self) -> None:
+        """Release the journal's lock, leaving its entries for a later restore."""
+        if self.writer.journal is not None:
+            self.writer.journal.close()
+
+
+def spec_of(board: SysfsBoard) -> BoardSpec | None:
+    """The published spec of the board the identity names (its L4T line; r36 when unknown), or None."""
+    ident = board.info.identity
+    if not ident.board or ident.l4t is None:
+        return None
+    try:
+        return board_for(ident.board, ident.l4t.release if ident.l4t.release in ("r35", "r36") else "r36")
+    except KeyError:
+        return None
+
+
+def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], profile: str | Profile,
+                 model_shape: str | ModelShape | None = None, dry_run: bool = False, *,
+                 profile_dir: str | os.PathLike[str] | None = DEFAULT_PROFILE_DIR, precision: str = "int4",
+                 fan_ours: bool = False, spec: BoardSpec | None = None,
+                 zones: Callable[[], tuple[ZoneSample, ...]] | None = None,
+                 echo: Callable[[str], None] | None = None, recover: bool = True) -> Session:
+    """Open ``root`` for control with ``profile``: its nvpmodel mode is switched (journaled), the board
+    rediscovered, the tables read and, with a model shape (a preset name or the served model's), the
+    cost-model planner built (without one, ``auto`` falls back to a fixed rule). ``spec`` defaults to
+    the board's identity; ``zones`` to the board's thermal zones. On any error the journal is restored
+    and closed before the error propagates."""
+    prof = profile if isinstance(profile, Profile) else ProfileStore(
+        None if profile_dir is None else os.fspath(profile_dir)).load(profile)
+    board = open_board(root)
+    writer = board.writer(run_dir, dry_run=dry_run, echo=echo, recover=recover)
+    applier = ClockApplier(board, writer)
+    spec = spec if spec is not None else spec_of(board)
+    try:
+        if prof.nvpmodel:
+            applier.set_mode(prof.nvpmodel)
+            if not dry_run and board.backend == "sysfs":
+                board = SysfsBoard(board.root)       # rediscover: the mode changed caps and cores
+                applier.board = board
+        tables = tables_from_board(board, spec.emc_hz if spec else ())
+        mode = board.read_mode()
+        planner = (Planner.for_board(spec, model_shape, precision, mode.id if mode else None)
+                   if spec is not None and model_shape else None)
+    except Exception:
+        applier.restore()
+        if writer.journal is not None:
+            writer.journal.close()
+        raise
+    read_zones = zones if zones is not None else (lambda: read_zone_samples(applier.board))
+    loop = PowerLoop(DvfsController(tables, planner), prof, applier, read_zones, fan_ours=fan_ours)
+    return Session(board, writer, applier, loop, prof, spec, tables)
+
+
+def apply_profile(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], name: str, *,
+                  profile_dir: str | os.PathLike[str] | None = DEFAULT_PROFILE_DIR, dry_run: bool = False,
+                  echo: Callable[[str], None] | None = None) -> tuple[Profile, Decision]:
+    """``orin-agent power set``: apply a profile's power mode and idle clocks now, journaled (``power
+    restore`` undoes it), leave the journal for that restore and record the state file."""
+    prof = ProfileStore(None if profile_dir is None else os.fspath(profile_dir)).load(name)
+    if not Path(root).is_dir():
+        raise FileNotFoundError(f"--root {root}: no such directory")
+    session = open_session(root, run_dir, prof, None, dry_run, profile_dir=profile_dir, echo=echo,
+                           recover=False)
+    try:
+        d, _ = session.loop.controller.decide(Readings(), PhaseIn("idle"), session.profile, DvfsState(), 0.0)
+        session.applier.apply(d)
+    finally:
+        session.close()
+    if not dry_run:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        write_state(run_dir, {"profile": session.profile.name, "phase": "idle", "set_by": "orin-agent power set",
+                              "decision": {"gpu_min_hz": d.gpu_min_hz, "gpu_max_hz": d.gpu_max_hz,
+                                           "emc_hz": d.emc_hz, "cpu_max_khz": d.cpu_max_khz,
+                                           "reason": d.reason}})
+    return session.profile, d
