@@ -1,22 +1,27 @@
-"""The board as the service sees it: readings for /metrics and energy accounting, the twin when
-there is no board, and the restore journal's recover-on-start / restore-on-stop.
+"""The board as the service sees it: readings for /metrics and energy accounting, the twin when there
+is no board, and the restore journal's recover-on-start / restore-on-stop.
 
-Everything board-specific goes through `power/` (rooted readers: rails, thermal zones, GPU and EMC
-clocks; the twin; the journal); this module only composes them, and degrades to "unavailable" (None)
-when a domain is missing, so the service runs on any root.
+Everything board-specific is in ``power``: readings come from the board power.hw.backends.open_board
+opens (the same factory, sysfs or jtop, the power controller uses), the twin from power.twin (its real-
+time driver is power.twin.driver.TwinDriver), the journal from power.hw.journal. This module composes
+them and degrades to "unavailable" (None) when a domain is missing, so the service runs on any root.
 """
 from __future__ import annotations
 
 import logging
 import os
 import tempfile
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from agent.phases import PhaseEvent
+from power.hw.backends import SysfsBoard, open_board
+from power.hw.identity import read_identity
+from power.hw.journal import Journal, restore_run_dir
+from power.twin import create_twin
+from power.twin.driver import PHASE_LOAD, TwinDriver
+
+__all__ = ["PHASE_LOAD", "TWIN_BOARD", "TWIN_L4T", "BoardReader", "BoardSnapshot", "EnergyMeter", "TwinDriver",
+           "is_orin", "make_twin_root", "recover_board", "restore_board"]
 
 log = logging.getLogger("orin_agent.board")
 
@@ -34,46 +39,36 @@ class BoardSnapshot:
 
 
 class BoardReader:
-    """Rooted readings through power/'s readers; any missing domain reads as None."""
+    """Rooted readings through the board power's factory opens; any missing domain reads as None."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.fspath(root)
-        self.rails: Any = None
-        self.thermal: Any = None
-        self.gpu: Any = None
-        self.emc: Any = None
-        try:
-            from power.hw.emc import Emc, find_emc
-            from power.hw.gpu import GpuClock, find_gpu
-            from power.hw.rails import PowerRails, find_rails
-            from power.hw.thermal import ThermalZones, find_zones
-        except ImportError as exc:  # power/ not installed in this checkout: no readings, no energy
-            log.warning("board readings unavailable: %s", exc)
-            return
-        self.rails = PowerRails(self.root, find_rails(self.root))
-        self.thermal = ThermalZones(self.root, find_zones(self.root))
-        self.gpu = GpuClock(self.root, find_gpu(self.root))
-        self.emc = Emc(self.root, find_emc(self.root))
+        self.board: SysfsBoard = open_board(self.root)
+        self.rails = self.board.rails
+        self.thermal = self.board.thermal
+        self.gpu = self.board.gpu
+        self.emc = self.board.emc
 
     @property
     def has_power(self) -> bool:
-        return bool(self.rails is not None and self.rails.available)
+        return bool(self.rails.available)
 
     def power_mw(self) -> float | None:
         if not self.has_power:
             return None
-        return self.rails.total_mw(self.rails.read())
+        return self.rails.total_mw(self.board.read_rails())
 
     def snapshot(self) -> BoardSnapshot:
-        if self.rails is None:
-            return BoardSnapshot(None)
-        readings = self.rails.read() if self.rails.available else ()
+        readings = self.board.read_rails() if self.rails.available else ()
         rails = {r.label: r.mw for r in readings if r.mw is not None}
-        temps = {z.name: z.temp_c for z in self.thermal.read() if z.temp_c is not None} \
+        temps = {z.name: z.temp_c for z in self.board.read_zones() if z.temp_c is not None} \
             if self.thermal.available else {}
         gpu_hz = self.gpu.read().cur_hz if self.gpu.available else None
         emc_hz = self.emc.read().cur_hz if self.emc.available else None
         return BoardSnapshot(self.rails.total_mw(readings) if readings else None, rails, temps, gpu_hz, emc_hz)
+
+    def close(self) -> None:
+        self.board.close()
 
 
 class EnergyMeter:
@@ -97,69 +92,12 @@ class EnergyMeter:
         return avg / 1000.0 * elapsed_s
 
 
-# How busy each phase keeps the simulated board (fractions for power.twin's Workload). Estimates:
-# prefill is compute-bound (GPU near saturation, DRAM moderate); decode streams the weights and the
-# KV-cache (DRAM near saturation, GPU partly idle). The cost model (power/) will replace these.
-PHASE_LOAD = {"prefill": (0.95, 0.35), "decode": (0.45, 0.85), "idle": (0.0, 0.0)}
-
-
-class TwinDriver:
-    """Runs the twin's board model in real time next to the engine: every `period_s` it re-reads the
-    limits written into the tree, steps the model with the engine's current phase, and flushes the
-    readings (rails, temperatures, clocks) that BoardReader then reads like a real board's."""
-
-    def __init__(self, root: Path, period_s: float = 0.05) -> None:
-        from power.twin.model import Twin, Workload
-
-        self._Workload = Workload
-        self.twin = Twin(root, atomic_writes=True)
-        self.root, self.period_s = root, period_s
-        self._phase = "idle"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="twin", daemon=True)
-
-    def on_phase(self, event: PhaseEvent) -> None:
-        self._phase = event.kind
-
-    def start(self) -> None:
-        self.twin.flush()
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2)
-
-    def _run(self) -> None:
-        last = time.monotonic()
-        while not self._stop.wait(self.period_s):
-            now = time.monotonic()
-            gpu, mem = PHASE_LOAD.get(self._phase, (0.0, 0.0))
-            try:
-                self.twin.read_limits()
-                self.twin.step(now - last, self._Workload(self._phase, gpu, mem))
-                self.twin.flush()
-            except (OSError, ValueError) as exc:
-                log.warning("twin step failed: %s", exc)
-            last = now
-
-
 def is_orin(root: str = "/") -> bool:
-    try:
-        from power.hw.identity import read_identity
-    except ImportError:
-        return False
     return read_identity(root).is_orin
 
 
-def make_twin_root(board: str = TWIN_BOARD, l4t: str = TWIN_L4T) -> Path | None:
-    """A fresh twin tree in a temp dir, or None (logged) when power.twin is not available."""
-    try:
-        from power.twin import create_twin
-    except ImportError as exc:
-        log.warning("no board root given and this is not an Orin, and the twin is unavailable (%s): "
-                    "running without board readings or energy", exc)
-        return None
+def make_twin_root(board: str = TWIN_BOARD, l4t: str = TWIN_L4T) -> Path:
+    """A fresh twin tree in a temp dir."""
     root = Path(tempfile.mkdtemp(prefix="orin-agent-twin-"))
     create_twin(root, board, l4t)
     log.info("not an Orin and no --root: running on a fresh twin of %s (%s) at %s", board, l4t, root)
@@ -169,8 +107,6 @@ def make_twin_root(board: str = TWIN_BOARD, l4t: str = TWIN_L4T) -> Path | None:
 def recover_board(run_dir: str | os.PathLike[str], root: str | os.PathLike[str]) -> int:
     """On start, before anything else: put back what a crashed previous run left changed (its journal
     under run_dir). Returns the number of files restored."""
-    from power.hw.journal import Journal
-
     journal = Journal(run_dir, root, recover=False)
     try:
         n = len(journal.entries)
@@ -185,7 +121,5 @@ def recover_board(run_dir: str | os.PathLike[str], root: str | os.PathLike[str])
 
 def restore_board(run_dir: str | os.PathLike[str], root: str | os.PathLike[str]) -> int:
     """On stop: `orin-agent power restore`'s call. Returns the number of files restored."""
-    from power.hw.journal import restore_run_dir
-
     report = restore_run_dir(run_dir, root)
     return len(report.restored)

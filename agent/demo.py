@@ -110,8 +110,6 @@ def stream_request(client: httpx.Client, kind: str, prompt: str, max_tokens: int
 def run_demo(model_dir: Path, max_tokens: int, on_text: Callable[[str], None],
              on_log: Callable[[str], None]) -> list[DemoResult]:
     twin = make_twin_root()
-    if twin is None:
-        on_log("power.twin is not available here: the demo runs without a board (no clocks, no joules)")
     tmp = Path(tempfile.mkdtemp(prefix="orin-agent-demo-"))
     cfg = ServiceConfig(model_dir=model_dir, port=0, root=str(twin) if twin else str(tmp / "no-board"),
                         run_dir=str(tmp / "run"), max_batch=4)

@@ -21,6 +21,8 @@ import uvicorn
 
 from agent.api import ApiState, create_app
 from agent.board import BoardReader, EnergyMeter, TwinDriver, is_orin, make_twin_root, recover_board, restore_board
+from power.controller import PowerController
+from power.physics.costmodel import shape_of
 from agent.config import ServiceConfig
 from agent.engine import Engine
 from agent.executor import ChainExecutor
@@ -96,21 +98,17 @@ def setup_board(cfg: ServiceConfig) -> BoardSetup:
             root = "/"
         else:
             made = make_twin_root()
-            if made is not None:
-                temp, root = made, str(made)
-                if cfg.run_dir == ServiceConfig.run_dir:  # the default /run/orin-agent is for the board
-                    run_dir = str(made / "run" / "orin-agent")
+            temp, root = made, str(made)
+            if cfg.run_dir == ServiceConfig.run_dir:  # the default /run/orin-agent is for the board
+                run_dir = str(made / "run" / "orin-agent")
     twin = None
     if root is not None and (Path(root) / "run" / "orin-agent-twin").is_dir():
         try:
             twin = TwinDriver(Path(root))
-        except (ImportError, OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError) as exc:
             log.warning("%s looks like a twin but its model cannot run (%s): readings stay static", root, exc)
     if root is not None and run_dir is not None:
-        try:
-            recover_board(run_dir, root)  # a crashed run's changes are put back before anything else
-        except ImportError:
-            log.warning("power.hw.journal is not available: no crash recovery of board files")
+        recover_board(run_dir, root)  # a crashed run's changes are put back before anything else
     return BoardSetup(root, run_dir, twin, temp)
 
 
@@ -184,12 +182,6 @@ class Service:
         clocks. Fails soft: a board the controller cannot drive is logged, never fatal."""
         b, cfg = self.board, self.cfg
         if not cfg.power_control or b is None or b.root is None or b.run_dir is None:
-            return None
-        try:
-            from power.controller import PowerController
-            from power.physics.costmodel import shape_of
-        except ImportError as exc:
-            log.warning("no power controller (%s): serving at the board's own clocks", exc)
             return None
         try:
             # `auto` plans from the cost model of the model being served, in the precision an Orin's
@@ -290,7 +282,7 @@ class Service:
                 try:
                     n = restore_board(b.run_dir, b.root)
                     log.info("board restored (%d file(s) put back)", n)
-                except (ImportError, OSError, RuntimeError) as exc:
+                except (OSError, RuntimeError) as exc:
                     log.error("board restore failed: %s; run `orin-agent power restore`", exc)
             if b.temp_dir is not None:
                 shutil.rmtree(b.temp_dir, ignore_errors=True)
