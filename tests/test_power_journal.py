@@ -291,13 +291,13 @@ def test_tools_on_the_host_root_go_through_the_runner(tree):
     board = SysfsBoard(root)
     calls: list[list[str]] = []
 
-    def runner(args, timeout):
+    def runner(args, timeout, writer=None):
         calls.append(list(args))
         return "NV Power Mode: MODE_30W\n2\n"
 
     nvp = NvpModel("/", board.gpu, board.emc, board.cpu, runner=runner)
     assert nvp.current().name == "MODE_30W"
-    nvp.set_mode(2, None)  # type: ignore[arg-type]  (the real tool needs no writer)
+    nvp.set_mode(2, None)  # type: ignore[arg-type]  (the real tool needs no journal)
     assert calls[-2] == ["nvpmodel", "-m", "2"]
 
 

@@ -41,9 +41,10 @@ class SysfsBoard:
     backend = "sysfs"
 
     def __init__(self, root: str | os.PathLike[str] = "/", *, info: BoardInfo | None = None,
-                 runner: Runner = run_tool) -> None:
+                 runner: Runner | None = None) -> None:
         self.info = info or discover(root)
         self.root = self.info.root
+        runner = runner if runner is not None else default_runner(self.root)
         self.gpu = GpuClock(self.root, self.info.gpu)
         self.emc = Emc(self.root, self.info.emc)
         self.cpu = CpuFreq(self.root, self.info.cpu)
@@ -52,20 +53,14 @@ class SysfsBoard:
         self.fan = Fan(self.root, self.info.fan)
         self.nvpmodel = NvpModel(self.root, self.gpu, self.emc, self.cpu, runner)
         self.jetson_clocks = JetsonClocks(self.root, self.gpu, self.emc, self.cpu, self.fan, runner=runner)
+        self.runner = runner
 
     # -- the write allowlist: only what discovery identified as a clock/fan file ---------------
 
     def writable(self) -> dict[str, str]:
-        out = {**self.gpu.writable(), **self.emc.writable(), **self.cpu.writable(), **self.fan.writable()}
-        if not sysfs.root_is_host(self.root):
-            # nvpmodel is emulated on a twin tree: it also writes caps, core online state, TPC gating
-            # and its status file. On a real board only the nvpmodel tool writes those.
-            out.update(self.emc.cap_writable())
-            out.update(self.cpu.online_writable())
-            out.update(self.nvpmodel.writable())
-            if self.info.gpu.tpc_pg_mask:
-                out[self.info.gpu.tpc_pg_mask] = "GPU TPC power-gating mask"
-        return out
+        """The one allow-list: the clock and fan files (caps, core online state, TPC gating and
+        nvpmodel's status are the tools' to write, never the agent's)."""
+        return {**self.gpu.writable(), **self.emc.writable(), **self.cpu.writable(), **self.fan.writable()}
 
     def writer(self, run_dir: str | os.PathLike[str] = DEFAULT_RUN_DIR, *, dry_run: bool = False,
                echo: Callable[[str], None] | None = None, recover: bool = True,
@@ -115,7 +110,7 @@ class JtopBoard(SysfsBoard):
     backend = "jtop"
 
     def __init__(self, jetson: Any, root: str | os.PathLike[str] = "/", *, info: BoardInfo | None = None,
-                 runner: Runner = run_tool) -> None:
+                 runner: Runner | None = None) -> None:
         super().__init__(root, info=info, runner=runner)
         self.jetson = jetson
 
@@ -167,7 +162,7 @@ class JtopBoard(SysfsBoard):
         self.jetson.fan.speed = round(100.0 * pwm / PWM_MAX)
 
     def set_jetson_clocks(self, writer: ClockWriter, *, fan: bool = False) -> None:
-        for path in self.jetson_clocks._own_files():
+        for path in self.jetson_clocks.own_files():
             if writer.journal is not None and writer.is_allowed(path):
                 writer.journal.record(sysfs.to_board(self.root, sysfs.resolve(self.root, path)), writer.read_raw(path))
         if writer.dry_run:
@@ -188,8 +183,17 @@ def jtop_available(root: str | os.PathLike[str]) -> bool:
             and os.path.exists(JTOP_SOCKET))
 
 
+def default_runner(root: str | os.PathLike[str]) -> Runner:
+    """The real tools on the machine's own ``/``; on any other root (a twin tree) the twin's runner,
+    which has their effect on the tree's files."""
+    if sysfs.root_is_host(root):
+        return run_tool
+    from power.twin.runner import TwinRunner    # the twin sits above the hardware layer
+    return TwinRunner(root)
+
+
 def open_board(root: str | os.PathLike[str] = "/", *, backend: str = "auto",
-               runner: Runner = run_tool) -> SysfsBoard:
+               runner: Runner | None = None) -> SysfsBoard:
     """The one factory: ``auto`` (jtop when its service runs on this host, else sysfs), ``sysfs``
     or ``jtop`` (an error if it cannot be used)."""
     if backend not in ("auto", "sysfs", "jtop"):

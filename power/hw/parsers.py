@@ -295,6 +295,32 @@ def parse_jetson_clocks_show(text: str) -> JetsonClocksShow:
                             emc, emc_locked, engines, fan, mode)
 
 
+def format_jetson_clocks_show(show: JetsonClocksShow) -> str:
+    """The ``jetson_clocks --show`` text that parses back into ``show`` (the twin's tool prints it)."""
+    lines = []
+    if show.soc_family is not None:
+        lines.append(f"SOC family:{show.soc_family}  Machine:{show.machine or ''}")
+    if show.online_cpus is not None:
+        lines.append(f"Online CPUs: {show.online_cpus}")
+    for c in show.cpus:
+        lines.append(f"cpu{c.cpu}: Online={int(c.online)} Governor={c.governor or '-'} MinFreq={c.min} "
+                     f"MaxFreq={c.max} CurrentFreq={c.cur}")
+    if show.gpu is not None:
+        lines.append(f"GPU MinFreq={show.gpu.min} MaxFreq={show.gpu.max} CurrentFreq={show.gpu.cur}")
+    if show.active_gpu_tpcs is not None:
+        lines.append(f"Active GPU TPCs: {show.active_gpu_tpcs}")
+    if show.emc is not None:
+        lock = "" if show.emc_locked is None else f" FreqOverride={int(show.emc_locked)}"
+        lines.append(f"EMC MinFreq={show.emc.min} MaxFreq={show.emc.max} CurrentFreq={show.emc.cur}{lock}")
+    for name, e in show.engines.items():
+        lines.append(f"{name}: Online=1 MinFreq={e.min} MaxFreq={e.max} CurrentFreq={e.cur}")
+    if show.fan_pwm:
+        lines.append("FAN " + " ".join(f"{k}={v}" for k, v in show.fan_pwm.items()))
+    if show.power_mode is not None:
+        lines.append(f"NV Power Mode: {show.power_mode}")
+    return "\n".join(lines) + "\n"
+
+
 def parse_store_file(text: str) -> tuple[tuple[str, str], ...]:
     """``jetson_clocks --store FILE`` writes one ``/sys/path:value`` line per setting."""
     out = []

@@ -1,24 +1,45 @@
-"""Thin wrappers for NVIDIA's command-line tools (nvpmodel, jetson_clocks): timeouts, clear errors.
+"""NVIDIA's command-line tools (nvpmodel, jetson_clocks) behind one call signature, the ``Runner``.
 
-They are run only when the root is the machine's own ``/`` (the callers check); under any other
-root their effect is emulated on the tree's files or reported unavailable.
+The hardware classes (power.hw.nvpmodel, power.hw.jetson_clocks) always call a runner: on the board
+:func:`run_tool` runs the real tool (timeouts, clear errors, nothing run in a dry run); on any other
+root the factory (power.hw.backends) hands them power.twin.runner.TwinRunner, which has the same
+effect on the tree's files through the caller's journal.
 """
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from power.hw.errors import ToolError
+
+if TYPE_CHECKING:
+    from power.hw.writer import ClockWriter
 
 # nvpmodel -q answers at once; a mode switch can take a few seconds on a loaded board.
 DEFAULT_TIMEOUT_S = 30.0
 
-Runner = Callable[[Sequence[str], float], str]
+
+class Runner(Protocol):
+    """Run a tool; stdout text. ``writer``: given for the commands that change the board (a dry-run
+    writer means: say what would run, change nothing)."""
+
+    def __call__(self, args: Sequence[str], timeout_s: float, writer: ClockWriter | None = None) -> str: ...
 
 
-def run_tool(args: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+def journals_writes(runner: Runner) -> bool:
+    """Whether the runner's writes go through the caller's journal (the twin's do; the real tools'
+    do not, so the caller records what it can put back before running them)."""
+    return bool(getattr(runner, "journals_writes", False))
+
+
+def run_tool(args: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S, writer: ClockWriter | None = None) -> str:
     """Run a tool without a terminal (stdin closed, so a reboot prompt cannot hang us); stdout text."""
     cmd = " ".join(args)
+    if writer is not None and writer.dry_run:
+        if writer.echo:
+            writer.echo(f"would run `{cmd}`")
+        return ""
     try:
         proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout_s,
                               stdin=subprocess.DEVNULL, check=False)

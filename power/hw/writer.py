@@ -64,6 +64,14 @@ class ClockWriter:
         self._hosts: dict[str, str] = {}
         self._boards: dict[str, str] = {}
 
+    def for_tool(self, allowed: Mapping[str, str]) -> "ClockWriter":
+        """A writer for a tool's own files (the twin's nvpmodel / jetson_clocks write caps, core online
+        state and nvpmodel's status file, which the agent never writes): its own allow-list, the same
+        journal, I/O, dry-run state and echo, so a restore undoes the tool's writes too."""
+        w = ClockWriter(self.root, allowed, self.journal, io=self.io, dry_run=self.dry_run, echo=self.echo)
+        w.planned, w._shadow = self.planned, self._shadow     # a dry run sees its own earlier writes
+        return w
+
     def _host(self, path: str) -> str:
         host = self._hosts.get(path)
         if host is None:
