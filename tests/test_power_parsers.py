@@ -8,7 +8,8 @@ import pytest
 from power.hw.identity import module_from_compatible
 from power.hw.parsers import (NvpModelConfError, format_store_file, parse_compatible, parse_jetson_clocks_show,
                            parse_nv_tegra_release, parse_nvpmodel_conf, parse_nvpmodel_query,
-                           parse_nvpmodel_status, parse_store_file, parse_tegrastats)
+                           parse_nvpmodel_status, parse_store_file)
+from power.hw.tegrastats import parse_tegrastats
 
 DATA = Path(__file__).parent / "data"
 
