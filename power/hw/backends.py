@@ -6,7 +6,8 @@
   jetson_clocks / fan setters from jetson-stats' ``jtop`` service when it runs (root ``/`` only).
   jtop has no GPU/EMC/CPU frequency setters (ORIN.md), so those stay on sysfs.
 
-:func:`open_board` is the only place that chooses. ``jtop`` is imported lazily: it is optional
+:func:`open_board` is the only place that chooses; :func:`default_runner` gives the board's tools their
+runner (the real tools on ``/``, the twin's on any other root). ``jtop`` is imported lazily: it is optional
 (``pip install orin-agent[jetson]``) and AGPL; it is used only through its public API.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Board specifications of the Jetson Orin family: clock tables, power modes, rails, bandwidth,
 compute and the power/thermal constants the twin and the cost model are built on.
 
-Owned by the twin and the cost model (``power.twin``, ``power.physics.costmodel``). Pure data, no I/O.
+Shared by the controller, the cost model and the twin. Pure data, no I/O.
 Readers of a real board never trust these numbers: they read ``available_frequencies`` and
 ``nvpmodel.conf`` from the device (see ../shared/ORIN.md). Every constant says where it comes from:
 *published* (a datasheet, NVIDIA's file or a paper), *captured* (read off a real board in a public

@@ -2,7 +2,7 @@
 devfreq / cpufreq / the EMC bandwidth manager would, and writes back rail readings, temperatures,
 GPU load and EMC activity.
 
-Owned by the twin. Two ways to drive it:
+Two ways to drive it:
 - virtual time (benchmarks): ``read_limits()`` after the agent's writes, ``step(dt, workload)`` as
   often as needed (memory only, no sleeping, no I/O), ``flush()`` when something should read the
   files. ``state`` is the ground truth (clocks, rails, temperatures, energy so far).
