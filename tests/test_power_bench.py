@@ -114,6 +114,19 @@ def test_cli_bench_json_and_files(tmp_path: Path) -> None:
     assert (tmp_path / "power-chat-25C.json").exists() and (tmp_path / "power-chat-25C.png").stat().st_size > 0
 
 
+
+def test_cli_bench_writes_to_the_cache_not_the_current_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    r = CliRunner().invoke(app, ["bench", "power", "--duration", "30", "--policy", "maxn+jetson_clocks",
+                                 "--no-plot", "--profile-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    written = cache / "orin-agent" / "bench-power" / "power-chat-25C.json"
+    assert written.exists() and str(written) in r.output and list(work.iterdir()) == []
+
+
 def test_cli_bench_bad_input_exit_2(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["bench", "power", "--trace", "nope", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "allowed: chat, rag, batch" in r.output

@@ -301,6 +301,16 @@ def test_tools_on_the_host_root_go_through_the_runner(tree):
     assert calls[-2] == ["nvpmodel", "-m", "2"]
 
 
+
+def test_a_dry_run_on_the_host_runs_no_tool(tree):
+    root, _ = tree
+    board = SysfsBoard(root)
+    lines: list[str] = []
+    w = board.writer(root / "unused", dry_run=True, echo=lines.append)
+    assert run_tool(["nvpmodel", "-m", "2"], 5.0, w) == ""     # nothing runs: nvpmodel is not installed here
+    assert lines == ["would run `nvpmodel -m 2`"]
+
+
 def test_run_tool_errors_are_clear():
     with pytest.raises(OSError, match="is not installed"):
         run_tool(["orin-agent-no-such-tool-xyz"])
