@@ -1,26 +1,45 @@
-"""Generation on a chain of slices: prefill and decode as separate steps, sampling (greedy,
-temperature, top-k, top-p, repetition penalty, seed), stop strings, token and context limits, and a
-stream of text deltas that are whole characters.
+"""The engine's vocabulary, free of torch: the one validated `SamplingParams`, the one prompt check
+(`check_prompt`), a request, the step contract between scheduler and executor (`StepPlan` in,
+`StepOutput` out), what a request's caller receives (`Delta`, `Finished` with its `Usage`), the phase
+event the power controller listens to, and the interfaces the engine is handed (executor, energy
+meter, metrics).
 
-The steps are plain functions of (chain, ids, positions) so that the service's scheduler can drive
-them one at a time; `Generation.stream()` is the single-request loop on top for the CLI and tests.
+Every check of a request's values is here: `SamplingParams.__post_init__` for the sampling
+parameters and `check_prompt` for the prompt (the one check that needs the tokenizer's ids). Both
+raise `InvalidRequest`, whose `param` names the offending field, so the API answers 400 naming it
+and the CLI prints one line.
 """
 from __future__ import annotations
 
+import itertools
 import math
-import time
-from dataclasses import dataclass, field
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Literal, Mapping, Protocol, Sequence
 
-import numpy as np
-import torch
-
-from partition.runners.chain import Chain
-from partition.tokenizer import IncrementalDecoder, Tokenizer
+INTERACTIVE = 0
+BACKGROUND = 1
+PRIORITIES = {"interactive": INTERACTIVE, "background": BACKGROUND}
 
 
-class GenerationError(ValueError):
-    """Bad generation input (prompt too long, bad sampling parameter); the message says what to do."""
+class InvalidRequest(ValueError):
+    """A request that can never run as given (bad parameter, empty or too long prompt); the message
+    says what to do and `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFull(RuntimeError):
+    """The wait queue is at its bound; retry after `retry_after_s`."""
+
+    def __init__(self, depth: int, retry_after_s: int) -> None:
+        super().__init__(f"the request queue is full ({depth} waiting); retry in {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down (or stopped) and takes no new requests."""
 
 
 @dataclass(frozen=True)
@@ -36,170 +55,172 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (math.isfinite(self.temperature) and self.temperature >= 0,
+            (self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
              f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+            (self.top_k >= 0, "top_k", f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
              f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            # torch.Generator.manual_seed takes 64 bits; the API's JSON integers stay in the signed range
+            (self.seed is None or 0 <= self.seed < 2 ** 63, "seed", "seed must be in [0, 2**63)"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise GenerationError(message)
+                raise InvalidRequest(message, param)
 
 
-def make_rng(seed: int | None) -> torch.Generator:
-    gen = torch.Generator()
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
-    return gen
+def check_prompt(prompt_ids: Sequence[int], max_seq: int, max_prompt_tokens: int | None = None,
+                 param: str = "prompt") -> None:
+    """The prompt check: at least one token, and room in a context of `max_seq` tokens for at least
+    one more; `max_prompt_tokens` is a service's own, lower, bound."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise InvalidRequest("the prompt is empty: give at least one token of text", param)
+    if max_prompt_tokens is not None and n > max_prompt_tokens:
+        raise InvalidRequest(f"the prompt is {n} tokens; this service takes at most {max_prompt_tokens}", param)
+    if n >= max_seq:
+        raise InvalidRequest(f"the prompt is {n} tokens but the context holds {max_seq}; shorten the prompt "
+                             "or raise the context (--max-seq, up to the model's max_position_embeddings)",
+                             param)
 
 
-def sample(logits: np.ndarray, params: SamplingParams, history: list[int], rng: torch.Generator) -> int:
-    """Pick the next token from float32 logits (V,), in Hugging Face's order: repetition penalty,
-    temperature, top-k, top-p, then a draw (or argmax when greedy)."""
-    x = torch.from_numpy(np.array(logits, dtype=np.float32, copy=True))
-    if params.repetition_penalty != 1.0 and history:
-        seen = torch.tensor(sorted(set(history)), dtype=torch.long)
-        vals = x[seen]
-        # CTRL's penalty (arXiv 1909.05858): shrink positive logits, push negative ones further down.
-        x[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if params.temperature == 0:
-        return int(torch.argmax(x))
-    x = x / params.temperature
-    if 0 < params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, -math.inf)
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_x, dim=-1) >= params.top_p  # keep the smallest set reaching top_p
-        x[order[drop]] = -math.inf
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=rng))
+@dataclass(frozen=True)
+class SeqRequest:
+    """One request as the engine holds it: the prompt's ids and its one `SamplingParams`."""
+
+    req_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    priority: int = INTERACTIVE
+
+    def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES.values():
+            raise InvalidRequest(f"priority must be one of {', '.join(PRIORITIES)}", "priority")
 
 
-class StopMatcher:
-    """Finds stop strings in streamed text and holds back a tail that might be the start of one."""
+# -- the step contract -----------------------------------------------------------------------------
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.text = ""
-        self.emitted = 0
+@dataclass(frozen=True)
+class SeqChunk:
+    """One row of a step: `token_ids` go in at positions start_pos.. of cache row `slot`."""
 
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Add text; return (text safe to emit now, whether a stop string was hit)."""
-        self.text += delta
-        if not self.stops:
-            return self._emit(len(self.text)), False
-        window = max(0, self.emitted - max(len(s) for s in self.stops))
-        hits = [i for i in (self.text.find(s, window) for s in self.stops) if i >= 0]
-        if hits:
-            return self._emit(min(hits)), True
-        hold = 0
-        for s in self.stops:  # longest suffix of the text that is a proper prefix of a stop string
-            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        return self._emit(len(self.text) - hold), False
-
-    def flush(self) -> str:
-        return self._emit(len(self.text))
-
-    def _emit(self, upto: int) -> str:
-        upto = max(upto, self.emitted)
-        out, self.emitted = self.text[self.emitted:upto], upto
-        return out
+    req_id: str
+    slot: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    sample: bool  # the row's logits give the request's next token
+    sampling: SamplingParams | None = None  # the request's first chunk only: the executor makes its sampler
 
 
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prefill_ms: float = 0.0
-    decode_s: float = 0.0
-    finish_reason: str = ""
-    token_ids: list[int] = field(default_factory=list)
+@dataclass(frozen=True)
+class StepPlan:
+    kind: Literal["prefill", "decode"]
+    chunks: tuple[SeqChunk, ...]
+    released: tuple[str, ...] = ()  # requests gone since the last step: the executor drops their state
 
     @property
-    def decode_tok_s(self) -> float:
-        """Tokens per second after the first one (the first comes out of prefill)."""
-        n = self.completion_tokens - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+    def n_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
 
-    def to_dict(self) -> dict[str, object]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "prefill_ms": round(self.prefill_ms, 3), "decode_tok_s": round(self.decode_tok_s, 3),
-                "finish_reason": self.finish_reason}
+    @property
+    def context(self) -> int:
+        """The longest context (cache positions in use after this step) in the batch."""
+        return max(c.start_pos + len(c.token_ids) for c in self.chunks)
 
 
-def prefill(chain: Chain, ids: list[int], slot: int = 0) -> np.ndarray:
-    """Run the prompt through every slice; returns the next-token logits (V,)."""
-    tokens = np.asarray([ids], dtype=np.int32)  # (1, T)
-    positions = np.arange(len(ids), dtype=np.int32)[None]  # (1, T)
-    return chain.forward(tokens, positions, [slot])[0]
+@dataclass(frozen=True)
+class StepOutput:
+    tokens: Mapping[str, int]  # req_id -> sampled token, for chunks with sample=True
+    elapsed_s: float = 0.0
 
 
-def decode_step(chain: Chain, token: int, position: int, slot: int = 0) -> np.ndarray:
-    """One token through every slice at `position`; returns the next-token logits (V,)."""
-    return chain.forward(np.asarray([[token]], dtype=np.int32), np.asarray([[position]], dtype=np.int32),
-                         [slot])[0]
+@dataclass(frozen=True)
+class TokenEvent:
+    req_id: str
+    token: int | None  # None when the request ended without a new token (EOS)
+    finish_reason: str | None = None  # "stop" (EOS), "length"; None while running
 
 
-class Generation:
-    """One request on a chain: `stream()` yields text deltas; `stats` is filled as it goes."""
+# -- what the caller of a request receives -------------------------------------------------------
 
-    def __init__(self, chain: Chain, tokenizer: Tokenizer, prompt: str | list[int],
-                 params: SamplingParams) -> None:
-        self.chain, self.tokenizer, self.params = chain, tokenizer, params
-        self.prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not self.prompt_ids:
-            raise GenerationError("the prompt is empty: give at least one token of text")
-        if len(self.prompt_ids) >= chain.max_seq:
-            raise GenerationError(
-                f"the prompt is {len(self.prompt_ids)} tokens but the context holds {chain.max_seq}; "
-                "shorten the prompt or raise --max-seq (up to the model's max_position_embeddings)")
-        self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    energy_joules: float | None  # None where the board has no power rails
+    ttft_s: float | None
+    decode_tok_s: float | None
+    duration_s: float
 
-    def stream(self) -> Iterator[str]:
-        p, stats = self.params, self.stats
-        rng = make_rng(p.seed)
-        detok = IncrementalDecoder(self.tokenizer)
-        stops = StopMatcher(p.stop)
-        budget = min(p.max_tokens, self.chain.max_seq - len(self.prompt_ids))
-        history = list(self.prompt_ids)
-        hit = False
-        t0 = time.perf_counter()
-        logits = prefill(self.chain, self.prompt_ids)
-        token = sample(logits, p, history, rng)
-        stats.prefill_ms = (time.perf_counter() - t0) * 1e3
-        t1 = time.perf_counter()
-        while True:
-            if token in self.tokenizer.eos_ids and not p.ignore_eos:
-                stats.finish_reason = "stop"
-                break
-            stats.token_ids.append(token)
-            stats.completion_tokens += 1
-            history.append(token)
-            text, hit = stops.feed(detok.push(token))
-            if text:
-                yield text
-            if hit:
-                stats.finish_reason = "stop"
-                break
-            if stats.completion_tokens >= budget:
-                stats.finish_reason = "length"
-                break
-            logits = decode_step(self.chain, token, len(history) - 1)
-            token = sample(logits, p, history, rng)
-        stats.decode_s = time.perf_counter() - t1
-        if not hit:  # after a stop string, what was held back is the stop string itself
-            tail, _ = stops.feed(detok.flush())
-            tail += stops.flush()
-            if tail:
-                yield tail
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop", "length", "cancelled", "error"
+    usage: Usage
+    message: str = ""
+    token_ids: tuple[int, ...] = ()  # the completion's tokens (EOS not included)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One event of one request, as `EngineCore.step()` returns them."""
+
+    req_id: str
+    event: Delta | Finished
+
+
+# -- phase events (the power controller's seam) -----------------------------------------------------
+
+PhaseKind = Literal["prefill", "decode", "idle"]
+
+
+@dataclass(frozen=True)
+class PhaseEvent:
+    kind: PhaseKind
+    t: float  # time.monotonic() on the engine thread
+    n_tokens: int = 0  # prefill: prompt tokens in this step
+    context: int = 0  # decode: the longest context (tokens in the KV-cache) of the batch
+    batch: int = 0  # sequences in this step
+
+
+# -- what the engine is handed ---------------------------------------------------------------------
+
+class Executor(Protocol):
+    """Runs a step on the model (agent.engine.executor.ChainExecutor, or a stand-in in tests)."""
+
+    @property
+    def max_batch(self) -> int: ...
+    @property
+    def max_seq(self) -> int: ...
+    def execute(self, plan: StepPlan) -> StepOutput: ...
+
+
+class EnergyMeter(Protocol):
+    """Joules a step drew (agent.board.EnergyMeter); `available` is False without power rails."""
+
+    @property
+    def available(self) -> bool: ...
+    def step_joules(self, elapsed_s: float) -> float | None: ...
+
+
+class EngineMetrics(Protocol):
+    def on_first_token(self, ttft_s: float) -> None: ...
+    def on_token(self, latency_s: float) -> None: ...
+    def on_step(self, plan: StepPlan, elapsed_s: float, joules: float | None) -> None: ...
+    def on_finished(self, reason: str, usage: Usage) -> None: ...
+    def on_queue(self, waiting: int, running: int) -> None: ...
+    def on_phase(self, kind: str) -> None: ...
+
+
+_ids = itertools.count()
+
+
+def next_request_id(prefix: str = "cmpl") -> str:
+    return f"{prefix}-{next(_ids):08d}"
