@@ -28,6 +28,7 @@ setup(
         "httpx>=0.27",
         "jinja2>=3.1",
         "prometheus-client>=0.20",
+        "tomli>=1.1; python_version < '3.11'",  # tomllib's backport for Python 3.10
         "matplotlib>=3.7",
     ],
     extras_require={

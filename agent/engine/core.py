@@ -99,12 +99,13 @@ class EngineCore:
         requests already added keep running in the same steps."""
         rid = req_id or next_request_id()
         self.add_request(SeqRequest(rid, tuple(prompt_ids), params))
-        while True:
+        while self.has_work():
             for o in self.step():
                 if o.req_id == rid:
                     yield o.event
                     if isinstance(o.event, Finished):
                         return
+        raise RuntimeError(f"request {rid} left the scheduler without finishing")  # a bug, not bad input
 
     def set_phase(self, event: PhaseEvent) -> None:
         """Tell the listener: prefill / decode every step (n_tokens, context and batch change), idle
