@@ -127,10 +127,10 @@ def test_abort_and_prompt_checks(tok: Tokenizer) -> None:
     assert isinstance(out.event, Finished) and out.event.reason == "cancelled" and out.event.token_ids
     assert core.abort("a") == [] and not core.has_work()
     with pytest.raises(InvalidRequest, match="context holds 16") as err:
-        core.add_request(SeqRequest("long", tuple(range(16))))
+        core.add_request(SeqRequest("long", tuple(range(16)), SamplingParams()))
     assert err.value.param == "prompt"
     with pytest.raises(InvalidRequest, match="empty"):
-        core.add_request(SeqRequest("empty", ()))
+        core.add_request(SeqRequest("empty", (), SamplingParams()))
 
 
 @pytest.mark.parametrize("kwargs, param", [

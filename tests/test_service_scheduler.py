@@ -88,7 +88,7 @@ def test_queue_bound_abort_and_limits() -> None:
     with pytest.raises(InvalidRequest):
         s.add(req("long", 16))
     with pytest.raises(InvalidRequest):
-        s.add(SeqRequest("empty", ()))
+        s.add(SeqRequest("empty", (), SamplingParams()))
 
 
 def test_eos_and_length_and_context_end() -> None:

@@ -45,6 +45,7 @@ def generate(
                                 repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
         core = load_core(model, backend, slices, max_seq, device, cuda_graphs)
         pieces: list[str] = []
+        done: Finished | None = None
         for ev in core.generate(core.tokenizer.encode(prompt), params):
             if isinstance(ev, Finished):
                 done = ev
@@ -53,6 +54,7 @@ def generate(
                 if not as_json:
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
+        assert done is not None  # generate() always ends with the request's Finished
         u = done.usage
         prefill_ms = (u.ttft_s or 0.0) * 1e3
         decode_tok_s = u.decode_tok_s or 0.0

@@ -92,7 +92,7 @@ class SeqRequest:
 
     req_id: str
     prompt_ids: tuple[int, ...]
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams
     priority: int = INTERACTIVE
 
     def __post_init__(self) -> None:
