@@ -14,9 +14,9 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-from agent.engine.types import PhaseEvent, PhaseKind
+from agent.engine.types import PhaseEvent
 
-__all__ = ["PhaseEvent", "PhaseKind", "PhaseListener", "NullListener", "RecordingListener", "FanOut"]
+__all__ = ["PhaseEvent", "PhaseListener", "NullListener", "RecordingListener", "FanOut"]
 
 
 class PhaseListener(Protocol):

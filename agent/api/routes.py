@@ -25,6 +25,7 @@ from agent.metrics import ServiceMetrics
 
 log = logging.getLogger("orin_agent.api")
 
+
 @dataclass
 class ApiState:
     engine: EngineLoop
