@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from partition.paths import DEFAULT_MODEL_DIR
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (JetPack 6's Ubuntu 22.04): the same parser, from PyPI
+    import tomli as tomllib
 
 DEFAULT_CONFIG_PATH = Path("/etc/orin-agent/agent.toml")
 LOG_LEVELS = ("debug", "info", "warning", "error")

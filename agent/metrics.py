@@ -13,8 +13,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from agent.board import BoardSnapshot
-from agent.engine import Usage
-from agent.scheduler import StepPlan
+from agent.engine.types import StepPlan, Usage
 
 PHASES = ("prefill", "decode", "idle")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

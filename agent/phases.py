@@ -1,9 +1,10 @@
-"""The phase-event seam between the engine loop and the power controller.
+"""Phase listeners: what hears the engine's phase events, between steps.
 
-The engine loop tells a `PhaseListener` what the next step is before it runs it: a prefill of
-`n_tokens` prompt tokens (compute-bound), a decode of `batch` sequences whose longest context is
-`context` tokens (memory-bound), or idle (nothing to run). The power controller (issue 4) plugs in
-here and picks clocks per phase; until it exists the service runs with `NullListener`.
+Before each step `EngineCore` tells its `PhaseListener` what the step is (an
+`agent.engine.types.PhaseEvent`): a prefill of `n_tokens` prompt tokens (compute-bound), a decode of
+`batch` sequences whose longest context is `context` tokens (memory-bound), or idle (nothing to run).
+The power controller (power.controller) and the twin's driver listen here; `NullListener` changes
+nothing, `RecordingListener` keeps the events (tests, benchmarks) and `FanOut` puts several behind one.
 
 Listeners are called on the engine thread, between steps: they must return quickly (hand the event
 to their own thread if they do I/O).
@@ -11,19 +12,11 @@ to their own thread if they do I/O).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-PhaseKind = Literal["prefill", "decode", "idle"]
+from agent.engine.types import PhaseEvent
 
-
-@dataclass(frozen=True)
-class PhaseEvent:
-    kind: PhaseKind
-    t: float  # time.monotonic() on the engine thread
-    n_tokens: int = 0  # prefill: prompt tokens in this step
-    context: int = 0  # decode: the longest context (tokens in the KV-cache) of the batch
-    batch: int = 0  # sequences in this step
+__all__ = ["PhaseEvent", "PhaseListener", "NullListener", "RecordingListener", "FanOut"]
 
 
 class PhaseListener(Protocol):

@@ -19,16 +19,17 @@ from typing import Any
 import torch
 import uvicorn
 
-from agent.api import ApiState, create_app
+from agent.api.openai import Limits
+from agent.api.routes import ApiState, create_app
 from agent.board import BoardReader, EnergyMeter, TwinDriver, is_orin, make_twin_root, recover_board, restore_board
 from power.controller import PowerController
 from power.physics.costmodel import shape_of
 from agent.config import ServiceConfig
-from agent.engine import Engine
-from agent.executor import ChainExecutor
+from agent.engine.core import EngineCore
+from agent.engine.executor import ChainExecutor
+from agent.engine.loop import EngineLoop
 from agent.metrics import ServiceMetrics
 from agent.phases import FanOut, NullListener, PhaseListener
-from agent.protocol import Limits
 from agent.sdnotify import Notifier
 from partition.config import load_config
 from partition.runners.chain import Chain
@@ -119,7 +120,7 @@ class Service:
         self.notifier = notifier or Notifier()
         self.listener = listener or NullListener()
         self.board: BoardSetup | None = None
-        self.engine: Engine | None = None
+        self.engine: EngineLoop | None = None
         self.server: uvicorn.Server | None = None
         self.sock: socket.socket | None = None
         self._stopped = False
@@ -156,11 +157,11 @@ class Service:
         self.controller = self._open_controller()
         if self.controller is not None:
             listeners.append(self.controller)
-        self.engine = Engine(ChainExecutor(chain), tokenizer, max_queue=cfg.max_queue,
-                             listener=FanOut(*listeners), meter=meter, metrics=metrics,
-                             on_tick=self.notifier.watchdog)
+        core = EngineCore(ChainExecutor(chain), tokenizer, listener=FanOut(*listeners), meter=meter,
+                          metrics=metrics)
+        self.engine = EngineLoop(core, max_queue=cfg.max_queue, on_tick=self.notifier.watchdog)
         max_prompt = min(cfg.max_prompt_tokens or chain.max_seq - 1, chain.max_seq - 1)
-        limits = Limits(max_prompt, cfg.max_output_tokens, cfg.default_max_tokens)
+        limits = Limits(chain.max_seq, max_prompt, cfg.max_output_tokens, cfg.default_max_tokens)
         eos = next(iter(sorted(tokenizer.eos_ids)), None)
         eos_token = tokenizer.tk.id_to_token(eos) if eos is not None else ""
         state = ApiState(self.engine, tokenizer, cfg.model_dir.name, limits, metrics, cfg.token,

@@ -1,8 +1,8 @@
 """Load test of the service: N concurrent streaming clients for D seconds against a model on CPU.
 
 Starts `orin-agent serve` as a subprocess on a free port (on a fresh twin, so energy is accounted),
-computes each prompt's greedy text with a single-request run (agent.generation.Generation, in this
-process: an independent path through the model), then runs the clients (asyncio + httpx) and checks
+computes each prompt's greedy text with a single-request run (agent.engine.core.EngineCore stepped
+alone in this process: one request at batch 1, no thread, no HTTP), then runs the clients (asyncio + httpx) and checks
 every stream against it: zero errors and zero lost or duplicated tokens (the streamed text and the
 token count equal the single-request run). Reports p50/p95 TTFT, throughput and the server's RSS at
 start and end.
@@ -80,17 +80,16 @@ def make_standin(out: Path) -> Path:
 
 def references(model: Path, max_seq: int, max_tokens: int) -> dict[str, tuple[str, int]]:
     """Each prompt's greedy text and token count from a single-request run."""
-    from agent.generation import Generation, SamplingParams
-    from partition.runners import load_chain
-    from partition.tokenizer import Tokenizer
+    from agent.engine.executor import load_core
+    from agent.engine.types import Delta, Finished, SamplingParams
 
-    tok = Tokenizer.from_dir(model)
-    chain = load_chain(model, backend="torch", max_seq=max_seq, max_batch=1)
+    core = load_core(model, backend="torch", max_seq=max_seq)
     out = {}
     for p in PROMPTS:
-        gen = Generation(chain, tok, p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-        text = "".join(gen.stream())
-        out[p] = (text, gen.stats.completion_tokens)
+        events = list(core.generate(core.tokenizer.encode(p), SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+        done = events[-1]
+        assert isinstance(done, Finished)
+        out[p] = ("".join(e.text for e in events if isinstance(e, Delta)), done.usage.completion_tokens)
     return out
 
 

@@ -458,7 +458,7 @@ def served_nll(model: Transformer, ids: Tensor, seq_len: int, groups: Tensor, ba
 @torch.no_grad()
 def greedy(model: Transformer, prompt_ids: list[int], max_new: int, eos: int | None = None) -> list[int]:
     """A plain greedy loop over the served SliceModule with a growing KV list (for checks only;
-    agent.generation is the real generator)."""
+    agent.engine is the real generator)."""
     cfg = model.config
     sm = model.slice(0, cfg.n_layers)
     dtype = next(model.parameters()).dtype

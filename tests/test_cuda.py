@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from agent.generation import Generation, SamplingParams
+from agent.engine.core import EngineCore
+from agent.engine.executor import ChainExecutor
+from agent.engine.types import Delta, Finished, SamplingParams
 from partition.checkpoint import load_model
 from partition.runners.base import even_slices
 from partition.runners.chain import Chain
@@ -35,10 +37,11 @@ def test_cuda_fp32_matches_cpu(tiny_checkpoint: Path) -> None:
 
 def test_cuda_fp16_greedy_generation_runs(tiny_checkpoint: Path) -> None:
     tok = Tokenizer.from_dir(tiny_checkpoint)
-    g = Generation(_chain(tiny_checkpoint, "cuda", torch.float16), tok, "def parse(",
-                   SamplingParams(max_tokens=32, ignore_eos=True))
-    text = "".join(g.stream())
-    assert g.stats.completion_tokens == 32 and text
+    core = EngineCore(ChainExecutor(_chain(tiny_checkpoint, "cuda", torch.float16)), tok)
+    events = list(core.generate(tok.encode("def parse("), SamplingParams(max_tokens=32, ignore_eos=True)))
+    text = "".join(e.text for e in events if isinstance(e, Delta))
+    done = events[-1]
+    assert isinstance(done, Finished) and done.usage.completion_tokens == 32 and text
 
 
 # CUDA-graph decode (partition/runners/cuda_graphs.py) against the eager runner, the reference.
@@ -94,9 +97,9 @@ def test_cuda_graphs_bf16_greedy_tokens_match_eager(tiny_checkpoint: Path) -> No
     eager, graphed = _pair(tiny_checkpoint, torch.bfloat16, max_seq=256)
     tok = Tokenizer.from_dir(tiny_checkpoint)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
-    runs = [Generation(chain, tok, "def parse(", params) for chain in (eager, graphed)]
-    for g in runs:
-        "".join(g.stream())
-    assert runs[0].stats.completion_tokens == 64
-    assert runs[1].stats.token_ids == runs[0].stats.token_ids
+    runs = [list(EngineCore(ChainExecutor(chain), tok).generate(tok.encode("def parse("), params))[-1]
+            for chain in (eager, graphed)]
+    assert all(isinstance(d, Finished) for d in runs)
+    assert runs[0].usage.completion_tokens == 64
+    assert runs[1].token_ids == runs[0].token_ids
     assert _captured(graphed) == {(1, 256)}

@@ -1,4 +1,4 @@
-"""Sampling, stop strings, streaming deltas and the generation loop on torch chains."""
+"""Sampling, stop strings, streaming deltas and single requests through `EngineCore` on torch chains."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,7 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.generation import (Generation, GenerationError, SamplingParams, StopMatcher, make_rng, sample)
+from agent.engine.core import EngineCore
+from agent.engine.executor import ChainExecutor, make_rng, sample
+from agent.engine.output import StopMatcher
+from agent.engine.types import Finished, InvalidRequest, SamplingParams
 from partition.checkpoint import load_model
 from partition.runners.base import SliceSpec, even_slices
 from partition.runners.chain import Chain
@@ -17,6 +20,16 @@ from partition.tokenizer import IncrementalDecoder, Tokenizer
 def torch_chain(model_dir: Path, n_slices: int, max_seq: int = 256) -> Chain:
     model = load_model(model_dir)
     return Chain([TorchRunner(model, s, max_seq) for s in even_slices(model.config.n_layers, n_slices)])
+
+
+def generate(chain: Chain, tok: Tokenizer, prompt: str | list[int], params: SamplingParams) -> tuple[str, Finished]:
+    """One request through an EngineCore, as `orin-agent generate` runs it: (text, its Finished)."""
+    core = EngineCore(ChainExecutor(chain), tok)
+    ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+    events = list(core.generate(ids, params))
+    done = events[-1]
+    assert isinstance(done, Finished) and not core.has_work()
+    return "".join(e.text for e in events[:-1]), done
 
 
 def test_greedy_is_argmax_and_ignores_seed() -> None:
@@ -56,7 +69,7 @@ def test_repetition_penalty_moves_greedy_away_from_seen_tokens() -> None:
     ({"temperature": float("nan")}, "temperature"),
 ])
 def test_bad_sampling_params_are_refused(kwargs, match) -> None:
-    with pytest.raises(GenerationError, match=match):
+    with pytest.raises(InvalidRequest, match=match):
         SamplingParams(**kwargs)
 
 
@@ -89,40 +102,36 @@ def test_greedy_is_identical_across_slicings(tiny_checkpoint: Path) -> None:
     p = SamplingParams(max_tokens=64, ignore_eos=True)
     runs = []
     for n in (1, 4):
-        g = Generation(torch_chain(tiny_checkpoint, n), tok, "def parse(", p)
-        text = "".join(g.stream())
-        runs.append((g.stats.token_ids, text))
-        assert g.stats.completion_tokens == 64 and g.stats.finish_reason == "length"
+        text, done = generate(torch_chain(tiny_checkpoint, n), tok, "def parse(", p)
+        runs.append((done.token_ids, text))
+        assert done.usage.completion_tokens == 64 and done.reason == "length"
     assert runs[0] == runs[1]
 
 
 def test_stop_string_and_eos_end_generation(tiny_checkpoint: Path) -> None:
     tok = Tokenizer.from_dir(tiny_checkpoint)
     chain = torch_chain(tiny_checkpoint, 2)
-    free = Generation(chain, tok, "import", SamplingParams(max_tokens=40, ignore_eos=True))
-    full = "".join(free.stream())
+    full, free = generate(chain, tok, "import", SamplingParams(max_tokens=40, ignore_eos=True))
     stop = full[10:13]
-    g = Generation(chain, tok, "import", SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,)))
-    got = "".join(g.stream())
-    assert got == full[: full.index(stop)] and g.stats.finish_reason == "stop"
+    got, done = generate(chain, tok, "import", SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,)))
+    assert got == full[: full.index(stop)] and done.reason == "stop"
     eos = next(iter(tok.eos_ids))
-    first = free.stats.token_ids[0]
+    first = free.token_ids[0]
     # A tokenizer whose eos is the first greedy token stops at once, with nothing emitted.
     tok2 = Tokenizer(tok.tk, frozenset({first, eos}))
-    g2 = Generation(chain, tok2, "import", SamplingParams(max_tokens=40))
-    assert "".join(g2.stream()) == "" and g2.stats.finish_reason == "stop" and g2.stats.completion_tokens == 0
+    got2, done2 = generate(chain, tok2, "import", SamplingParams(max_tokens=40))
+    assert got2 == "" and done2.reason == "stop" and done2.usage.completion_tokens == 0
 
 
 def test_prompt_longer_than_context_is_a_clear_error(tiny_checkpoint: Path) -> None:
     tok = Tokenizer.from_dir(tiny_checkpoint)
     chain = torch_chain(tiny_checkpoint, 1, max_seq=32)
-    with pytest.raises(GenerationError, match="context holds 32"):
-        Generation(chain, tok, list(range(1, 40)), SamplingParams())
-    with pytest.raises(GenerationError, match="empty"):
-        Generation(chain, tok, "", SamplingParams())
-    g = Generation(chain, tok, list(range(1, 30)), SamplingParams(max_tokens=100, ignore_eos=True))
-    list(g.stream())
-    assert g.stats.completion_tokens == 3 and g.stats.finish_reason == "length"  # clipped to the context
+    with pytest.raises(InvalidRequest, match="context holds 32"):
+        generate(chain, tok, list(range(1, 40)), SamplingParams())
+    with pytest.raises(InvalidRequest, match="empty"):
+        generate(chain, tok, "", SamplingParams())
+    _, done = generate(chain, tok, list(range(1, 30)), SamplingParams(max_tokens=100, ignore_eos=True))
+    assert done.usage.completion_tokens == 3 and done.reason == "length"  # clipped to the context
 
 
 def test_batch_rows_and_slots_are_independent(tiny_checkpoint: Path) -> None:

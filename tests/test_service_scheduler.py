@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from agent.config import ConfigError, ServiceConfig, config_from_mapping, load_config
-from agent.scheduler import (BACKGROUND, INTERACTIVE, QueueFull, RequestRejected, Scheduler, SeqRequest,
-                             StepOutput, length_bucket)
+from agent.engine.scheduler import Scheduler, length_bucket
+from agent.engine.types import (BACKGROUND, INTERACTIVE, InvalidRequest, QueueFull, SamplingParams, SeqRequest,
+                                StepOutput)
 from agent.sdnotify import Notifier
 
 
 def req(rid: str, n: int, max_tokens: int = 4, prio: int = INTERACTIVE) -> SeqRequest:
-    return SeqRequest(rid, tuple(range(1, n + 1)), max_tokens, prio)
+    return SeqRequest(rid, tuple(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), prio)
 
 
 def run_step(s: Scheduler, token: int = 7):
@@ -26,7 +27,7 @@ def run_step(s: Scheduler, token: int = 7):
 
 
 def test_scheduler_module_never_imports_torch() -> None:
-    code = "import sys, agent.scheduler, agent.phases; sys.exit('torch' in sys.modules)"
+    code = "import sys, agent.engine.scheduler, agent.phases; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1]).returncode == 0
 
 
@@ -36,11 +37,13 @@ def test_prefill_then_batched_decode_with_positions_and_slots() -> None:
     s.add(req("b", 3))
     plan, events = run_step(s)
     assert plan.kind == "prefill" and [c.slot for c in plan.chunks] == [0, 1]
-    assert all(c.sample and c.start_pos == 0 and c.sampling is None for c in plan.chunks)
+    # the first chunk of a request carries its one SamplingParams to the executor
+    assert all(c.sample and c.start_pos == 0 and c.sampling == SamplingParams(max_tokens=4) for c in plan.chunks)
     assert [e.token for e in events] == [7, 7]
     plan, _ = run_step(s)
     assert plan.kind == "decode" and len(plan.chunks) == 2
     assert [(c.token_ids, c.start_pos) for c in plan.chunks] == [((7,), 3), ((7,), 3)]
+    assert all(c.sampling is None for c in plan.chunks)  # later chunks: the executor has the sampler
 
 
 def test_length_buckets_and_chunked_prefill() -> None:
@@ -82,10 +85,10 @@ def test_queue_bound_abort_and_limits() -> None:
     assert s.abort("a") == "running" and s.free_slots == [0]
     plan = s.schedule()
     assert plan is None
-    with pytest.raises(RequestRejected):
+    with pytest.raises(InvalidRequest):
         s.add(req("long", 16))
-    with pytest.raises(RequestRejected):
-        s.add(SeqRequest("empty", (), 4))
+    with pytest.raises(InvalidRequest):
+        s.add(SeqRequest("empty", (), SamplingParams()))
 
 
 def test_eos_and_length_and_context_end() -> None:

@@ -1,9 +1,14 @@
-"""The `orin-agent` command: a thin typer front over the packages' APIs.
+"""The `orin-agent` command: a thin typer front over the packages' APIs. This file only wires the
+command groups together; each lives in its own module with ``register(app)``:
 
-One module per command group, each with ``register(app)``: ``generate`` (generate), ``build`` (build),
-``serve`` (serve, demo), ``power`` (power status/restore, with ``profiles``: profiles/show/set/state),
-``twin`` (twin create/run), ``bench`` (bench power). ``common`` holds the one error wrapper, the
-``--json`` printer and the options every board command shares. This file only wires them together.
+- ``generate``: one prompt through the service's own engine (agent.engine), text to stdout;
+- ``build``: export a model's slices to ONNX (partition.build);
+- ``serve``: the service (agent.service) and ``demo`` (agent.demo: the service on a twin);
+- ``power`` (status, restore) with ``profiles`` (profiles, show, set, state): the board's power;
+- ``twin``: create and run a simulated Orin; ``bench``: the power benchmark.
+
+``common`` holds what every command shares: the one error wrapper (one line, never a traceback) and
+the ``--json`` printer.
 """
 from __future__ import annotations
 

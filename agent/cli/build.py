@@ -1,8 +1,8 @@
 """`orin-agent build`: export a model's slices to ONNX (checked, compared with torch, with a
-manifest). A thin front over partition.build.build_slices; errors are one line, never a traceback."""
+manifest), with a progress bar per slice. A thin front over partition.build.build_slices; errors go
+through the shared `cli_errors` (one line, exit 2, never a traceback)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -10,14 +10,10 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from agent.cli.common import cli_errors, print_json
 from partition.paths import DEFAULT_MODEL_DIR
 
 _LABELS = {"export": "exporting + checking", "compare": "comparing with torch", "done": "done"}
-
-
-def _fail(msg: str, code: int = 1) -> None:
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {msg}", highlight=False, markup=True)
-    raise typer.Exit(code)
 
 
 def build(
@@ -35,39 +31,34 @@ def build(
     """Export the model's slices to ONNX for TensorRT / ONNX Runtime, check and verify each one."""
     # Imported here so that `orin-agent --help` stays fast (torch and onnx are heavy).
     from partition.build import BuildError, build_slices, resolve_slices
-    from partition.checkpoint import CheckpointError
-    from partition.config import ModelConfigError
     from partition.export import ExportError, ExportOptions
 
-    if not model.is_dir():
-        hint = " (the shipped model is not there yet: pass --model DIR)" if model == DEFAULT_MODEL_DIR else ""
-        _fail(f"model folder {model} does not exist{hint}", 2)
-    try:
+    with cli_errors():
+        if not model.is_dir():
+            hint = " (the shipped model is not there yet: pass --model DIR)" if model == DEFAULT_MODEL_DIR else ""
+            raise FileNotFoundError(f"model folder {model} does not exist{hint}")
         options = ExportOptions(exporter=exporter)
         specs = resolve_slices(model, slices)
-    except (ValueError, ModelConfigError) as exc:
-        _fail(str(exc), 2)
-    if out.exists() and not out.is_dir():
-        _fail(f"--out {out} exists and is not a folder", 2)
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(f"--out {out} exists and is not a folder")
+        console = Console(stderr=True)
+        with Progress(TextColumn("slice {task.fields[slice]:>7}"), BarColumn(), TextColumn("{task.description}"),
+                      TimeElapsedColumn(), console=console, transient=as_json) as bar:
+            # Steps per slice, as partition.build reports them: export (+ checks), [compare], done.
+            total = 2 if verify else 1
+            tasks = [bar.add_task("waiting", total=total, slice=str(s)) for s in specs]
 
-    console = Console(stderr=True)
-    with Progress(TextColumn("slice {task.fields[slice]:>7}"), BarColumn(), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=console, transient=as_json) as bar:
-        # Steps per slice, as partition.build reports them: export (+ checks), [compare], done.
-        total = 2 if verify else 1
-        tasks = [bar.add_task("waiting", total=total, slice=str(s)) for s in specs]
+            def progress(i: int, spec: object, stage: str) -> None:
+                step = {"export": 0, "compare": 1, "done": total}[stage]
+                bar.update(tasks[i], completed=step, description=_LABELS[stage])
 
-        def progress(i: int, spec: object, stage: str) -> None:
-            step = {"export": 0, "compare": 1, "done": total}[stage]
-            bar.update(tasks[i], completed=step, description=_LABELS[stage])
-
-        try:
-            manifest = build_slices(model, specs, out, options, verify=verify, progress=progress)
-        except (BuildError, ExportError, CheckpointError, ModelConfigError, OSError) as exc:
-            _fail(str(exc))
+            try:
+                manifest = build_slices(model, specs, out, options, verify=verify, progress=progress)
+            except (BuildError, ExportError) as exc:  # a failed export or check: its message says what failed
+                raise ValueError(str(exc)) from None
     data = manifest.to_json()
     if as_json:
-        typer.echo(json.dumps(data, indent=2))
+        print_json(data)
         return
     for s in data["slices"]:
         diff = max(s["max_abs_diff"].values()) if s["max_abs_diff"] else float("nan")

@@ -1,4 +1,6 @@
-"""`orin-agent generate`: one prompt through the sliced model, text streamed to stdout."""
+"""`orin-agent generate`: one prompt through the sliced model on the service's own engine
+(`agent.engine.core.EngineCore`, stepped here without the service's thread), text streamed to stdout,
+timings to stderr (or everything in one --json object)."""
 from __future__ import annotations
 
 import sys
@@ -35,31 +37,37 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
-    from agent.generation import Generation, SamplingParams
-    from partition.runners import load_chain
-    from partition.tokenizer import Tokenizer
+    from agent.engine.executor import load_core
+    from agent.engine.types import Finished, SamplingParams
 
     with cli_errors():
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
-        tokenizer = Tokenizer.from_dir(model)
-        chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device,
-                           cuda_graphs=cuda_graphs)
-        gen = Generation(chain, tokenizer, prompt, params)
+        core = load_core(model, backend, slices, max_seq, device, cuda_graphs)
         pieces: list[str] = []
-        for delta in gen.stream():
-            pieces.append(delta)
-            if not as_json:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-        stats = gen.stats
+        done: Finished | None = None
+        for ev in core.generate(core.tokenizer.encode(prompt), params):
+            if isinstance(ev, Finished):
+                done = ev
+            else:
+                pieces.append(ev.text)
+                if not as_json:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+        assert done is not None  # generate() always ends with the request's Finished
+        u = done.usage
+        prefill_ms = (u.ttft_s or 0.0) * 1e3
+        decode_tok_s = u.decode_tok_s or 0.0
         if as_json:
             print_json({"prompt": prompt, "text": "".join(pieces), "backend": backend, "model": str(model),
-                        "slices": slices, **stats.to_dict(), "token_ids": stats.token_ids})
+                        "slices": slices, "prompt_tokens": u.prompt_tokens,
+                        "completion_tokens": u.completion_tokens, "prefill_ms": round(prefill_ms, 3),
+                        "decode_tok_s": round(decode_tok_s, 3), "finish_reason": done.reason,
+                        "token_ids": list(done.token_ids)})
         else:
             sys.stdout.write("\n")
-            typer.echo(f"prefill {stats.prefill_ms:.1f} ms | decode {stats.decode_tok_s:.1f} tok/s | "
-                       f"{stats.completion_tokens} tokens ({stats.finish_reason})", err=True)
+            typer.echo(f"prefill {prefill_ms:.1f} ms | decode {decode_tok_s:.1f} tok/s | "
+                       f"{u.completion_tokens} tokens ({done.reason})", err=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -9,18 +9,19 @@ from typing import Optional
 import typer
 
 from agent.cli.common import cli_errors, print_json
+from agent.config import DEFAULT_CONFIG_PATH, ServiceConfig
 from partition.paths import DEFAULT_MODEL_DIR
 
 
 def serve(
-    config: Optional[Path] = typer.Option(None, "--config", help="Config file (default /etc/orin-agent/agent.toml "
+    config: Optional[Path] = typer.Option(None, "--config", help=f"Config file (default {DEFAULT_CONFIG_PATH} "
                                           "if present, else built-in defaults)."),
     root: Optional[str] = typer.Option(None, "--root", help="Board sysfs root (default: / on an Orin, else a "
                                        "fresh twin in a temp dir)."),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Where the restore journal lives "
-                                          "(default /run/orin-agent)."),
-    host: Optional[str] = typer.Option(None, "--host", help="Listen address (default 127.0.0.1)."),
-    port: Optional[int] = typer.Option(None, "--port", help="Listen port (default 8000; 0 = any free port)."),
+                                          f"(default {ServiceConfig.run_dir})."),
+    host: Optional[str] = typer.Option(None, "--host", help=f"Listen address (default {ServiceConfig.host})."),
+    port: Optional[int] = typer.Option(None, "--port", help=f"Listen port (default {ServiceConfig.port}; 0 = any free port)."),
     token: Optional[str] = typer.Option(None, "--token", help="Bearer token required on every endpoint but "
                                         "/health (prefer server.token_file in the config)."),
     backend: Optional[str] = typer.Option(None, "--backend", help="torch or ort."),

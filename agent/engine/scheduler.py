@@ -1,4 +1,5 @@
-"""The scheduler: which sequences run in the next step, and what their results mean.
+"""The scheduler: which sequences run in the next step, and what their results mean (EOS, the token
+budget).
 
 One step is the whole contract with the model runner (vLLM v1's shape): `schedule()` returns a
 `StepPlan`, the runner executes it and returns a `StepOutput`, `update(plan, output)` turns that into
@@ -21,78 +22,13 @@ Policy, in order:
 """
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Literal
 
-INTERACTIVE = 0
-BACKGROUND = 1
-PRIORITIES = {"interactive": INTERACTIVE, "background": BACKGROUND}
-
-
-class QueueFull(RuntimeError):
-    """The wait queue is at its bound; retry after `retry_after_s`."""
-
-    def __init__(self, depth: int, retry_after_s: int) -> None:
-        super().__init__(f"the request queue is full ({depth} waiting); retry in {retry_after_s} s")
-        self.retry_after_s = retry_after_s
-
-
-class RequestRejected(ValueError):
-    """A request the scheduler can never run (too long for the cache, no tokens)."""
-
-
-@dataclass(frozen=True)
-class SeqRequest:
-    req_id: str
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    priority: int = INTERACTIVE
-    ignore_eos: bool = False
-    sampling: Any = None  # opaque here: handed to the runner with the request's first chunk
-
-
-@dataclass(frozen=True)
-class SeqChunk:
-    """One row of a step: `token_ids` go in at positions start_pos.. of cache row `slot`."""
-
-    req_id: str
-    slot: int
-    token_ids: tuple[int, ...]
-    start_pos: int
-    sample: bool  # the row's logits give the request's next token
-    sampling: Any = None  # set on the request's first chunk only: the runner creates its sampler
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    kind: Literal["prefill", "decode"]
-    chunks: tuple[SeqChunk, ...]
-    released: tuple[str, ...] = ()  # requests gone since the last step: the runner drops their state
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-    @property
-    def context(self) -> int:
-        """The longest context (cache positions in use after this step) in the batch."""
-        return max(c.start_pos + len(c.token_ids) for c in self.chunks)
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    tokens: Mapping[str, int]  # req_id -> sampled token, for chunks with sample=True
-    elapsed_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    req_id: str
-    token: int | None  # None when the request ended without a new token (EOS)
-    finish_reason: str | None = None  # "stop" (EOS), "length"; None while running
+from agent.engine.types import (BACKGROUND, INTERACTIVE, QueueFull, SeqChunk, SeqRequest, StepOutput, StepPlan,
+                                TokenEvent, check_prompt)
 
 
 @dataclass
@@ -142,14 +78,7 @@ class Scheduler:
         return bool(self.running) or self.num_waiting > 0
 
     def add(self, req: SeqRequest) -> None:
-        if not req.prompt_ids:
-            raise RequestRejected("the prompt is empty: give at least one token of text")
-        if len(req.prompt_ids) >= self.max_seq:
-            raise RequestRejected(f"the prompt is {len(req.prompt_ids)} tokens; the context holds {self.max_seq}")
-        if req.max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be >= 1, got {req.max_tokens}")
-        if req.priority not in self.waiting:
-            raise RequestRejected(f"unknown priority {req.priority}")
+        check_prompt(req.prompt_ids, self.max_seq)
         if self.num_waiting >= self.max_queue:
             raise QueueFull(self.num_waiting, self.retry_after_s)
         self.waiting[req.priority].append(req)
@@ -239,22 +168,16 @@ class Scheduler:
             if not c.sample:
                 continue
             token = output.tokens[c.req_id]
-            if token in self.eos_ids and not seq.req.ignore_eos:
+            if token in self.eos_ids and not seq.req.sampling.ignore_eos:
                 events.append(TokenEvent(c.req_id, None, "stop"))
                 self._release(c.req_id)
                 continue
             seq.output.append(token)
-            # The same budget as agent.generation: at most max_seq - prompt tokens of output.
-            budget = min(seq.req.max_tokens, self.max_seq - len(seq.req.prompt_ids))
+            # At most max_seq - prompt tokens of output: the cache holds no more.
+            budget = min(seq.req.sampling.max_tokens, self.max_seq - len(seq.req.prompt_ids))
             full = len(seq.output) >= budget
             events.append(TokenEvent(c.req_id, token, "length" if full else None))
             if full:
                 self._release(c.req_id)
         return events
 
-
-_ids = itertools.count()
-
-
-def next_request_id(prefix: str = "cmpl") -> str:
-    return f"{prefix}-{next(_ids):08d}"

@@ -1,9 +1,11 @@
-"""The OpenAI wire format: request bodies validated into `ParsedRequest`, chat templates, and the
-response / stream-chunk objects.
+"""The OpenAI wire format: request bodies parsed into `ParsedRequest` (the prompt's ids and the one
+`SamplingParams`), chat templates, and the response / stream-chunk / error objects. No torch here.
 
 Parsing is strict about what we act on and lenient about the rest: unknown fields are ignored (the
-official clients send several we do not use), but every field we use is type- and range-checked, and
-every failure is a `BadRequest` whose message names the field, so the API answers 400, never 500.
+official clients send several we do not use), every field we use is type-checked here (pydantic) and
+value-checked where the engine checks it (`SamplingParams`, `check_prompt`), plus this service's
+limits and OpenAI's own ranges. Every failure is an `InvalidRequest` (`BadRequest` for the wire's
+own) whose `param` names the field, so the API answers 400, never 500.
 """
 from __future__ import annotations
 
@@ -11,13 +13,13 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Protocol, Union
 
 import jinja2
 import jinja2.sandbox
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from agent.engine import Usage
+from agent.engine.types import InvalidRequest, SamplingParams, Usage, check_prompt
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -28,10 +30,16 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+class BadRequest(InvalidRequest):
+    """A body the wire format refuses (not JSON, wrong type, unsupported field)."""
+
+
+class PromptTokenizer(Protocol):
+    """What parsing needs of partition.tokenizer.Tokenizer."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    def encode(self, text: str) -> list[int]: ...
 
 
 class _Base(BaseModel):
@@ -86,6 +94,9 @@ class ChatBody(_Base):
 
 @dataclass(frozen=True)
 class Limits:
+    """This service's bounds on a request (below what the engine could run)."""
+
+    context: int  # the engine's max_seq
     max_prompt_tokens: int
     max_output_tokens: int
     default_max_tokens: int
@@ -98,17 +109,10 @@ class ParsedRequest:
     kind: Literal["completion", "chat"]
     prompt_ids: list[int]
     prompt_text: str
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    repetition_penalty: float
-    seed: int | None
-    stop: tuple[str, ...]
+    sampling: SamplingParams
     stream: bool
     include_usage: bool
     priority: str
-    ignore_eos: bool
     model: str | None
 
 
@@ -133,6 +137,8 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 
 
 def _finite(name: str, v: float | None, lo: float, hi: float, default: float) -> float:
+    """The wire's range for a float field (OpenAI's API reference: temperature 0..2, top_p 0..1), on
+    top of what SamplingParams itself requires."""
     if v is None:
         return default
     v = float(v)
@@ -165,7 +171,7 @@ def render_chat(template: str | None, messages: list[Message], eos_token: str = 
         raise BadRequest(f"cannot apply the chat template: {exc}", "messages") from None
 
 
-def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Any, limits: Limits,
+def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: PromptTokenizer, limits: Limits,
                   chat_template: str | None = None, eos_token: str = "") -> ParsedRequest:
     data = decode_json(raw)
     if not isinstance(data, dict):
@@ -183,18 +189,18 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: An
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = limits.default_max_tokens
-    if not 1 <= max_tokens <= limits.max_output_tokens:
+    if max_tokens > limits.max_output_tokens:
         raise BadRequest(f"max_tokens must be between 1 and {limits.max_output_tokens}, got {max_tokens}",
                          "max_tokens")
-    top_k = body.top_k or 0
-    if top_k < 0:
-        raise BadRequest(f"top_k must be >= 0 (0 = off), got {top_k}", "top_k")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    if len(stop) > limits.max_stop_strings or any(not s or len(s) > limits.max_stop_chars for s in stop):
+    if len(stop) > limits.max_stop_strings or any(len(s) > limits.max_stop_chars for s in stop):
         raise BadRequest(f"stop: at most {limits.max_stop_strings} non-empty strings of at most "
                          f"{limits.max_stop_chars} characters", "stop")
-    if body.seed is not None and not 0 <= body.seed < 2 ** 63:
-        raise BadRequest("seed must be in [0, 2**63)", "seed")
+    sampling = SamplingParams(
+        max_tokens=max_tokens, temperature=_temperature(body.temperature),
+        top_k=0 if body.top_k is None else body.top_k, top_p=_finite("top_p", body.top_p, 1e-9, 1.0, 1.0),
+        repetition_penalty=_finite("repetition_penalty", body.repetition_penalty, 1e-3, 10.0, 1.0),
+        seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos))
     include_usage = bool(body.stream_options and body.stream_options.get("include_usage") is True)
 
     if isinstance(body, CompletionBody):
@@ -213,18 +219,9 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: An
     else:
         text = render_chat(chat_template, body.messages, eos_token)  # type: ignore[attr-defined]
         ids = tokenizer.encode(text)
-    if not ids:
-        raise BadRequest("the prompt is empty: give at least one token of text", "prompt")
-    if len(ids) > limits.max_prompt_tokens:
-        raise BadRequest(f"the prompt is {len(ids)} tokens; this service takes at most "
-                         f"{limits.max_prompt_tokens}", "prompt" if kind == "completion" else "messages")
-    return ParsedRequest(
-        kind, ids, text, max_tokens,
-        _temperature(body.temperature),
-        _finite("top_p", body.top_p, 1e-9, 1.0, 1.0), top_k,
-        _finite("repetition_penalty", body.repetition_penalty, 1e-3, 10.0, 1.0),
-        body.seed, stop, bool(body.stream), include_usage, body.priority or "interactive",
-        bool(body.ignore_eos), body.model)
+    check_prompt(ids, limits.context, limits.max_prompt_tokens, "prompt" if kind == "completion" else "messages")
+    return ParsedRequest(kind, ids, text, sampling, bool(body.stream), include_usage,
+                         body.priority or "interactive", body.model)
 
 
 # -- responses -----------------------------------------------------------------------------------

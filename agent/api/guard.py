@@ -1,0 +1,80 @@
+"""The HTTP guard in front of every route: the bearer token (on every path but /health), the
+request-body size limit (by Content-Length and while the body streams in), and the per-endpoint
+status counts for /metrics. Plain ASGI middleware, so it also guards what FastAPI would 404.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any, Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from agent.api.openai import error_body
+
+OPEN_PATHS = {"/health"}
+KNOWN_PATHS = {"/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+
+
+class BodyTooLarge(Exception):
+    """The body grew past the limit while it streamed in (the app answers 413)."""
+
+
+class GuardMiddleware:
+    def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int,
+                 on_http: Callable[[str, int], None]) -> None:
+        self.app, self.token, self.max_body_bytes, self.on_http = app, token, max_body_bytes, on_http
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in KNOWN_PATHS else "other"
+        status = {"code": 500}
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            if self.token and path not in OPEN_PATHS:
+                given = headers.get("authorization", "")
+                scheme, _, value = given.partition(" ")
+                if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
+                    await _json(counting_send, 401, error_body("missing or wrong bearer token (Authorization: "
+                                                               "Bearer <token>)", "authentication_error"),
+                                {"www-authenticate": "Bearer"})
+                    return
+            length = headers.get("content-length")
+            if length is not None:
+                if not length.isdigit():
+                    await _json(counting_send, 400, error_body("Content-Length is not a number"))
+                    return
+                if int(length) > self.max_body_bytes:
+                    await _json(counting_send, 413, error_body(f"the request body is over {self.max_body_bytes} bytes"))
+                    return
+            seen = 0
+
+            async def limited_receive() -> Message:
+                nonlocal seen
+                message = await receive()
+                if message["type"] == "http.request":
+                    seen += len(message.get("body", b""))
+                    if seen > self.max_body_bytes:
+                        raise BodyTooLarge()
+                return message
+
+            await self.app(scope, limited_receive, counting_send)
+        finally:
+            self.on_http(endpoint, status["code"])
+
+
+async def _json(send: Send, status: int, body: dict[str, Any], extra: dict[str, str] | None = None) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})

@@ -1,0 +1,226 @@
+"""The engine's vocabulary, free of torch: the one validated `SamplingParams`, the one prompt check
+(`check_prompt`), a request, the step contract between scheduler and executor (`StepPlan` in,
+`StepOutput` out), what a request's caller receives (`Delta`, `Finished` with its `Usage`), the phase
+event the power controller listens to, and the interfaces the engine is handed (executor, energy
+meter, metrics).
+
+Every check of a request's values is here: `SamplingParams.__post_init__` for the sampling
+parameters and `check_prompt` for the prompt (the one check that needs the tokenizer's ids). Both
+raise `InvalidRequest`, whose `param` names the offending field, so the API answers 400 naming it
+and the CLI prints one line.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Literal, Mapping, Protocol, Sequence
+
+INTERACTIVE = 0
+BACKGROUND = 1
+PRIORITIES = {"interactive": INTERACTIVE, "background": BACKGROUND}
+
+
+class InvalidRequest(ValueError):
+    """A request that can never run as given (bad parameter, empty or too long prompt); the message
+    says what to do and `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFull(RuntimeError):
+    """The wait queue is at its bound; retry after `retry_after_s`."""
+
+    def __init__(self, depth: int, retry_after_s: int) -> None:
+        super().__init__(f"the request queue is full ({depth} waiting); retry in {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down (or stopped) and takes no new requests."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
+             f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"),
+            (self.top_k >= 0, "top_k", f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+             f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"),
+            # torch.Generator.manual_seed takes 64 bits; the API's JSON integers stay in the signed range
+            (self.seed is None or 0 <= self.seed < 2 ** 63, "seed", "seed must be in [0, 2**63)"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidRequest(message, param)
+
+
+def check_prompt(prompt_ids: Sequence[int], max_seq: int, max_prompt_tokens: int | None = None,
+                 param: str = "prompt") -> None:
+    """The prompt check: at least one token, and room in a context of `max_seq` tokens for at least
+    one more; `max_prompt_tokens` is a service's own, lower, bound."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise InvalidRequest("the prompt is empty: give at least one token of text", param)
+    if max_prompt_tokens is not None and n > max_prompt_tokens:
+        raise InvalidRequest(f"the prompt is {n} tokens; this service takes at most {max_prompt_tokens}", param)
+    if n >= max_seq:
+        raise InvalidRequest(f"the prompt is {n} tokens but the context holds {max_seq}; shorten the prompt "
+                             "or raise the context (--max-seq, up to the model's max_position_embeddings)",
+                             param)
+
+
+@dataclass(frozen=True)
+class SeqRequest:
+    """One request as the engine holds it: the prompt's ids and its one `SamplingParams`."""
+
+    req_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    priority: int = INTERACTIVE
+
+    def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES.values():
+            raise InvalidRequest(f"priority must be one of {', '.join(PRIORITIES)}", "priority")
+
+
+# -- the step contract -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One row of a step: `token_ids` go in at positions start_pos.. of cache row `slot`."""
+
+    req_id: str
+    slot: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    sample: bool  # the row's logits give the request's next token
+    sampling: SamplingParams | None = None  # the request's first chunk only: the executor makes its sampler
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    kind: Literal["prefill", "decode"]
+    chunks: tuple[SeqChunk, ...]
+    released: tuple[str, ...] = ()  # requests gone since the last step: the executor drops their state
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def context(self) -> int:
+        """The longest context (cache positions in use after this step) in the batch."""
+        return max(c.start_pos + len(c.token_ids) for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    tokens: Mapping[str, int]  # req_id -> sampled token, for chunks with sample=True
+    elapsed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    req_id: str
+    token: int | None  # None when the request ended without a new token (EOS)
+    finish_reason: str | None = None  # "stop" (EOS), "length"; None while running
+
+
+# -- what the caller of a request receives -------------------------------------------------------
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    energy_joules: float | None  # None where the board has no power rails
+    ttft_s: float | None
+    decode_tok_s: float | None
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop", "length", "cancelled", "error"
+    usage: Usage
+    message: str = ""
+    token_ids: tuple[int, ...] = ()  # the completion's tokens (EOS not included)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One event of one request, as `EngineCore.step()` returns them."""
+
+    req_id: str
+    event: Delta | Finished
+
+
+# -- phase events (the power controller's seam) -----------------------------------------------------
+
+PhaseKind = Literal["prefill", "decode", "idle"]
+
+
+@dataclass(frozen=True)
+class PhaseEvent:
+    kind: PhaseKind
+    t: float  # time.monotonic() on the engine thread
+    n_tokens: int = 0  # prefill: prompt tokens in this step
+    context: int = 0  # decode: the longest context (tokens in the KV-cache) of the batch
+    batch: int = 0  # sequences in this step
+
+
+# -- what the engine is handed ---------------------------------------------------------------------
+
+class Executor(Protocol):
+    """Runs a step on the model (agent.engine.executor.ChainExecutor, or a stand-in in tests)."""
+
+    @property
+    def max_batch(self) -> int: ...
+    @property
+    def max_seq(self) -> int: ...
+    def execute(self, plan: StepPlan) -> StepOutput: ...
+
+
+class EnergyMeter(Protocol):
+    """Joules a step drew (agent.board.EnergyMeter); `available` is False without power rails."""
+
+    @property
+    def available(self) -> bool: ...
+    def step_joules(self, elapsed_s: float) -> float | None: ...
+
+
+class EngineMetrics(Protocol):
+    def on_first_token(self, ttft_s: float) -> None: ...
+    def on_token(self, latency_s: float) -> None: ...
+    def on_step(self, plan: StepPlan, elapsed_s: float, joules: float | None) -> None: ...
+    def on_finished(self, reason: str, usage: Usage) -> None: ...
+    def on_queue(self, waiting: int, running: int) -> None: ...
+    def on_phase(self, kind: str) -> None: ...
+
+
+_ids = itertools.count()
+
+
+def next_request_id(prefix: str = "cmpl") -> str:
+    return f"{prefix}-{next(_ids):08d}"
