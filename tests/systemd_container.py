@@ -250,8 +250,9 @@ orin-agent twin create {TWIN_ROOT} --board agx-orin-64gb --l4t r36
     results["nspawn_rc"] = r.returncode
     seconds = {"rootfs": t["rootfs"] - t["start"], "install": t["install"] - t["rootfs"],
                "boot_to_poweroff": t["poweroff"] - t["boot"], "total": time.monotonic() - t["start"]}
-    return Boot(results, journal, pristine, snapshot(twin), unit, settings, console, inst.stdout + inst.stderr,
-                seconds)
+    after = snapshot(twin)
+    shutil.rmtree(rootfs, ignore_errors=True)  # ~330 MB per run; results, journal and console stay
+    return Boot(results, journal, pristine, after, unit, settings, console, inst.stdout + inst.stderr, seconds)
 
 
 def twin_readings(work: Path, board: str = "agx-orin-64gb", l4t: str = "r36") -> set[str]:
