@@ -199,8 +199,11 @@ printf '{pth}\\n' > {guest_site}/host-site.pth
 PYTHONPATH=/opt/host-site/{_build_site(sites)} {VENV}/bin/python -m pip install -q --no-deps --no-index --no-build-isolation {SRC}
 export PATH={VENV}/bin:$PATH
 cd /
-{SRC}/scripts/install.sh
-{SRC}/scripts/install.sh
+for n in 1 2; do
+  {SRC}/scripts/install.sh
+  echo "== installed files after run $n:"
+  sha256sum /etc/systemd/system/orin-agent.service /etc/orin-agent/agent.toml
+done
 orin-agent twin create {TWIN_ROOT} --board agx-orin-64gb --l4t r36
 """
     inst = _run(_nspawn(rootfs, binds) + ["/bin/bash", "-c", script], timeout=600)

@@ -25,6 +25,20 @@ URL = f"http://127.0.0.1:{SETTINGS['port']}"
 RUN_JOURNAL = Path("/run/orin-agent/journal.json")
 
 
+def _auth() -> dict[str, str]:
+    """The bearer token the installed config asks for (server.token or server.token_file), if any."""
+    import tomllib
+
+    server = tomllib.loads(CONFIG.read_text()).get("server", {})
+    token = server.get("token") or ""
+    if not token and server.get("token_file"):
+        token = Path(server["token_file"]).read_text().strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+AUTH = _auth()
+
+
 def sh(*cmd: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
 
@@ -36,7 +50,7 @@ def show(*props: str) -> dict[str, str]:
 
 def http_status(path: str, timeout: float) -> int | None:
     try:
-        with urllib.request.urlopen(URL + path, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(URL + path, headers=AUTH), timeout=timeout) as r:
             return r.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -72,7 +86,7 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         req = urllib.request.Request(URL + "/v1/completions", data=self.body,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **AUTH})
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
                 for raw in r:

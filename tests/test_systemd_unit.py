@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from systemd_container import Boot, boot_and_probe, twin_readings, unavailable
+from systemd_container import REPO, VENV, Boot, boot_and_probe, twin_readings, unavailable
 
 pytestmark = pytest.mark.systemd
 UNIT = "orin-agent.service"
@@ -59,6 +59,17 @@ def step(b: Boot, name: str) -> dict:
     r = b.results[name]
     assert "probe_error" not in r, r["probe_error"]
     return r
+
+
+def test_the_install_script_installs_the_projects_unit_and_is_idempotent(boot: Boot) -> None:
+    runs = boot.install_log.split("== installed files after run ")[1:]
+    assert len(runs) == 2
+    sums = [sorted(line.split()[0] for line in run.splitlines()[1:3]) for run in runs]
+    assert sums[0] == sums[1], "a second scripts/install.sh changed the installed unit or config"
+    installed = boot.unit.splitlines()
+    source = (REPO / "systemd" / "orin-agent.service").read_text().splitlines()
+    assert [ln for ln in source if "@" not in ln] == [ln for ln in installed if VENV not in ln]
+    assert any(ln.startswith(f"ExecStart={VENV}/bin/orin-agent serve") for ln in installed)
 
 
 def test_notify_active_only_after_the_model_is_loaded_and_ready_answers(boot: Boot) -> None:
