@@ -56,8 +56,8 @@ def unavailable() -> str | None:
     return None
 
 
-def _run(cmd: list[str], timeout: float, **kw: object) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, **kw)  # type: ignore[call-overload]
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:3])} ... exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
@@ -165,8 +165,9 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 def _nspawn(rootfs: Path, binds: list[str]) -> list[str]:
     # --keep-unit --register=no: the host has no systemd to ask for a scope or a machine registration.
+    # A machine name of our own: nspawn keeps per-machine state under /run/systemd/nspawn/ on the host.
     return ["systemd-nspawn", "--keep-unit", "--register=no", "-q", "-D", str(rootfs), "--private-network",
-            *binds]
+            f"--machine=orin-agent-test-{os.getpid()}", *binds]
 
 
 def _start_dbus() -> int | None:

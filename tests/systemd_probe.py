@@ -16,6 +16,7 @@ import traceback
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 UNIT = "orin-agent.service"
 CONFIG = Path("/etc/orin-agent/agent.toml")
@@ -62,7 +63,7 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
-def wait_for(pred, timeout: float, step: float = 0.1) -> bool:
+def wait_for(pred: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if pred():

@@ -6,6 +6,7 @@ Marked `systemd`: outside the default run; `python3 -m pytest -m systemd` runs t
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,10 @@ def test_a_stream_cut_by_the_stop_ends_cleanly(boot: Boot) -> None:
     r = step(boot, "stop_stream")
     assert r["error_event"] and r["done"], r
     assert not any("Traceback" in m for _, _, m in unit_lines(boot, r["since_us"]))
+
+
+def test_systemd_analyze_security_exposure_is_no_worse_than_recorded(boot: Boot) -> None:
+    """`systemd-analyze security` inside the container (systemd 252); docs/ON_DEVICE.md records 4.6."""
+    m = re.search(r"Overall exposure level for orin-agent\.service: ([0-9.]+)", boot.results["security"])
+    assert m, boot.results["security"][-500:]
+    assert float(m.group(1)) <= 4.6
