@@ -8,6 +8,7 @@ from __future__ import annotations
 import typer
 
 from agent import cli_bench, cli_build, cli_model, cli_power, cli_serve, cli_twin
+from agent import cli_edge
 
 app = typer.Typer(
     name="orin-agent",
@@ -23,6 +24,7 @@ cli_serve.register(app)
 app.add_typer(cli_power.app, name="power")
 app.add_typer(cli_twin.app, name="twin")
 cli_bench.register(app)
+cli_edge.register(app)
 
 
 def main() -> None:

@@ -33,9 +33,16 @@ def generate(
                                                "steps as CUDA graphs (torch backend; default: on with "
                                                "--device cuda, off on CPU, where asking for it is an error)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
+    edge: Optional[str] = typer.Option(None, "--edge", help="HOST:PORT of an edge server (orin-agent edge) "
+                                       "that runs the deep layers."),
+    device_layers: int = typer.Option(4, "--device-layers", help="With --edge: layers run here."),
+    max_disagreement: float = typer.Option(0.0, "--max-disagreement", help="With --edge: early-exit "
+                                           "tolerance (0 = no early exit)."),
+    edge_token: str = typer.Option("", "--edge-token", envvar="ORIN_AGENT_EDGE_TOKEN", help="Bearer token."),
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
     from agent.generation import Generation, SamplingParams
+    from partition.offload.chain import offload_chain_for_generate, offload_summary
     from partition.runners import load_chain
     from partition.tokenizer import Tokenizer
 
@@ -44,7 +51,8 @@ def generate(
                                 repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
         tokenizer = Tokenizer.from_dir(model)
         chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device,
-                           cuda_graphs=cuda_graphs)
+                           cuda_graphs=cuda_graphs) if not edge else offload_chain_for_generate(
+            model, edge, device_layers, max_disagreement, edge_token, temperature == 0, backend, slices, max_seq, device)
         gen = Generation(chain, tokenizer, prompt, params)
         pieces: list[str] = []
         for delta in gen.stream():
@@ -60,6 +68,8 @@ def generate(
             sys.stdout.write("\n")
             typer.echo(f"prefill {stats.prefill_ms:.1f} ms | decode {stats.decode_tok_s:.1f} tok/s | "
                        f"{stats.completion_tokens} tokens ({stats.finish_reason})", err=True)
+            if edge:
+                typer.echo(offload_summary(chain), err=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -37,3 +37,30 @@ def make_offload_chain(model_dir: str | Path, device_layers: int, edge_url: str,
                     options=options, fallback=deep, shape=shape,
                     log=log or (lambda m: print(m, file=sys.stderr, flush=True)))
     return Chain([local, link])
+
+
+def offload_chain_for_generate(model_dir: str | Path, edge_url: str, device_layers: int, max_disagreement: float,
+                               token: str, greedy: bool, backend: str, slices: str | None,
+                               max_seq: int | None, device: str) -> Chain:
+    """The chain `generate --edge` runs, after checking the flags that go with --edge."""
+    if backend != "torch" or slices:
+        raise ValueError("--edge runs layers 0:N with the torch backend; drop --backend/--slices "
+                         "(--device-layers sets the split)")
+    if max_disagreement < 0:
+        raise ValueError(f"--max-disagreement must be >= 0, got {max_disagreement}")
+    if max_disagreement > 0:
+        print("note: early exit is not available yet; every token crosses the link (as --max-disagreement 0)",
+              file=sys.stderr, flush=True)
+    return make_offload_chain(model_dir, device_layers, edge_url,
+                              LinkOptions(token=token, want_logits=not greedy), max_seq=max_seq, device=device)
+
+
+def offload_summary(chain: Chain) -> str:
+    """One line on what crossed the link ('' for a chain without an edge)."""
+    link = chain.runners[-1]
+    if not isinstance(link, EdgeLink):
+        return ""
+    s = link.stats()
+    return (f"edge {link.url}: {s.round_trips} round trips, {s.positions_sent} positions, "
+            f"{s.bytes_up + s.bytes_down} bytes, RTT {s.rtt_ms:.1f} ms, {s.retries} retries, "
+            f"{s.rebuilds} rebuilds, {s.fallbacks} fallbacks")

@@ -16,6 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from partition.offload.protocol import MODEL_NAME
 
@@ -159,3 +160,25 @@ class EdgeServer:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+def serve_forever(opts: EdgeOptions, log_path: Path, on_ready: Callable[[EdgeServer], None],
+                  ready_timeout_s: float = 120.0) -> int:
+    """Start the edge server, call on_ready once Triton serves the model, then wait until it exits or
+    this process gets SIGTERM / SIGINT (the whole server process group is stopped either way)."""
+    def _term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _term)
+    server = EdgeServer(opts, log_path)
+    try:
+        server.start()
+        server.wait_ready(ready_timeout_s)
+        on_ready(server)
+        assert server.proc is not None
+        return server.proc.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.kill()
+        signal.signal(signal.SIGTERM, previous)
