@@ -71,6 +71,7 @@ class EdgeOptions:
     tls_cert: str = ""
     tls_key: str = ""
     python: Path | None = None
+    fault: str = "none"           # tests only: "garbage" replies
 
 
 class EdgeServer:
@@ -97,6 +98,8 @@ class EdgeServer:
             cmd += ["--token", o.token]
         if o.tls_cert:
             cmd += ["--tls-cert", o.tls_cert, "--tls-key", o.tls_key]
+        if o.fault != "none":
+            cmd += ["--fault", o.fault]
         return cmd
 
     def start(self) -> "EdgeServer":
@@ -135,7 +138,8 @@ class EdgeServer:
         raise EdgeUnavailable(f"the edge server was not ready within {timeout_s:g} s; log ends:\n{self.log_tail()}")
 
     def _auth(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.opts.token}"} if self.opts.token else {}
+        from partition.offload.link import auth_headers
+        return auth_headers(self.opts.token)
 
     def kill(self, sig: int = signal.SIGTERM, wait_s: float = 15.0) -> None:
         """Signal the whole process group (server, tritonserver, backend stubs); SIGKILL after wait_s."""

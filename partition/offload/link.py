@@ -36,6 +36,15 @@ def short_error(msg: str, limit: int = 300) -> str:
     return out if len(out) <= limit else out[:limit] + "..."
 
 
+def auth_headers(token: str) -> dict[str, str]:
+    """gRPC metadata carrying the bearer token: `authorization` for whatever fronts the edge (a proxy,
+    a gateway), and Triton's own prefixed copy, which its restricted-protocol check reads."""
+    if not token:
+        return {}
+    value = f"Bearer {token}"
+    return {"authorization": value, "triton-grpc-protocol-authorization": value}
+
+
 class EdgeError(OSError):
     """The edge could not answer within the deadline and there is no local fallback."""
 
@@ -112,7 +121,8 @@ class EdgeLink(SliceRunner):
         self._grpc = grpcclient
         self.client = grpcclient.InferenceServerClient(url, ssl=options.ssl,
                                                        root_certificates=options.root_certificates)
-        self._slots = [_Slot() for _ in range(max_batch)]
+        self._base_id = random.getrandbits(54) << 8        # one sequence id per slot, reused:
+        self._slots = [_Slot() for _ in range(max_batch)]   # a start flag replaces the old state
         self._stats = LinkStats()
 
     # --- the runner contract ------------------------------------------------------------------------
@@ -129,7 +139,7 @@ class EdgeLink(SliceRunner):
         st = self._slots[slot]
         p0, t = int(positions[0]), int(positions.shape[0])
         if p0 == 0:
-            self._slots[slot] = st = _Slot(seq_id=random.getrandbits(63) or 1)
+            self._slots[slot] = st = _Slot(seq_id=self._base_id + slot + 1)
         if p0 > len(st.history):
             raise ValueError(f"slot {slot} holds {len(st.history)} positions; position {p0} leaves a gap")
         del st.history[p0:]
@@ -153,6 +163,18 @@ class EdgeLink(SliceRunner):
         return self._stats
 
     def close(self) -> None:
+        """Free this link's sequences on the edge (the last position again, with the end flag: an
+        idempotent rewrite of its KV), then the channel. Errors are ignored: the idle timeout frees
+        whatever this misses."""
+        for st in self._slots:
+            if st.history and not st.local:
+                p = len(st.history) - 1
+                try:
+                    self._infer(st.seq_id, st.history[p][None], np.asarray([p], np.int32), p == 0,
+                                time.monotonic() + 1.0, end=True)
+                except (_Transient, _Fatal, _Lost):
+                    pass
+            st.history.clear()
         self.client.close()
 
     # --- attempts -------------------------------------------------------------------------------------
@@ -180,7 +202,8 @@ class EdgeLink(SliceRunner):
         raise _Transient(f"no answer within {self.opts.deadline_s:g} s after {self.opts.retries} retries "
                          f"(last: {last})")
 
-    def _infer(self, seq_id: int, h16: np.ndarray, positions: np.ndarray, start: bool, deadline: float) -> np.ndarray:
+    def _infer(self, seq_id: int, h16: np.ndarray, positions: np.ndarray, start: bool, deadline: float,
+               end: bool = False) -> np.ndarray:
         g = self._grpc
         t = h16.shape[0]
         arrays: dict[str, np.ndarray] = {
@@ -190,7 +213,7 @@ class EdgeLink(SliceRunner):
         if not self.opts.sequence_params:
             arrays.update({P.SEQ_ID: np.asarray([[seq_id]], dtype=np.uint64),
                            P.SEQ_START: np.asarray([[start]], dtype=np.bool_),
-                           P.SEQ_END: np.asarray([[False]], dtype=np.bool_)})
+                           P.SEQ_END: np.asarray([[end]], dtype=np.bool_)})
         inputs = []
         for name, arr in arrays.items():
             inp = g.InferInput(name, list(arr.shape), "BOOL" if arr.dtype == np.bool_ else g.np_to_triton_dtype(arr.dtype))
@@ -203,8 +226,8 @@ class EdgeLink(SliceRunner):
             time.sleep(min(self.shape.delay_s(up + down), timeout))
         seq_kw: dict[str, Any] = {}
         if self.opts.sequence_params:
-            seq_kw = {"sequence_id": seq_id, "sequence_start": start}
-        headers = {"authorization": f"Bearer {self.opts.token}"} if self.opts.token else None
+            seq_kw = {"sequence_id": seq_id, "sequence_start": start, "sequence_end": end}
+        headers = auth_headers(self.opts.token) or None
         try:
             res = self.client.infer(P.MODEL_NAME, inputs, headers=headers, client_timeout=timeout, **seq_kw)
         except g.InferenceServerException as exc:  # type: ignore[attr-defined]

@@ -5,7 +5,7 @@ Run as `python -m partition.offload.server ...` under an interpreter whose numpy
 Python-backend stub in PyTriton 0.7 returns empty tensors with numpy 2) and with that interpreter's
 own libpython first on LD_LIBRARY_PATH (`partition.offload.launch` does both). Triton's dynamic
 batcher hands several requests to one call; their decode steps run as one batch. Auth: Triton's own
-`--grpc-restricted-protocol=inference:authorization=Bearer <token>`; TLS: Triton's gRPC SSL options.
+`--grpc-restricted-protocol inference:authorization=Bearer <token>`; TLS: Triton's gRPC SSL options.
 Metrics: Triton's Prometheus endpoint on the metrics port.
 """
 from __future__ import annotations
@@ -36,7 +36,13 @@ def batch_outputs(result: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v[None] for k, v in result.items()}
 
 
-def make_infer(sessions: DeepSliceSessions):  # noqa: ANN201 - PyTriton's callable protocol
+def garble(result: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Fault injection for tests (`--fault garbage`): a reply that breaks the protocol's promises."""
+    return {**result, P.NEXT_TOKEN: np.asarray([-3], dtype=np.int32),
+            P.TOPK_LOGPROBS: np.full_like(result[P.TOPK_LOGPROBS], np.nan)}
+
+
+def make_infer(sessions: DeepSliceSessions, fault: str = "none"):  # noqa: ANN201 - PyTriton's callable protocol
     """The PyTriton inference callable: a list of requests in, a list of output dicts out. A refused
     request fails the whole call (PyTriton has no per-request errors), with every reason listed."""
     def infer(requests: list) -> list[dict[str, np.ndarray]]:  # type: ignore[type-arg]
@@ -53,7 +59,8 @@ def make_infer(sessions: DeepSliceSessions):  # noqa: ANN201 - PyTriton's callab
         errors = [str(o) for o in out if isinstance(o, OffloadRequestError)]
         if errors:
             raise OffloadRequestError("; ".join(errors))
-        return [batch_outputs(o) for o in out if isinstance(o, dict)]
+        fix = garble if fault == "garbage" else (lambda o: o)
+        return [batch_outputs(fix(o)) for o in out if isinstance(o, dict)]
     return infer
 
 
@@ -73,6 +80,27 @@ def tensors(hidden: int):  # noqa: ANN201 - PyTriton Tensor lists
     return inputs, outputs
 
 
+def _require_bearer_token(token: str) -> None:
+    """Make Triton itself refuse inference calls without the bearer token (Triton's restricted-protocol
+    option: over gRPC it reads the metadata `triton-grpc-protocol-authorization: Bearer <token>`,
+    which EdgeLink sends beside the plain `authorization`). PyTriton 0.7 sets that option for its own endpoints (header
+    triton-access-token), overwriting any from TritonConfig, and splits the command line on spaces;
+    so its argument list is rebuilt with each value whole and the inference restriction appended
+    (Triton takes the option once per protocol group)."""
+    from pytriton.server.triton_server_config import TritonServerConfig
+
+    restriction = f"inference:authorization=Bearer {token}"
+
+    def to_args_list(self: TritonServerConfig) -> list[str]:
+        out: list[str] = []
+        for key, val in self.server_args().items():
+            for v in (val if isinstance(val, (list, tuple)) else [val]) if val is not None else []:
+                out += [f"--{key}", f"{v}"]
+        return out + ["--grpc-restricted-protocol", restriction, "--http-restricted-api", restriction]
+
+    TritonServerConfig.to_args_list = to_args_list  # type: ignore[method-assign]
+
+
 def serve(args: argparse.Namespace) -> None:
     from pytriton.model_config import DynamicBatcher, ModelConfig
     from pytriton.triton import Triton, TritonConfig
@@ -88,8 +116,7 @@ def serve(args: argparse.Namespace) -> None:
                              "http_address": args.host, "http_port": args.http_port,
                              "metrics_port": args.metrics_port, "exit_timeout_secs": 5}
     if args.token:
-        kw["grpc_restricted_protocol"] = f"inference:authorization=Bearer {args.token}"
-        kw["http_restricted_api"] = f"inference:authorization=Bearer {args.token}"
+        _require_bearer_token(args.token)
     if args.tls_cert:
         kw.update(grpc_use_ssl=True, grpc_server_cert=Path(args.tls_cert), grpc_server_key=Path(args.tls_key))
     stop = threading.Event()
@@ -101,7 +128,7 @@ def serve(args: argparse.Namespace) -> None:
     threading.Thread(target=sweeper, daemon=True).start()
     inputs, outputs = tensors(model.config.hidden_size)
     with Triton(config=TritonConfig(**kw)) as triton:  # type: ignore[arg-type]
-        triton.bind(model_name=P.MODEL_NAME, infer_func=make_infer(sessions), inputs=inputs, outputs=outputs,
+        triton.bind(model_name=P.MODEL_NAME, infer_func=make_infer(sessions, args.fault), inputs=inputs, outputs=outputs,
                     config=ModelConfig(max_batch_size=args.cap, batcher=DynamicBatcher(max_queue_delay_microseconds=500)),
                     strict=False)
         print(f"edge: serving layers {first}:{n} of {args.model} as model '{P.MODEL_NAME}' on gRPC "
@@ -127,6 +154,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--token", default="")
     ap.add_argument("--tls-cert", default="")
     ap.add_argument("--tls-key", default="")
+    ap.add_argument("--fault", choices=("none", "garbage"), default="none", help="tests only: inject a fault")
     return ap.parse_args(argv)
 
 
