@@ -179,3 +179,40 @@ def test_server_killed_mid_stream_falls_back_and_restarted_server_rebuilds(tmp_p
             second.kill()
     finally:
         first.kill(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_standalone_tritonserver_with_sequence_batching_is_lossless(tmp_path: Path, local_greedy: list[int]) -> None:
+    import subprocess
+
+    from partition.offload.launch import free_port
+    from partition.offload.repository import tritonserver_from_pytriton, write_model_repository
+
+    if not DEFAULT_EDGE_PYTHON.exists():
+        pytest.skip(f"no edge Python at {DEFAULT_EDGE_PYTHON}: `bash scripts/edge-venv.sh` builds it")
+    repo = tmp_path / "repo"
+    write_model_repository(repo, DEFAULT_MODEL_DIR, 1, 384, cap=4, max_seq=256)
+    assert "sequence_batching" in (repo / "deep_slice" / "config.pbtxt").read_text()
+    port = free_port()
+    cmd, env = tritonserver_from_pytriton(DEFAULT_EDGE_PYTHON, tmp_path, repo, port, free_port(), free_port())
+    with open(tmp_path / "ts.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        chain = make_offload_chain(DEFAULT_MODEL_DIR, 4, f"127.0.0.1:{port}",
+                                   LinkOptions(sequence_params=True, want_logits=False, deadline_s=60.0),
+                                   fallback=False, max_seq=256)
+        deadline = time.monotonic() + 90
+        while not _up(chain):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "ts.log").read_text()[-2000:]
+            time.sleep(0.5)
+        assert _greedy(chain, 16) == local_greedy, (tmp_path / "ts.log").read_text()[-2000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+def _up(chain) -> bool:  # noqa: ANN001
+    try:
+        return bool(chain.runners[1].client.is_model_ready("deep_slice"))
+    except Exception:  # noqa: BLE001 - tritonclient raises while the server boots
+        return False
