@@ -14,12 +14,24 @@ import argparse
 import sys
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 
 from partition.offload import protocol as P
 from partition.offload.sessions import DeepRequest, DeepSliceSessions, OffloadRequestError
+
+if TYPE_CHECKING:
+    from pytriton.model_config import Tensor
+
+
+class TritonRequest(Protocol):
+    """What the PyTriton callable reads of a request: its named input arrays."""
+
+    data: dict[str, np.ndarray]
+
+
+InferFunc = Callable[[list[TritonRequest]], list[dict[str, np.ndarray]]]
 
 
 def parse_request(data: dict[str, np.ndarray]) -> DeepRequest:
@@ -42,10 +54,10 @@ def garble(result: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             P.TOPK_LOGPROBS: np.full_like(result[P.TOPK_LOGPROBS], np.nan)}
 
 
-def make_infer(sessions: DeepSliceSessions, fault: str = "none"):  # noqa: ANN201 - PyTriton's callable protocol
+def make_infer(sessions: DeepSliceSessions, fault: str = "none") -> InferFunc:
     """The PyTriton inference callable: a list of requests in, a list of output dicts out. A refused
     request fails the whole call (PyTriton has no per-request errors), with every reason listed."""
-    def infer(requests: list) -> list[dict[str, np.ndarray]]:  # type: ignore[type-arg]
+    def infer(requests: list[TritonRequest]) -> list[dict[str, np.ndarray]]:
         parsed: list[DeepRequest | OffloadRequestError] = []
         for r in requests:
             try:
@@ -64,7 +76,7 @@ def make_infer(sessions: DeepSliceSessions, fault: str = "none"):  # noqa: ANN20
     return infer
 
 
-def tensors(hidden: int):  # noqa: ANN201 - PyTriton Tensor lists
+def tensors(hidden: int) -> tuple[list[Tensor], list[Tensor]]:
     from pytriton.model_config import Tensor
     inputs = [Tensor(name=P.HIDDEN, dtype=np.float16, shape=(-1, hidden)),
               Tensor(name=P.POSITIONS, dtype=np.int32, shape=(-1,)),
