@@ -105,6 +105,7 @@ def test_topk_reply_gives_the_same_greedy_token() -> None:
 
 
 def test_unreachable_edge_ends_within_its_deadline_by_error_or_local_fallback() -> None:
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is not installed (pip install -e '.[edge]')")
     from partition.offload import EdgeError, LinkOptions, make_offload_chain
     from partition.runners import load_chain
 
@@ -160,3 +161,15 @@ def test_plan_cli_prints_the_choice_and_why_as_json() -> None:
     assert {"tok_s", "device_j_per_token", "bytes_per_token"} <= set(data["splits"][0])
     bad = CliRunner().invoke(app, ["plan", "--board", "no-such-board"])
     assert bad.exit_code == 2 and "unknown board" in bad.output and "Traceback" not in bad.output
+
+
+def test_edge_and_generate_flags_fail_in_one_line() -> None:
+    runner = CliRunner()
+    bad_layers = runner.invoke(app, ["edge", "--layers", "0:8"])
+    assert bad_layers.exit_code == 2 and "--layers must be A:8" in bad_layers.output
+    bad_backend = runner.invoke(app, ["generate", "hi", "--edge", "127.0.0.1:1", "--backend", "ort"])
+    assert bad_backend.exit_code == 2 and "torch backend" in bad_backend.output
+    bad_split = runner.invoke(app, ["generate", "hi", "--edge", "127.0.0.1:1", "--device-layers", "8"])
+    assert bad_split.exit_code == 2 and "--device-layers must be in 1..7" in bad_split.output
+    for res in (bad_layers, bad_backend, bad_split):
+        assert "Traceback" not in res.output
