@@ -142,22 +142,31 @@ class EdgeServer:
         return auth_headers(self.opts.token)
 
     def kill(self, sig: int = signal.SIGTERM, wait_s: float = 15.0) -> None:
-        """Signal the whole process group (server, tritonserver, backend stubs); SIGKILL after wait_s."""
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM: ask the server to stop Triton cleanly (it frees its shared memory), then SIGKILL
+        whatever is left of the process group after wait_s. SIGKILL: the whole group at once (a crash)."""
+        if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, sig)
-            self.proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=wait_s)
-        except ProcessLookupError:
-            pass
-        if sig != signal.SIGKILL:
-            try:  # stragglers of the group (a backend stub) go too
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        pid = self.proc.pid
+        if self.proc.poll() is None:
+            try:
+                if sig == signal.SIGTERM:
+                    os.kill(pid, signal.SIGTERM)
+                    self.proc.wait(timeout=wait_s)
+                else:
+                    os.killpg(pid, sig)
+                    self.proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                pass
             except ProcessLookupError:
                 pass
+        try:  # stragglers of the group (tritonserver, a backend stub) go too
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=wait_s)
+        for leftover in Path("/dev/shm").glob(f"pytrtion{pid}-*"):   # PyTriton's regions, named by our pid
+            leftover.unlink(missing_ok=True)
 
     def __enter__(self) -> "EdgeServer":
         return self.start()

@@ -11,6 +11,7 @@ Metrics: Triton's Prometheus endpoint on the metrics port.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -113,6 +114,10 @@ def _require_bearer_token(token: str) -> None:
     TritonServerConfig.to_args_list = to_args_list  # type: ignore[method-assign]
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt   # leave `with Triton(...)` normally: Triton stops, shared memory is freed
+
+
 def serve(args: argparse.Namespace) -> None:
     from pytriton.model_config import DynamicBatcher, ModelConfig
     from pytriton.triton import Triton, TritonConfig
@@ -138,6 +143,7 @@ def serve(args: argparse.Namespace) -> None:
             sessions.sweep()
 
     threading.Thread(target=sweeper, daemon=True).start()
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     inputs, outputs = tensors(model.config.hidden_size)
     with Triton(config=TritonConfig(**kw)) as triton:  # type: ignore[arg-type]
         triton.bind(model_name=P.MODEL_NAME, infer_func=make_infer(sessions, args.fault), inputs=inputs, outputs=outputs,
@@ -148,6 +154,8 @@ def serve(args: argparse.Namespace) -> None:
               f"(cap {args.cap} sequences, idle timeout {args.idle_timeout:g} s)", file=sys.stderr, flush=True)
         try:
             triton.serve()
+        except KeyboardInterrupt:
+            pass
         finally:
             stop.set()
 
