@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import typer
 
-from agent.cli import bench, build, generate, power, serve, twin
+from agent.cli import bench, build, edge, generate, power, serve, twin
 
 app = typer.Typer(
     name="orin-agent",
@@ -24,7 +24,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for group in (generate, build, serve, power, twin, bench):
+for group in (generate, build, serve, power, twin, bench, edge):
     group.register(app)
 
 
