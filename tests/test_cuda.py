@@ -9,7 +9,7 @@ import torch
 
 from agent.generation import Generation, SamplingParams
 from partition.checkpoint import load_model
-from partition.runners.base import even_slices
+from partition.slices import even_slices
 from partition.runners.chain import Chain
 from partition.runners.torch_runner import TorchRunner
 from partition.tokenizer import Tokenizer

@@ -8,7 +8,7 @@ import pytest
 
 from agent.generation import (Generation, GenerationError, SamplingParams, StopMatcher, make_rng, sample)
 from partition.checkpoint import load_model
-from partition.runners.base import SliceSpec, even_slices
+from partition.slices import SliceSpec, even_slices
 from partition.runners.chain import Chain
 from partition.runners.torch_runner import TorchRunner
 from partition.tokenizer import IncrementalDecoder, Tokenizer

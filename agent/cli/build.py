@@ -37,7 +37,7 @@ def build(
     from partition.build import BuildError, build_slices, resolve_slices
     from partition.checkpoint import CheckpointError
     from partition.config import ModelConfigError
-    from partition.export import ExportError, ExportOptions
+    from partition.build.export import ExportError, ExportOptions
 
     if not model.is_dir():
         hint = " (the shipped model is not there yet: pass --model DIR)" if model == DEFAULT_MODEL_DIR else ""

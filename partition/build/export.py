@@ -39,13 +39,13 @@ import numpy as np
 import onnx
 import torch
 
+from partition.build.trt_check import TARGET_OPSET, CheckReport, check_onnx_file
 from partition.model import SliceModule, Transformer
-from partition.onnx_check import TARGET_OPSET, CheckReport, check_onnx_file
-from partition.runners.base import SliceSpec
+from partition.slices import SliceSpec
 
 EXPORTERS = ("torchscript", "dynamo")
 PROTOBUF_LIMIT = 2 * 1024 ** 3  # a ModelProto cannot be serialised above 2 GB
-NUMERIC_TOLERANCE = 1e-3  # fp32 max abs diff, ORT vs torch (issue 2, item 4)
+NUMERIC_TOLERANCE = 1e-3  # fp32 max abs diff, ORT vs torch: the build's acceptance bound
 
 
 class ExportError(RuntimeError):
