@@ -31,13 +31,17 @@ def build(
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Compare each slice with the torch "
                                 "slice on ONNX Runtime (fp32, max abs diff <= 1e-3)."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON on stdout."),
+    check_trt: Optional[str] = typer.Option(None, "--check-trt", help="Check the slices against one TensorRT "
+                                            "version's ONNX-parser rules: 8.5, 8.6 or 10.3 (reuses a matching "
+                                            "build in --out)."),
 ) -> None:
     """Export the model's slices to ONNX for TensorRT / ONNX Runtime, check and verify each one."""
     # Imported here so that `orin-agent --help` stays fast (torch and onnx are heavy).
-    from partition.build import BuildError, build_slices, resolve_slices
+    from partition.build import BuildError, build_slices, check_build, ensure_build, resolve_slices
     from partition.checkpoint import CheckpointError
     from partition.config import ModelConfigError
     from partition.build.export import ExportError, ExportOptions
+    from partition.build.trt_versions import rules_for
 
     if not model.is_dir():
         hint = " (the shipped model is not there yet: pass --model DIR)" if model == DEFAULT_MODEL_DIR else ""
@@ -45,6 +49,8 @@ def build(
     try:
         options = ExportOptions(exporter=exporter)
         specs = resolve_slices(model, slices)
+        if check_trt:
+            rules_for(check_trt)  # an unknown version fails here, before any export
     except (ValueError, ModelConfigError) as exc:
         _fail(str(exc), 2)
     if out.exists() and not out.is_dir():
@@ -62,18 +68,31 @@ def build(
             bar.update(tasks[i], completed=step, description=_LABELS[stage])
 
         try:
-            manifest = build_slices(model, specs, out, options, verify=verify, progress=progress)
+            if check_trt:  # a check reuses the build already in --out when it matches
+                _, manifest = ensure_build(model, specs, build_dir=out, options=options, progress=progress)
+            else:
+                manifest = build_slices(model, specs, out, options, verify=verify, progress=progress)
         except (BuildError, ExportError, CheckpointError, ModelConfigError, OSError) as exc:
             _fail(str(exc))
     data = manifest.to_json()
+    trt_errors = [f"{f}: {e}" for f, r in check_build(out, manifest, check_trt).items() for e in r.errors] \
+        if check_trt else []
+    if check_trt:
+        data["trt_check"] = {"version": check_trt, "errors": trt_errors}
     if as_json:
         typer.echo(json.dumps(data, indent=2))
+        if trt_errors:
+            raise typer.Exit(1)
         return
     for s in data["slices"]:
         diff = max(s["max_abs_diff"].values()) if s["max_abs_diff"] else float("nan")
         typer.echo(f"{s['start']:>3}:{s['end']:<3} {out / s['file']}  max|ort-torch| {diff:.2e}  "
                    f"{sum(s['op_counts'].values())} nodes")
     typer.echo(f"manifest: {out / 'manifest.json'} (opset {data['opset']}, {data['exporter']} exporter)")
+    if trt_errors:
+        _fail(f"not TensorRT {check_trt}-compatible ({len(trt_errors)} problems): " + "; ".join(trt_errors))
+    if check_trt:
+        typer.echo(f"TensorRT {check_trt} ONNX-parser rules: every slice passes (a static check; no engine built)")
 
 
 def register(app: typer.Typer) -> None:

@@ -17,6 +17,7 @@ from partition.build.export import NUMERIC_TOLERANCE, ExportError, ExportOptions
     compare_with_torch, export_slice, graph_io, sha256_file
 from partition.build.manifest import MANIFEST, BuildError, BuildManifest, graph_code_hash, load_manifest, \
     mismatch, versions
+from partition.build.trt_check import CheckReport, check_trt_compat
 from partition.checkpoint import load_model, model_hash
 from partition.config import load_config
 from partition.slices import SliceSpec, parse_slices
@@ -138,3 +139,10 @@ def ensure_build(model_dir: str | Path, slices: str | Sequence[SliceSpec] | None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target, manifest
+
+
+def check_build(build_dir: str | Path, manifest: BuildManifest, target: str) -> dict[str, CheckReport]:
+    """Every slice file of a build checked against one TensorRT version's parser rules
+    (`--check-trt 8.5|8.6|10.3`), by file name; a report with errors names the node or tensor."""
+    build_dir = Path(build_dir)
+    return {s.file: check_trt_compat(build_dir / s.file, manifest.options.opset, target) for s in manifest.slices}
