@@ -46,6 +46,8 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     build_dir / cache_dir / export_options: where the ONNX slices live for "ort" (see
     partition.build.ensure_build); a missing build is exported once, with a message on stderr.
     options: ONNX Runtime session settings for "ort" (threads, past mode, IO binding).
+    backend "trt": TensorRT engines of the same ONNX slices, from the engine cache
+    (~/.cache/orin-agent/engines; built there on first use), on a CUDA device.
     cuda_graphs: replay decode steps as CUDA graphs (backend "torch"). None = on exactly when the
     device is CUDA: decode there is launch-bound, graphs match eager (tests/test_cuda.py) and were
     2.3-5.0x faster on an H200 (docs/BENCHMARKS.md); True on CPU or another backend is an error.
@@ -65,11 +67,7 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     specs = parse_slices(slices, n) if slices else [SliceSpec(0, n, n)]
     seq = max_seq or min(config.max_position_embeddings, MAX_SEQ_CAP)
     if backend == "trt":
-        have = importlib.util.find_spec("tensorrt") is not None
-        raise BackendUnavailable(
-            "backend 'trt': the TensorRT runner is not available yet (it comes with its own issue)"
-            + ("" if have else "; TensorRT is not installed here either (on an Orin it comes from "
-               "JetPack's python3-libnvinfer)") + ". Use --backend ort or torch.")
+        return Chain(_trt_runners(model_dir, specs, seq, max_batch, device, build_dir, cache_dir, export_options))
     runners: list[SliceRunner] = []
     if backend == "torch":
         from partition.checkpoint import load_model
@@ -89,4 +87,22 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
         runners = [OrtRunner(folder / s.file, s.spec, seq, max_batch, providers=providers,
                              options=options or OrtOptions()) for s in manifest.slices]
     return Chain(runners)
+
+
+def _trt_runners(model_dir: Path, specs: list[SliceSpec], seq: int, max_batch: int, device: str,
+                 build_dir: Path | None, cache_dir: Path | None,
+                 export_options: ExportOptions | None) -> list[SliceRunner]:
+    """TensorRT runners: refused before any export when TensorRT or a CUDA device is missing."""
+    if importlib.util.find_spec("tensorrt") is None:
+        raise BackendUnavailable("backend 'trt': TensorRT's Python bindings are not installed here (on a Jetson "
+                                 "they come with JetPack: apt install python3-libnvinfer). Use --backend ort or torch.")
+    if not device.startswith("cuda"):
+        raise BackendUnavailable(f"backend 'trt' runs on the GPU: pass --device cuda, not {device!r}")
+    from partition.build import ensure_build
+    from partition.build.export import ExportOptions
+    from partition.trt.load import trt_runners
+
+    folder, manifest = ensure_build(model_dir, specs, build_dir=build_dir, cache_dir=cache_dir,
+                                    options=export_options or ExportOptions(), log=_stderr)
+    return list(trt_runners(folder, manifest, seq, max_batch, device, log=_stderr))
 
