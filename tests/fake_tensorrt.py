@@ -135,7 +135,7 @@ def make_fake(version: str) -> types.ModuleType:
 
     class OnnxParser(_Recorded):
         def __init__(self, network: Network, logger: ILogger) -> None:
-            self._rec, self.network = rec, network
+            self._rec, self._network = rec, network
             rec("OnnxParser")
 
         def parse_from_file(self, path: str) -> bool:
@@ -150,9 +150,9 @@ def make_fake(version: str) -> types.ModuleType:
                 return t
 
             inits = {t.name for t in m.graph.initializer}
-            self.network._inputs = [io(v) for v in m.graph.input if v.name not in inits]
-            self.network._outputs = [io(v) for v in m.graph.output]
-            self.network._layers = [Layer(n) for n in m.graph.node]
+            self._network._inputs = [io(v) for v in m.graph.input if v.name not in inits]
+            self._network._outputs = [io(v) for v in m.graph.output]
+            self._network._layers = [Layer(n) for n in m.graph.node]
             return True
 
         @property
@@ -164,32 +164,32 @@ def make_fake(version: str) -> types.ModuleType:
 
     class Profile(_Recorded):
         def __init__(self) -> None:
-            self._rec, self.shapes = rec, {}
+            self._rec, self._shapes = rec, {}
 
         def set_shape(self, name: str, mn: tuple, opt: tuple, mx: tuple) -> None:
             rec("IOptimizationProfile.set_shape", name, tuple(mn), tuple(opt), tuple(mx))
             if not (len(mn) == len(opt) == len(mx)) or not all(a <= b <= c for a, b, c in zip(mn, opt, mx)):
                 raise ValueError(f"set_shape({name}): min <= opt <= max violated: {mn} {opt} {mx}")
-            self.shapes[name] = (tuple(mn), tuple(opt), tuple(mx))
+            self._shapes[name] = (tuple(mn), tuple(opt), tuple(mx))
 
     class TimingCache(_Recorded):
         def __init__(self, data: bytes) -> None:
-            self._rec, self.data = rec, data
+            self._rec, self._data = rec, data
 
         def serialize(self) -> bytes:
-            return self.data + b"+"
+            return self._data + b"+"
 
     config_attrs = {"builder_optimization_level"} if (major, minor) >= (8, 6) else set()
 
     class Config(_Recorded):
         def __init__(self) -> None:
             object.__setattr__(self, "_rec", rec)
-            object.__setattr__(self, "profiles", [])
-            object.__setattr__(self, "flags", [])
-            object.__setattr__(self, "cache", None)
+            object.__setattr__(self, "_profiles", [])
+            object.__setattr__(self, "_flags", [])
+            object.__setattr__(self, "_cache", None)
 
         def __setattr__(self, name: str, value: object) -> None:
-            if name not in config_attrs:
+            if name not in config_attrs and not name.startswith("_"):
                 raise AttributeError(f"IBuilderConfig has no attribute {name!r} in TensorRT {version}")
             rec(f"IBuilderConfig.{name}", value)
             object.__setattr__(self, name, value)
@@ -199,12 +199,12 @@ def make_fake(version: str) -> types.ModuleType:
 
         def set_flag(self, flag: str) -> None:
             rec("IBuilderConfig.set_flag", flag)
-            self.flags.append(flag)
+            self._flags.append(flag)
 
         def add_optimization_profile(self, p: Profile) -> int:
             rec("IBuilderConfig.add_optimization_profile")
-            self.profiles.append(p)
-            return len(self.profiles) - 1
+            self._profiles.append(p)
+            return len(self._profiles) - 1
 
         def create_timing_cache(self, data: bytes) -> TimingCache:
             rec("IBuilderConfig.create_timing_cache", data)
@@ -212,11 +212,11 @@ def make_fake(version: str) -> types.ModuleType:
 
         def set_timing_cache(self, cache: TimingCache, ignore_mismatch: bool) -> bool:
             rec("IBuilderConfig.set_timing_cache", ignore_mismatch)
-            object.__setattr__(self, "cache", cache)
+            object.__setattr__(self, "_cache", cache)
             return True
 
         def get_timing_cache(self) -> TimingCache:
-            return self.cache
+            return self._cache
 
     class Builder(_Recorded):
         def __init__(self, logger: ILogger) -> None:
@@ -238,54 +238,54 @@ def make_fake(version: str) -> types.ModuleType:
         def build_serialized_network(self, network: Network, config: Config) -> bytes | None:
             rec("Builder.build_serialized_network")
             for t in network._inputs:
-                if any(d < 0 for d in t.shape) and any(t.name not in p.shapes for p in config.profiles):
+                if any(d < 0 for d in t.shape) and any(t.name not in p._shapes for p in config._profiles):
                     return None  # TensorRT: a dynamic input without a range in some profile
             plan = {"inputs": [[t.name, t._sym, t.dtype, list(t.shape)] for t in network._inputs],
                     "outputs": [[t.name, t._sym, t.dtype, list(t.shape)] for t in network._outputs],
-                    "profiles": [{k: list(map(list, v)) for k, v in p.shapes.items()} for p in config.profiles]}
+                    "profiles": [{k: list(map(list, v)) for k, v in p._shapes.items()} for p in config._profiles]}
             return json.dumps(plan).encode()
 
     class Context(_Recorded):
         def __init__(self, engine: "Engine") -> None:
-            self._rec, self.engine, self.profile, self.shapes, self.addr = rec, engine, None, {}, {}
+            self._rec, self._engine, self._profile, self._shapes, self._addr = rec, engine, None, {}, {}
 
         def set_optimization_profile_async(self, k: int, stream: int) -> bool:
             rec("IExecutionContext.set_optimization_profile_async", k, stream)
-            self.profile = k
+            self._profile = k
             return True
 
         def set_input_shape(self, name: str, shape: tuple) -> bool:
-            rec("IExecutionContext.set_input_shape", name, tuple(shape), self.profile)
-            mn, _, mx = self.engine.plan["profiles"][self.profile][name]
+            rec("IExecutionContext.set_input_shape", name, tuple(shape), self._profile)
+            mn, _, mx = self._engine._plan["profiles"][self._profile][name]
             if len(shape) != len(mn) or not all(a <= s <= b for a, s, b in zip(mn, shape, mx)):
                 return False
-            self.shapes[name] = tuple(shape)
+            self._shapes[name] = tuple(shape)
             return True
 
         def set_tensor_address(self, name: str, ptr: int) -> bool:
             rec("IExecutionContext.set_tensor_address", name)
-            self.addr[name] = ptr
+            self._addr[name] = ptr
             return True
 
         def get_tensor_shape(self, name: str) -> tuple[int, ...]:
             sym: dict[str, int] = {}
-            for n, s, _, _ in self.engine.plan["inputs"]:
-                for d, v in zip(s, self.shapes.get(n, ())):
+            for n, s, _, _ in self._engine._plan["inputs"]:
+                for d, v in zip(s, self._shapes.get(n, ())):
                     if d:
                         sym[d] = v
-            out = next(o for o in self.engine.plan["outputs"] if o[0] == name)
+            out = next(o for o in self._engine._plan["outputs"] if o[0] == name)
             return tuple(sym[d] if d else v for d, v in zip(out[1], out[3]))
 
         def execute_async_v3(self, stream: int) -> bool:
-            rec("IExecutionContext.execute_async_v3", stream, self.profile)
-            names = [i[0] for i in self.engine.plan["inputs"]]
-            if set(names) - set(self.shapes) or set(names + [o[0] for o in self.engine.plan["outputs"]]) - set(self.addr):
+            rec("IExecutionContext.execute_async_v3", stream, self._profile)
+            names = [i[0] for i in self._engine._plan["inputs"]]
+            if set(names) - set(self._shapes) or set(names + [o[0] for o in self._engine._plan["outputs"]]) - set(self._addr):
                 raise RuntimeError("execute_async_v3 before every tensor had a shape and an address")
-            self.engine.steps += 1
-            for name in (o[0] for o in self.engine.plan["outputs"]):
+            self._engine._steps += 1
+            for name in (o[0] for o in self._engine._plan["outputs"]):
                 n = int(np.prod(self.get_tensor_shape(name)))
                 if n:
-                    np.frombuffer((ctypes.c_float * n).from_address(self.addr[name]), np.float32)[:] = self.engine.steps
+                    np.frombuffer((ctypes.c_float * n).from_address(self._addr[name]), np.float32)[:] = self._engine._steps
             return True
 
         if not ten:
@@ -296,7 +296,7 @@ def make_fake(version: str) -> types.ModuleType:
 
     class Engine(_Recorded):
         def __init__(self, plan: dict) -> None:
-            self._rec, self.plan, self.steps = rec, plan, 0
+            self._rec, self._plan, self._steps = rec, plan, 0
             self.num_optimization_profiles = len(plan["profiles"])
             self._io = [i[0] for i in plan["inputs"]] + [o[0] for o in plan["outputs"]]
             self.num_io_tensors = len(self._io)
