@@ -34,6 +34,18 @@ def build(
     check_trt: Optional[str] = typer.Option(None, "--check-trt", help="Check the slices against one TensorRT "
                                             "version's ONNX-parser rules: 8.5, 8.6 or 10.3 (reuses a matching "
                                             "build in --out)."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="trt: also build a TensorRT engine per slice "
+                                         "(needs TensorRT and the GPU; engines go to the engine cache)."),
+    precision: str = typer.Option("fp16", "--precision", help="Engine precision: fp32, fp16 (int8-wo, int4-wo "
+                                  "and auto need weight-only quantised slices, not in this build)."),
+    builder: str = typer.Option("api", "--builder", help="api (TensorRT's Python API) or trtexec."),
+    workspace_mb: Optional[int] = typer.Option(None, "--workspace-mb", help="Builder workspace; default: "
+                                               "sized from free GPU memory."),
+    max_batch: int = typer.Option(1, "--max-batch", help="Rows the engines accept (as serve/generate use)."),
+    max_seq: Optional[int] = typer.Option(None, "--max-seq", help="KV-cache length the engines accept "
+                                          "(default: as load_chain, the model's context capped at 8192)."),
+    engine_cache: Optional[Path] = typer.Option(None, "--engine-cache", help="Engine cache folder "
+                                                "(default ~/.cache/orin-agent/engines)."),
 ) -> None:
     """Export the model's slices to ONNX for TensorRT / ONNX Runtime, check and verify each one."""
     # Imported here so that `orin-agent --help` stays fast (torch and onnx are heavy).
@@ -68,7 +80,7 @@ def build(
             bar.update(tasks[i], completed=step, description=_LABELS[stage])
 
         try:
-            if check_trt:  # a check reuses the build already in --out when it matches
+            if check_trt or engine:  # reuse the build already in --out when it matches
                 _, manifest = ensure_build(model, specs, build_dir=out, options=options, progress=progress)
             else:
                 manifest = build_slices(model, specs, out, options, verify=verify, progress=progress)
@@ -93,6 +105,31 @@ def build(
         _fail(f"not TensorRT {check_trt}-compatible ({len(trt_errors)} problems): " + "; ".join(trt_errors))
     if check_trt:
         typer.echo(f"TensorRT {check_trt} ONNX-parser rules: every slice passes (a static check; no engine built)")
+    if engine:
+        _build_engines(out, manifest, engine, precision, builder, workspace_mb, max_batch, max_seq, engine_cache)
+
+
+def _build_engines(out: Path, manifest: object, engine: str, precision: str, builder: str, workspace_mb: Optional[int],
+                   max_batch: int, max_seq: Optional[int], engine_cache: Optional[Path]) -> None:
+    from partition.runners.load import MAX_SEQ_CAP
+    from partition.trt.api import TrtUnavailable
+    from partition.trt.builder import EngineBuildError
+    from partition.trt.cache import EngineCache
+    from partition.trt.engines import build_engines
+    from partition.trt.load import engine_options
+    from partition.trt.precision import PrecisionUnavailable
+
+    if engine != "trt":
+        _fail(f"--engine {engine!r}: the only engine is trt", 2)
+    seq = max_seq or min(int(manifest.config["max_position_embeddings"]), MAX_SEQ_CAP)  # type: ignore[attr-defined]
+    try:
+        opts = engine_options(precision, max_batch, seq, builder, workspace_mb)
+        built = build_engines(out, manifest, opts, EngineCache(engine_cache),  # type: ignore[arg-type]
+                              log=lambda m: typer.echo(m, err=True))
+    except (TrtUnavailable, EngineBuildError, PrecisionUnavailable, ValueError, OSError) as exc:
+        _fail(str(exc))
+    for e in built:
+        typer.echo(f"{e.slice:>7} {e.engine}  {'cached' if e.cached else f'built in {e.seconds:.1f} s'}")
 
 
 def register(app: typer.Typer) -> None:

@@ -1,11 +1,13 @@
 """The engine cache: serialized engines stored under a key of everything that makes an engine valid
-(ONNX file hash, TensorRT version, GPU name and SM, precision plan, optimisation profiles, builder),
+(ONNX file hash, TensorRT version, GPU name and SM, precision plan, optimisation profiles; not the tool
+that built it: an engine from trtexec serves the API runner alike),
 and one timing cache per TensorRT version and GPU. An engine is tied to its GPU and TensorRT version
 (TENSORRT.md), so a lookup checks the key recorded beside the plan and the plan's hash: a stale or
 corrupt entry is deleted and reported, never loaded.
 
 Layout: <root>/<stem>.plan + <stem>.json (key, sha256, size, build seconds), <root>/timing-<trt>-<sm>.cache.
-Default root: ~/.cache/orin-agent/engines (the service unit passes its CacheDirectory instead).
+Default root: ~/.cache/orin-agent/engines (`orin-agent build --engine-cache DIR` picks another, e.g. a unit's
+CacheDirectory).
 """
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ class EngineKey:
     sm: str          # e.g. "sm_87" (Orin)
     precision: str   # PrecisionPlan.key()
     profiles: str    # profiles.profiles_key()
-    builder: str     # "api" or "trtexec"
 
     def digest(self) -> str:
         text = json.dumps(dataclasses.asdict(self), sort_keys=True)

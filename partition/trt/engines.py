@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -82,7 +83,13 @@ def current_device() -> Device:
     return Device(torch.cuda.get_device_name(), f"sm_{major}{minor}", int(free))
 
 
+def trtexec_path(trtexec: str) -> str:
+    """`trtexec` as given when it exists, else the one on PATH (JetPack does not put it there)."""
+    return trtexec if Path(trtexec).is_file() else shutil.which("trtexec") or trtexec
+
+
 def trtexec_version(trtexec: str) -> TrtVersion:
+    trtexec = trtexec_path(trtexec)
     try:
         out = subprocess.run([trtexec, "--help"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -92,8 +99,7 @@ def trtexec_version(trtexec: str) -> TrtVersion:
 
 def engine_key(s: SliceExport, opts: EngineOptions, version: TrtVersion, device: Device) -> EngineKey:
     profiles = build_profiles(s.inputs, opts.limits)
-    return EngineKey(s.sha256, str(version), device.name, device.sm, opts.plan.key(), profiles_key(profiles),
-                     opts.builder)
+    return EngineKey(s.sha256, str(version), device.name, device.sm, opts.plan.key(), profiles_key(profiles))
 
 
 def build_engines(build_dir: Path, manifest: BuildManifest, opts: EngineOptions, cache: EngineCache,
@@ -148,7 +154,7 @@ def _run_trtexec(onnx_path: Path, cache: EngineCache, key: EngineKey, profiles: 
     out = cache.plan_path(key).with_name(f".{key.stem}.trtexec.plan")
     cache.root.mkdir(parents=True, exist_ok=True)
     cmd = trtexec_command(onnx_path, out, profiles, opts.plan, ws >> 20, cache.timing_cache_path(str(version), device.sm),
-                          version, fp32_node_names(nodes), opts.optimization_level, opts.trtexec)
+                          version, fp32_node_names(nodes), opts.optimization_level, trtexec_path(opts.trtexec))
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
