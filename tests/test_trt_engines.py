@@ -212,7 +212,7 @@ def test_build_resume_and_run_against_the_double(built: tuple[Path, BuildManifes
 
     s = manifest.slices[1]
     runner = TrtRunner(third[1].engine, s.spec, s.inputs, s.outputs, (CFG.n_kv_heads, CFG.head_dim), 32, 2,
-                       device="cpu", trt=trt)
+                       device="cpu", trt=trt, max_prefill=LIMITS.max_prefill)
     rec = trt.recorder
     if version.startswith("10"):
         assert rec.called("ICudaEngine.create_execution_context") == [(2,), (2,)]  # USER_MANAGED
@@ -236,3 +236,9 @@ def test_build_resume_and_run_against_the_double(built: tuple[Path, BuildManifes
     assert torch.all(cache_k[0, :, 3:] == 0) and torch.all(cache_k[1, :, 4:] == 0)
     assert not {"execute_async_v2", "set_binding_shape", "get_binding_index", "build_engine"} & rec.names
     assert [a[1] for a in rec.called("IExecutionContext.execute_async_v3")] == [0, 1]
+
+    # A 20-token prompt is longer than the prefill profile (16): two chunks, the second over the whole cache.
+    runner.run(torch.zeros(1, 20, CFG.hidden_size), np.arange(20, dtype=np.int32)[None], slots=[0])
+    last = rec.called("IExecutionContext.set_input_shape")[-len(s.inputs):]
+    assert {a[0]: a[1] for a in last}["past_key_2"] == (1, CFG.n_kv_heads, 32, CFG.head_dim)
+    assert torch.all(runner.cache[0][0, :, :16] == 3) and torch.all(runner.cache[0][0, :, 16:20] == 4)

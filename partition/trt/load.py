@@ -22,8 +22,8 @@ def trt_runners(folder: Path, manifest: BuildManifest, max_seq: int, max_batch: 
     opts = engine_options(precision, max_batch, max_seq)
     engines = build_engines(folder, manifest, opts, EngineCache(cache_dir), log=log)
     kv = (int(manifest.config["n_kv_heads"]), int(manifest.config["head_dim"]))
-    return [TrtRunner(e.engine, s.spec, s.inputs, s.outputs, kv, max_seq, max_batch, device)
-            for e, s in zip(engines, manifest.slices)]
+    return [TrtRunner(e.engine, s.spec, s.inputs, s.outputs, kv, max_seq, max_batch, device,
+                      max_prefill=opts.limits.max_prefill) for e, s in zip(engines, manifest.slices)]
 
 
 def engine_options(precision: str, max_batch: int, max_seq: int, builder: str = "api",

@@ -11,6 +11,7 @@ KV-cache: the runner owns a (max_batch, n_kv_heads, max_seq, head_dim) fp32 buff
 the whole of it as `past_*` (TensorRT cannot alias an input with an output); the engine returns only
 the new K/V, which are copied into the buffer on the device (`write_new_kv`). A prefill of fresh rows
 binds an empty past (P = 0). Rows that are not consecutive cache rows are gathered into a copy first.
+A prompt longer than the prefill profile runs as consecutive chunks.
 Not done: CUDA-graph capture of the decode step.
 """
 from __future__ import annotations
@@ -40,8 +41,9 @@ class TrtRunner(SliceRunner):
 
     def __init__(self, engine_path: str | Path, spec: SliceSpec, inputs: Sequence[TensorSpec],
                  outputs: Sequence[TensorSpec], kv_shape: tuple[int, int], max_seq: int, max_batch: int = 1,
-                 device: str = "cuda", trt: ModuleType | None = None) -> None:
+                 device: str = "cuda", trt: ModuleType | None = None, max_prefill: int | None = None) -> None:
         self.spec, self.max_seq, self.max_batch = spec, max_seq, max_batch
+        self.max_prefill = max_prefill or max_seq  # the prefill profile's largest T: longer prompts go in chunks
         self.device = torch.device(device)
         self.trt = trt or load_tensorrt()
         self.version = version_of(self.trt)
@@ -89,7 +91,18 @@ class TrtRunner(SliceRunner):
 
     def run(self, x: Any, positions: np.ndarray, slots: Sequence[int] | None = None) -> torch.Tensor:
         rows = self.check_room(positions, slots)
-        b, t = positions.shape
+        t = positions.shape[1]
+        if t <= self.max_prefill:
+            return self._step(x, positions, rows)
+        # A prompt longer than the prefill profile: consecutive chunks, each attending to the cache the
+        # previous ones wrote (the last chunk may be a single token: it runs in the decode profile).
+        x_t = torch.as_tensor(x)
+        outs = [self._step(x_t[:, a:a + self.max_prefill], positions[:, a:a + self.max_prefill], rows)
+                for a in range(0, t, self.max_prefill)]
+        return outs[-1] if self.spec.is_last else torch.cat(outs, dim=1)
+
+    def _step(self, x: Any, positions: np.ndarray, rows: list[int]) -> torch.Tensor:
+        t = positions.shape[1]
         k = profile_for(t)
         ctx = self.contexts[k]
         fresh = k == PREFILL and not positions[:, 0].any()
