@@ -243,6 +243,9 @@ def export_slice(model: Transformer, spec: SliceSpec, path: str | Path,
         proto = version_converter.convert_version(proto, options.opset)
         _drop_new_reduce_attrs(proto, options.opset)
     _name_output_dims(proto, outs)
+    # The lowest IR version the opset allows (8 for opset 17): the dynamo exporter writes 10, which
+    # TensorRT 8.5's parser (built with ONNX 1.12, IR 8) does not expect (trt_versions.py).
+    proto.ir_version = min(proto.ir_version, onnx.helper.find_min_ir_version_for(list(proto.opset_import)))
     proto.graph.name = f"slice_{spec.start}_{spec.end}"
     external = _save(proto, path)
     try:
