@@ -63,6 +63,8 @@ def build(
         specs = resolve_slices(model, slices)
         if check_trt:
             rules_for(check_trt)  # an unknown version fails here, before any export
+        if engine and engine != "trt":
+            raise ValueError(f"--engine {engine!r}: the only engine is trt")
     except (ValueError, ModelConfigError) as exc:
         _fail(str(exc), 2)
     if out.exists() and not out.is_dir():
@@ -106,30 +108,18 @@ def build(
     if check_trt:
         typer.echo(f"TensorRT {check_trt} ONNX-parser rules: every slice passes (a static check; no engine built)")
     if engine:
-        _build_engines(out, manifest, engine, precision, builder, workspace_mb, max_batch, max_seq, engine_cache)
+        from partition.trt.api import TrtUnavailable
+        from partition.trt.builder import EngineBuildError
+        from partition.trt.load import build_slice_engines
+        from partition.trt.precision import PrecisionUnavailable
 
-
-def _build_engines(out: Path, manifest: object, engine: str, precision: str, builder: str, workspace_mb: Optional[int],
-                   max_batch: int, max_seq: Optional[int], engine_cache: Optional[Path]) -> None:
-    from partition.runners.load import MAX_SEQ_CAP
-    from partition.trt.api import TrtUnavailable
-    from partition.trt.builder import EngineBuildError
-    from partition.trt.cache import EngineCache
-    from partition.trt.engines import build_engines
-    from partition.trt.load import engine_options
-    from partition.trt.precision import PrecisionUnavailable
-
-    if engine != "trt":
-        _fail(f"--engine {engine!r}: the only engine is trt", 2)
-    seq = max_seq or min(int(manifest.config["max_position_embeddings"]), MAX_SEQ_CAP)  # type: ignore[attr-defined]
-    try:
-        opts = engine_options(precision, max_batch, seq, builder, workspace_mb)
-        built = build_engines(out, manifest, opts, EngineCache(engine_cache),  # type: ignore[arg-type]
-                              log=lambda m: typer.echo(m, err=True))
-    except (TrtUnavailable, EngineBuildError, PrecisionUnavailable, ValueError, OSError) as exc:
-        _fail(str(exc))
-    for e in built:
-        typer.echo(f"{e.slice:>7} {e.engine}  {'cached' if e.cached else f'built in {e.seconds:.1f} s'}")
+        try:
+            built = build_slice_engines(out, manifest, precision, builder, workspace_mb, max_batch, max_seq,
+                                        engine_cache, log=lambda m: typer.echo(m, err=True))
+        except (TrtUnavailable, EngineBuildError, PrecisionUnavailable, ValueError, OSError) as exc:
+            _fail(str(exc))
+        for e in built:
+            typer.echo(f"{e.slice:>7} {e.engine}  {'cached' if e.cached else f'built in {e.seconds:.1f} s'}")
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,7 @@ from typing import Callable
 
 from partition.build.manifest import BuildManifest
 from partition.trt.cache import EngineCache
-from partition.trt.engines import EngineOptions, build_engines
+from partition.trt.engines import EngineOptions, SliceEngine, build_engines
 from partition.trt.precision import plan_for
 from partition.trt.profiles import ProfileLimits
 from partition.trt.runner import TrtRunner
@@ -32,3 +32,15 @@ def engine_options(precision: str, max_batch: int, max_seq: int, builder: str = 
     `load_chain(..., backend="trt")` asks for with the same max_batch / max_seq, so its lookups hit."""
     limits = ProfileLimits(max_batch=max_batch, max_seq=max_seq, max_prefill=min(DEFAULT_MAX_PREFILL, max_seq))
     return EngineOptions(plan_for(precision), limits, builder=builder, workspace_mb=workspace_mb)
+
+
+def build_slice_engines(folder: Path, manifest: BuildManifest, precision: str = "fp16", builder: str = "api",
+                        workspace_mb: int | None = None, max_batch: int = 1, max_seq: int | None = None,
+                        cache_dir: Path | None = None, log: Callable[[str], None] | None = None) -> list[SliceEngine]:
+    """`orin-agent build --engine trt`: an engine per slice of the build in `folder`, for the same
+    max_batch / max_seq defaults as `load_chain` (the model's context capped at MAX_SEQ_CAP)."""
+    from partition.runners.load import MAX_SEQ_CAP
+
+    seq = max_seq or min(int(manifest.config["max_position_embeddings"]), MAX_SEQ_CAP)
+    opts = engine_options(precision, max_batch, seq, builder, workspace_mb)
+    return build_engines(folder, manifest, opts, EngineCache(cache_dir), log=log)
