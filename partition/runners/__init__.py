@@ -1,6 +1,6 @@
 """Runners: one slice of the model on one backend (base.py: the contract; torch_runner.py and ort_runner.py:
-the backends; chain.py: slices in sequence; load.py: `load_chain`, the one entry point).
-This module only wires the public names together."""
+the PyTorch and ONNX Runtime backends, partition.trt.runner the TensorRT one; chain.py: slices in
+sequence; load.py: `load_chain`, the one entry point). This module only wires the public names together."""
 from partition.runners.base import SliceRunner
 from partition.runners.chain import Chain
 from partition.runners.load import BACKENDS, MAX_SEQ_CAP, BackendUnavailable, load_chain
