@@ -83,7 +83,8 @@ def build(
 
         try:
             if check_trt or engine:  # reuse the build already in --out when it matches
-                _, manifest = ensure_build(model, specs, build_dir=out, options=options, progress=progress)
+                _, manifest = ensure_build(model, specs, build_dir=out, options=options, progress=progress,
+                                           verify=verify)
             else:
                 manifest = build_slices(model, specs, out, options, verify=verify, progress=progress)
         except (BuildError, ExportError, CheckpointError, ModelConfigError, OSError) as exc:

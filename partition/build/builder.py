@@ -94,7 +94,7 @@ def default_cache_dir() -> Path:
 def ensure_build(model_dir: str | Path, slices: str | Sequence[SliceSpec] | None = None,
                  build_dir: str | Path | None = None, cache_dir: str | Path | None = None,
                  options: ExportOptions = ExportOptions(), log: Callable[[str], None] | None = None,
-                 progress: Progress | None = None) -> tuple[Path, BuildManifest]:
+                 progress: Progress | None = None, verify: bool = True) -> tuple[Path, BuildManifest]:
     """A build of these slices of this model with these options: reused when one matches, exported
     otherwise. `build_dir` names the folder exactly (an `orin-agent build --out` folder, reused if it
     matches, built into if empty, refused if it holds a different build); without it the build lives
@@ -115,7 +115,7 @@ def ensure_build(model_dir: str | Path, slices: str | Sequence[SliceSpec] | None
             raise BuildError(f"{target}: not empty and not a build (no {MANIFEST}); pass an empty folder")
         if log:
             log(f"exporting slices {','.join(map(str, specs))} of {model_dir} to {target} ...")
-        return target, build_slices(model_dir, specs, target, options, progress=progress)
+        return target, build_slices(model_dir, specs, target, options, verify=verify, progress=progress)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / cache_key(digest, specs, options)
     if (target / MANIFEST).exists():
@@ -133,7 +133,7 @@ def ensure_build(model_dir: str | Path, slices: str | Sequence[SliceSpec] | None
     tmp = root / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        manifest = build_slices(model_dir, specs, tmp, options, progress=progress)
+        manifest = build_slices(model_dir, specs, tmp, options, verify=verify, progress=progress)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     finally:
