@@ -2,6 +2,9 @@
 rule fails the version it applies to, names the node or tensor, and leaves the other versions alone."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -87,3 +90,32 @@ def test_if_node_and_int64_input_fail_every_target_named() -> None:
 def test_unknown_version_is_refused() -> None:
     with pytest.raises(ValueError, match="9.0"):
         rules_for("9.0")
+
+
+def test_cli_check_trt_reuses_the_build_and_reports(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from agent.cli import app
+    from partition.checkpoint import random_model, save_model
+    from partition.config import ModelConfig
+
+    model = tmp_path / "model"
+    save_model(random_model(ModelConfig("LlamaForCausalLM", 320, 64, 4, 4, 2, 16, 128,
+                                        max_position_embeddings=64), seed=1), model)
+    out = tmp_path / "b"
+    base = ["build", "--model", str(model), "--slices", "0:2,2:4", "--out", str(out), "--no-verify"]
+    cli = CliRunner()
+    assert cli.invoke(app, base).exit_code == 0
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    for version in ("10.3", "8.5"):
+        res = cli.invoke(app, [*base, "--check-trt", version, "--json"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["trt_check"] == {"version": version, "errors": []}
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp  # reused, not exported again
+    res = cli.invoke(app, [*base, "--check-trt", "9.0"])
+    assert res.exit_code == 2 and "9.0" in res.output
+    if importlib.util.find_spec("tensorrt") is None:  # where TensorRT exists this would build engines
+        res = cli.invoke(app, [*base, "--engine", "trt"])
+        assert res.exit_code == 1 and "python3-libnvinfer" in res.output
