@@ -1,7 +1,7 @@
 """The service's configuration: /etc/orin-agent/agent.toml (path overridable), validated on start into
 a frozen `ServiceConfig`; command-line flags override the file. Every error names the file and key.
 
-    [model]   dir, backend ("torch" | "ort"), slices ("0:4,4:8"), max_seq, device
+    [model]   dir, backend ("torch" | "ort" | "trt"), slices ("0:4,4:8"), max_seq, device
     [server]  host, port, token, token_file, max_body_bytes
     [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, profile, power_control
     [limits]  max_batch, max_queue, max_prompt_tokens, max_output_tokens, default_max_tokens,
@@ -70,8 +70,8 @@ class ServiceConfig:
         def bad(key: str, what: str, got: object) -> ConfigError:
             return ConfigError(f"{src}: {key}: {what}, got {got!r}")
 
-        if self.backend not in ("torch", "ort"):
-            raise bad("model.backend", "must be 'torch' or 'ort'", self.backend)
+        if self.backend not in ("torch", "ort", "trt"):
+            raise bad("model.backend", "must be 'torch', 'ort' or 'trt'", self.backend)
         if self.threads < 0:
             raise bad("model.threads", "must be >= 0 (0 = every core but one)", self.threads)
         if self.max_seq is not None and self.max_seq < 2:

@@ -18,7 +18,7 @@ from partition.offload.launch import free_port
 from partition.offload.planner import LinkEstimate, plan
 from partition.offload.sessions import DeepRequest, DeepSliceSessions, OffloadRequestError
 from partition.paths import DEFAULT_MODEL_DIR
-from partition.runners.base import SliceSpec
+from partition.slices import SliceSpec
 from partition.runners.torch_runner import TorchRunner
 from power.physics.costmodel import model_shape
 
@@ -121,7 +121,8 @@ def test_unreachable_edge_ends_within_its_deadline_by_error_or_local_fallback() 
     safe = make_offload_chain(DEFAULT_MODEL_DIR, 4, url, opts, max_seq=64, log=lambda m: None)
     t0 = time.monotonic()
     got = safe.forward(ids, pos)
-    assert time.monotonic() - t0 < 2.0 + 1.0
+    # the deadline, plus the local deep slices' forward pass (seconds on a loaded 2-core machine)
+    assert time.monotonic() - t0 < 2.0 + 4.0
     want = load_chain(DEFAULT_MODEL_DIR, max_seq=64).forward(ids, pos)
     assert int(got.argmax()) == int(want.argmax())
     assert safe.runners[1].stats().fallbacks == 1

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Callable
 
 from partition.offload.link import EdgeLink, LinkOptions, LinkShape
-from partition.runners.base import SliceRunner, SliceSpec
+from partition.runners.base import SliceRunner
+from partition.slices import SliceSpec
 from partition.runners.chain import Chain
 
 MAX_SEQ_CAP = 2048

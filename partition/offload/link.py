@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from partition.offload import protocol as P
-from partition.runners.base import SliceRunner, SliceSpec
+from partition.runners.base import SliceRunner
+from partition.slices import SliceSpec
 
 
 def short_error(msg: str, limit: int = 300) -> str:

@@ -19,7 +19,7 @@ import torch
 
 from partition.model import Transformer
 from partition.offload.protocol import AT_CAPACITY, SESSION_LOST, reply_arrays
-from partition.runners.base import SliceSpec
+from partition.slices import SliceSpec
 from partition.runners.torch_runner import TorchRunner
 
 
