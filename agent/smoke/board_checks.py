@@ -50,7 +50,7 @@ def check_identity(ctx: SmokeContext) -> Outcome:
     mode = ctx.board.read_mode()
     l4t = ident.l4t.release if ident.l4t else None
     jp = next((v for k, v in sorted(JETPACK.items(), key=lambda kv: -len(kv[0])) if l4t and l4t.startswith(k)), "?")
-    mode_s = f"{mode.name} (id {mode.id})" if mode else "unknown"
+    mode_s = f"{mode.name or 'unnamed'} (id {mode.id}, from {mode.source})" if mode else "unknown"
     detail = (f"{ident.model or '?'} [{ident.module or '?'}{' = ' + ident.board if ident.board else ''}], "
               f"L4T {l4t or '?'} (JetPack {jp}), power mode {mode_s}{' (twin)' if ctx.twin else ''}")
     data = {"model": ident.model, "module": ident.module, "board": ident.board, "l4t": l4t, "jetpack": jp,

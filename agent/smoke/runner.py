@@ -42,14 +42,20 @@ CHECKS: tuple[Check[SmokeContext], ...] = (
 )
 # With --quick the checks that cost seconds and prove the least on a healthy install are skipped.
 QUICK_SKIP = frozenset({"engines"})
+# The checks of the board alone (no model loaded): what the tests run on every twin board and layout.
+BOARD_CHECKS = frozenset({"board", "interfaces", "permissions", "clock-gpu", "clock-emc", "clock-cpu",
+                          "sensors", "unchanged"})
 
 
-def run_smoke(options: SmokeOptions, on_result: Callable[[CheckResult], None] | None = None) -> SmokeReport:
-    """Run every check in order on ``options.root``; the twin's model is always stopped at the end."""
+def run_smoke(options: SmokeOptions, on_result: Callable[[CheckResult], None] | None = None,
+              only: frozenset[str] | None = None) -> SmokeReport:
+    """Run every check (or those named in ``only``) in order on ``options.root``; the twin's model is
+    always stopped at the end."""
     t0 = time.monotonic()
     ctx = SmokeContext(options, is_twin(options.root))
     checks = tuple(c if not (options.quick and c.name in QUICK_SKIP) else
-                   Check(c.name, c.title, lambda _ctx: skipped("--quick"), c.remedy) for c in CHECKS)
+                   Check(c.name, c.title, lambda _ctx: skipped("--quick"), c.remedy)
+                   for c in CHECKS if only is None or c.name in only or c.name == "board")
     try:
         results = run_checks(checks, ctx, on_result)
     finally:

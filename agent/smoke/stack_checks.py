@@ -213,7 +213,8 @@ def check_controller(ctx: SmokeContext) -> Outcome:
         return skipped("no generation ran (see the generation check)")
     if g.controller_error:
         return skipped(g.controller_error) if "config" in g.controller_error or "in use" in g.controller_error \
-            else failed(g.controller_error, "check the profile and `orin-agent power status`")
+            else failed(g.controller_error, "if /etc/nvpmodel.conf is missing, reinstall JetPack's nvidia-l4t-nvpmodel; "
+                        "else check the profile (orin-agent profiles show NAME) and `orin-agent power status`")
     pre = [c for k, c in g.decisions if k == "prefill"]
     dec = [c for k, c in g.decisions if k == "decode"]
     if not pre or not dec:
