@@ -88,7 +88,7 @@ def _read(root: Path, rel: str) -> str | None:
 
 def _int(root: Path, rel: str, default: int) -> int:
     text = _read(root, rel)
-    if text is None:
+    if not text:        # missing, or read between a writer's truncate and its write: keep the last value
         return default
     try:
         return int(text.split()[0])
