@@ -170,3 +170,17 @@ def test_manifest_mismatch_fails(tmp_path: Path, build: Path, tiny_checkpoint: P
     (build / "manifest.json").write_text(json.dumps(doc))
     eng = _engines(_twin(tmp_path), build, tiny_checkpoint).result("engines")
     assert eng.status == "fail" and "different weights" in eng.detail
+
+
+def test_a_running_service_holding_the_board_skips_the_writes(tmp_path: Path) -> None:
+    from power.hw.journal import Journal
+
+    root = _twin(tmp_path)
+    held = Journal(default_run_dir(root), root)      # what a running service holds
+    try:
+        rep = run_smoke(_opts(root), only=BOARD_CHECKS)
+    finally:
+        held.close()
+    st = _statuses(rep)
+    assert rep.ok and st["clock-gpu"] == st["clock-emc"] == st["clock-cpu"] == st["unchanged"] == "skip"
+    assert "in use" in rep.result("clock-gpu").detail and "another process" in rep.result("clock-gpu").detail

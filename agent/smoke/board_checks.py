@@ -132,6 +132,7 @@ def _other(table: tuple[int, ...], cur: int | None) -> int:
 def _round_trip(ctx: SmokeContext, what: str, unit: float, unit_s: str, apply: Callable[[ClockWriter], int],
                 read: Callable[[], int | None], files: tuple[str, ...]) -> Outcome:
     if ctx.board_busy:
+        ctx.reset_twin_readings()
         return skipped(f"the board is in use: {ctx.board_busy}")
     w = _writer(ctx)
     if isinstance(w, Outcome):
@@ -257,6 +258,10 @@ def check_unchanged(ctx: SmokeContext) -> Outcome:
     ctx.stop_driver()
     if ctx.before is None or ctx.board is None:
         return skipped("the board was never opened")
+    if ctx.board_busy:
+        ctx.reset_twin_readings()
+        return skipped("another process holds the board (the service?): this run wrote nothing, and the "
+                       "files are that process's to change and restore")
     # Two settable files also move on their own: the EMC rate reads the clock's actual rate while it
     # is unlocked (bpmp), and the fan's PWM follows nvfancontrol. The lock and the rest say whether
     # the agent left anything set; on a twin the tree comparison below covers those two as well.
