@@ -13,10 +13,16 @@ import dataclasses
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.config import ServiceConfig
+
+if TYPE_CHECKING:
+    from agent.board import BoardReader
+    from partition.runners.chain import Chain
+    from partition.tokenizer import Tokenizer
 
 SAMPLE_S = 0.05             # the sampler's period: the twin's model steps every 50 ms (power.twin.driver)
 PROMPTS = (
@@ -94,10 +100,7 @@ class _Sampler:
     """The engine's phases (a listener: each change timed, the GPU/EMC clocks read as a phase ends) and a
     thread that samples the board's power, temperatures and clocks every ``SAMPLE_S``."""
 
-    def __init__(self, reader: object) -> None:
-        from agent.board import BoardReader
-
-        assert isinstance(reader, BoardReader)
+    def __init__(self, reader: "BoardReader") -> None:
         self.reader = reader
         self.phase = "idle"
         self.t0 = time.monotonic()
@@ -165,7 +168,7 @@ def _median(xs: list[float]) -> float:
     return ys[len(ys) // 2] if ys else float("nan")
 
 
-def _run_profile(opts: BenchOptions, profile: str, chain: object, tokenizer: object) -> ProfileRun:
+def _run_profile(opts: BenchOptions, profile: str, chain: "Chain", tokenizer: "Tokenizer") -> ProfileRun:
     from agent.board import BoardReader
     from agent.engine.core import EngineCore
     from agent.engine.executor import ChainExecutor
@@ -189,7 +192,7 @@ def _run_profile(opts: BenchOptions, profile: str, chain: object, tokenizer: obj
     except (OSError, ValueError) as exc:
         ctl_error = f"no power control ({exc}): the board's own clocks"
     listeners = [x for x in (sampler, driver, ctl) if x is not None]
-    core = EngineCore(ChainExecutor(chain), tokenizer, listener=FanOut(*listeners))  # type: ignore[arg-type]
+    core = EngineCore(ChainExecutor(chain), tokenizer, listener=FanOut(*listeners))
     done: list[RequestStats] = []
     if driver is not None:
         driver.start()
@@ -203,7 +206,7 @@ def _run_profile(opts: BenchOptions, profile: str, chain: object, tokenizer: obj
             now = time.monotonic() - t0
             while pending and pending[0][1] <= now:
                 i, _ = pending.pop(0)
-                ids = tokenizer.encode(PROMPTS[i % len(PROMPTS)])  # type: ignore[attr-defined]
+                ids = tokenizer.encode(PROMPTS[i % len(PROMPTS)])
                 core.add_request(SeqRequest(next_request_id(), tuple(ids),
                                             SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)))
             if core.has_work():
@@ -286,4 +289,3 @@ class BenchMeta:
     device: str
     trace: str
     profiles: tuple[str, ...]
-    extra: dict[str, str] = field(default_factory=dict)

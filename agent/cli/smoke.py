@@ -3,7 +3,6 @@ as a table for people or ``--json`` for scripts; exit 0 only when no check faile
 are agent.smoke's; this file parses options and prints."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -30,7 +29,7 @@ def smoke(root: Path = root_option(),
           as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout.")) -> None:
     """Check the board (or twin) and the stack on it, in order; exit 0 only when nothing failed."""
     from agent.config import load_config
-    from agent.smoke import SmokeOptions, default_run_dir, run_smoke
+    from agent.smoke import CheckResult, SmokeOptions, default_run_dir, run_smoke
     from power.hw import sysfs
 
     with cli_errors():
@@ -43,7 +42,7 @@ def smoke(root: Path = root_option(),
                             build_dir=build_dir, service_url=url, max_tokens=8 if quick else 24)
         console = Console(stderr=True)
 
-        def show(r) -> None:  # noqa: ANN001 - a CheckResult, printed as it lands
+        def show(r: CheckResult) -> None:  # each result as it lands
             if not as_json:
                 console.print(f"[{_STYLE[r.status]}]{r.status:>4}[/] {r.title} ({r.seconds:.2f} s)")
 

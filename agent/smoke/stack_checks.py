@@ -13,11 +13,15 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.engine.types import PhaseEvent
 from agent.smoke.context import GenerationRun, SmokeContext
 from agent.smoke.result import Outcome, failed, passed, skipped
 from power.hw import sysfs
+
+if TYPE_CHECKING:
+    from power.physics.costmodel import ModelShape
 
 # Orin's GPU is Ampere compute capability 8.7 (NVIDIA CUDA GPUs list: "Jetson AGX Orin, Orin NX, Orin Nano: 8.7").
 ORIN_ARCH = "sm_87"
@@ -103,7 +107,7 @@ class _Controlled:
     controller without its thread) synchronously, so each decision is in force before the step runs,
     and notes each decision and the GPU/EMC limits read back from the board."""
 
-    def __init__(self, ctx: SmokeContext, profile: str, shape: object) -> None:
+    def __init__(self, ctx: SmokeContext, profile: str, shape: "ModelShape") -> None:
         from power.control import open_session
 
         o = ctx.options
@@ -136,7 +140,7 @@ def _generate(ctx: SmokeContext) -> GenerationRun:
     from agent.engine.core import EngineCore
     from agent.engine.executor import ChainExecutor
     from agent.engine.types import Finished, SamplingParams
-    from agent.phases import FanOut
+    from agent.phases import FanOut, PhaseListener
     from agent.service import build_chain
     from partition.config import load_config
     from partition.tokenizer import Tokenizer
@@ -145,7 +149,7 @@ def _generate(ctx: SmokeContext) -> GenerationRun:
     cfg = dataclasses.replace(ctx.options.config, max_batch=1)
     tokenizer = Tokenizer.from_dir(cfg.model_dir)
     chain = build_chain(cfg)
-    listeners: list[object] = [ctx.driver] if ctx.driver is not None else []
+    listeners: list[PhaseListener] = [ctx.driver] if ctx.driver is not None else []
     controlled, ctl_error = None, None
     if not cfg.power_control:
         ctl_error = "power control is off in the config (board.power_control = false)"
@@ -159,7 +163,7 @@ def _generate(ctx: SmokeContext) -> GenerationRun:
             ctl_error = f"the controller could not open the board: {exc}"
     reader = BoardReader(ctx.root)
     meter = EnergyMeter(reader) if reader.has_power else None
-    core = EngineCore(ChainExecutor(chain), tokenizer, listener=FanOut(*listeners), meter=meter)  # type: ignore[arg-type]
+    core = EngineCore(ChainExecutor(chain), tokenizer, listener=FanOut(*listeners), meter=meter)
     params = SamplingParams(max_tokens=ctx.options.max_tokens, temperature=0.0, ignore_eos=True)
     pieces: list[str] = []
     done = None
