@@ -184,3 +184,9 @@ def test_a_running_service_holding_the_board_skips_the_writes(tmp_path: Path) ->
     st = _statuses(rep)
     assert rep.ok and st["clock-gpu"] == st["clock-emc"] == st["clock-cpu"] == st["unchanged"] == "skip"
     assert "in use" in rep.result("clock-gpu").detail and "another process" in rep.result("clock-gpu").detail
+
+
+def test_cli_missing_root_is_a_one_line_error(tmp_path: Path) -> None:
+    out = CliRunner().invoke(app, ["smoke", "--root", str(tmp_path / "nope")])
+    assert out.exit_code == 2 and "no such directory" in out.output and "Traceback" not in out.output
+    assert not (tmp_path / "nope").exists()

@@ -33,6 +33,9 @@ def smoke(root: Path = root_option(),
     from power.hw import sysfs
 
     with cli_errors():
+        if not root.is_dir():
+            raise FileNotFoundError(f"--root {root}: no such directory (the board's / or a twin folder: "
+                                    "orin-agent twin create DIR)")
         cfg = load_config(config)
         url = service_url
         if url is None and sysfs.root_is_host(root):

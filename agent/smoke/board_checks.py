@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from agent.smoke.context import BoardPicture, SmokeContext, read_files, settable_files, tree_files
-from agent.smoke.result import Outcome, failed, passed, skipped
+from agent.smoke.result import Outcome, SkipCheck, failed, passed, skipped
 from power.hw import sysfs
 from power.hw.backends import JTOP_SOCKET, SysfsBoard, jtop_available, open_board
 from power.hw.errors import JournalError
@@ -35,7 +35,7 @@ REMEDY_ROOT = "run it as root (sudo orin-agent smoke) or install the service, wh
 
 def _board(ctx: SmokeContext) -> SysfsBoard:
     if ctx.board is None:
-        raise RuntimeError("the board could not be opened (see the first check)")
+        raise SkipCheck("the board could not be opened (see the first check)")
     return ctx.board
 
 

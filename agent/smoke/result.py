@@ -25,6 +25,10 @@ class Outcome:
     data: dict[str, Value] = field(default_factory=dict)
 
 
+class SkipCheck(Exception):
+    """Raised by a check that cannot run because an earlier one found nothing to run it on."""
+
+
 def passed(detail: str, **data: Value) -> Outcome:
     return Outcome(PASS, detail, "", data)
 
@@ -92,6 +96,8 @@ def run_checks(checks: Sequence[Check[C]], ctx: C,
         t0 = time.monotonic()
         try:
             o = check.run(ctx)
+        except SkipCheck as exc:
+            o = skipped(str(exc))
         except Exception as exc:  # noqa: BLE001 - any error is this check's verdict, named in the report
             log.debug("check %s raised", check.name, exc_info=True)
             o = failed(f"{type(exc).__name__}: {exc}".replace("\n", " | "), check.remedy)

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 # Orin's GPU is Ampere compute capability 8.7 (NVIDIA CUDA GPUs list: "Jetson AGX Orin, Orin NX, Orin Nano: 8.7").
 ORIN_ARCH = "sm_87"
 PROMPT = "def parse(source, filename='<unknown>'):"
+# Why the controller did not run that another check already reports (or that the user chose).
+_NOT_A_FAILURE = ("power control is off", "no board to control", "the board is in use")
 
 
 def check_versions(ctx: SmokeContext) -> Outcome:
@@ -153,6 +155,8 @@ def _generate(ctx: SmokeContext) -> GenerationRun:
     controlled, ctl_error = None, None
     if not cfg.power_control:
         ctl_error = "power control is off in the config (board.power_control = false)"
+    elif ctx.board is None or not ctx.board.info.gpu.devfreq:
+        ctl_error = "no board to control: no GPU clock under this root (see the interfaces check)"
     elif ctx.board_busy:
         ctl_error = f"the board is in use: {ctx.board_busy}"
     else:
@@ -216,7 +220,7 @@ def check_controller(ctx: SmokeContext) -> Outcome:
     if g is None:
         return skipped("no generation ran (see the generation check)")
     if g.controller_error:
-        return skipped(g.controller_error) if "config" in g.controller_error or "in use" in g.controller_error \
+        return skipped(g.controller_error) if g.controller_error.startswith(_NOT_A_FAILURE) \
             else failed(g.controller_error, "if /etc/nvpmodel.conf is missing, reinstall JetPack's nvidia-l4t-nvpmodel; "
                         "else check the profile (orin-agent profiles show NAME) and `orin-agent power status`")
     pre = [c for k, c in g.decisions if k == "prefill"]
