@@ -50,6 +50,8 @@ def check_versions(ctx: SmokeContext) -> Outcome:
         if not torch.cuda.is_available():
             return failed(f"{detail}: torch cannot use the GPU", "install NVIDIA's torch wheel for JetPack "
                           "(the PyPI aarch64 wheel is CPU-only): see docs/ON_DEVICE.md", **data)
+        # sm_80 code runs on 8.7 too (CUDA C++ Programming Guide, "Binary Compatibility": a cubin for
+        # X.y runs on any X.z with z >= y), so a torch built for sm_80 fits as well.
         if ORIN_ARCH not in arches and "sm_80" not in arches:
             return failed(f"{detail}: torch has no kernels for {ORIN_ARCH}", "install a torch built for "
                           "Jetson (TORCH_CUDA_ARCH_LIST includes 8.7)", **data)
