@@ -53,8 +53,8 @@ def _timeline(runs: list[ProfileRun], path: Path, title: str, ylabel: str, serie
         if n == 0:      # one legend: every panel draws the same series and phases
             ax.legend(handles=lines + _phase_handles(), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
                       frameon=False)
-        if from_zero:
-            ax.set_ylim(bottom=0)
+    if from_zero:       # after every panel is drawn: the shared axis then spans all of them
+        axes[-1, 0].set_ylim(bottom=0)
     axes[-1, 0].set_xlabel("time since the trace started (s)")
     fig.suptitle(f"{title}\n{note}", fontsize=11)
     fig.tight_layout()

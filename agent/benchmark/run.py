@@ -198,8 +198,8 @@ def _run_profile(opts: BenchOptions, profile: str, chain: "Chain", tokenizer: "T
         driver.start()
     if ctl is not None:
         ctl.start()
+    t0 = sampler.t0 = time.monotonic()                        # the plots' time axis starts with the trace
     sampler.start()
-    t0 = time.monotonic()
     pending = list(enumerate(spec.arrivals_s))
     try:
         while pending or core.has_work():
@@ -218,6 +218,7 @@ def _run_profile(opts: BenchOptions, profile: str, chain: "Chain", tokenizer: "T
             else:
                 core.step()                                   # tells the listeners: idle
                 time.sleep(min(0.02, max(0.0, pending[0][1] - now)) if pending else 0.0)
+        core.step()                                           # idle: ends the last decode phase
         time.sleep(0.5)                                       # a little idle after the last answer
     finally:
         sampler.stop()
