@@ -86,7 +86,10 @@ def check_interfaces(ctx: SmokeContext) -> Outcome:
 
 def check_permissions(ctx: SmokeContext) -> Outcome:
     board = _board(ctx)
-    user = getpass.getuser()
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):     # no passwd entry (a bare container)
+        user = f"uid {os.geteuid()}"
     files = board.writable()
     if not files:
         return failed("no clock file was discovered to write", "see the interfaces check")
