@@ -23,6 +23,8 @@ cli_serve.register(app)
 app.add_typer(cli_power.app, name="power")
 app.add_typer(cli_twin.app, name="twin")
 cli_bench.register(app)
+from agent import cli_quant  # noqa: E402  (moved into agent/cli/ at merge)
+cli_quant.register(app)
 
 
 def main() -> None:

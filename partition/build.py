@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 from partition.checkpoint import load_model, model_hash
 from partition.config import load_config
+from partition.quantize import refuse_export
 from partition.export import (NUMERIC_TOLERANCE, ExportError, ExportOptions, SliceExport, TensorSpec,
                               compare_with_torch, export_slice, graph_io, sha256_file)
 from partition.runners.base import SliceSpec, parse_slices
@@ -133,6 +134,7 @@ def build_slices(model_dir: str | Path, slices: str | Sequence[SliceSpec] | None
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     specs = resolve_slices(model_dir, slices)
     digest = model_hash(model_dir)
+    refuse_export(model_dir)
     model = load_model(model_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stale = out_dir / MANIFEST
@@ -212,6 +214,7 @@ def ensure_build(model_dir: str | Path, slices: str | Sequence[SliceSpec] | None
     matches, built into if empty, refused if it holds a different build); without it the build lives
     in `cache_dir` (default ~/.cache/orin-agent/builds) under a key of model hash, slices, options."""
     model_dir = Path(model_dir)
+    refuse_export(model_dir)
     specs = resolve_slices(model_dir, slices)
     digest = model_hash(model_dir)
     if build_dir is not None:
