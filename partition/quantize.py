@@ -70,11 +70,13 @@ def quantize_weight(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor, Tensor]
         scales = wg.abs().amax(-1) / (2 ** (spec.bits - 1) - 1)
         zeros = torch.full_like(scales, 2 ** (spec.bits - 1), dtype=torch.int32)
     else:  # the range [min(w, 0), max(w, 0)] over maxq steps
-        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        hi = wg.amax(-1).clamp(min=0)
+        # lo <= -hi / (maxq - 1) keeps the zero >= 1: the GPTQ v1 format stores zero - 1 in `bits` bits
+        lo = torch.minimum(wg.amin(-1).clamp(max=0), -hi / (maxq - 1))
         scales = (hi - lo) / maxq
-    scales = scales.clamp(min=FP16_TINY).half()
+    # fp16 on disk: round the scale up (fp16 keeps 11 bits) so the range still fits the codes
+    scales = (scales.clamp(min=FP16_TINY) * (1 + 2.0 ** -10)).half()
     if not spec.sym:
-        # zero >= 1: the GPTQ v1 format stores zero - 1 in `bits` bits, so 0 would not survive
         zeros = torch.round(-lo / scales.float()).clamp(1, maxq).to(torch.int32)
     q = torch.round(wg / scales.float()[..., None]) + zeros[..., None]
     return q.clamp(0, maxq).to(torch.uint8).reshape(n, k), scales, zeros
