@@ -149,9 +149,13 @@ def unpack_awq(t: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return q, scales, zeros, (torch.arange(k) // (k // scales.shape[1])).to(torch.int32)
 
 
-def _quantised_linears(model: Transformer) -> list[tuple[str, nn.Linear]]:
-    """The decoder layers' projections (embeddings and lm_head stay in floating point, as GPTQ/AWQ do)."""
-    return [(f"model.{name}", m) for name, m in model.model.named_modules() if isinstance(m, nn.Linear)]
+def _quantised_linears(model: Transformer, lm_head: bool = False) -> list[tuple[str, nn.Linear]]:
+    """The decoder layers' projections (embeddings and lm_head stay in floating point, as GPTQ/AWQ
+    checkpoints keep them; lm_head=True adds it, as gpt-fast does, when it is not tied)."""
+    out = [(f"model.{name}", m) for name, m in model.model.named_modules() if isinstance(m, nn.Linear)]
+    if lm_head and not model.config.tie_word_embeddings:
+        out.append(("lm_head", model.lm_head))
+    return out
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -159,10 +163,11 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent), attr, new)
 
 
-def quantize_model(model: Transformer, spec: QuantSpec, reference: bool = False) -> Transformer:
-    """In memory: every decoder projection becomes a QuantLinear (on the model's device and dtype)."""
+def quantize_model(model: Transformer, spec: QuantSpec, reference: bool = False, lm_head: bool = False) -> Transformer:
+    """In memory: every decoder projection (and lm_head if asked) becomes a QuantLinear on the model's
+    device and dtype; the float weights are freed."""
     dtype = next(model.parameters()).dtype
-    for name, lin in _quantised_linears(model):
+    for name, lin in _quantised_linears(model, lm_head):
         q, s, z = quantize_weight(lin.weight, spec)
         k = q.shape[1]
         g_idx = torch.arange(k, device=q.device) // (k if spec.group_size == -1 else spec.group_size)
