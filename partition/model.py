@@ -26,12 +26,16 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from partition.config import ModelConfig
 
 # Finite "minus infinity" for masks: the most negative fp16 value, so the mask survives a cast to fp16
 # and exp() of it underflows to exactly 0 in fp32 softmax.
 MASK_VALUE = -65504.0
+# SDPA backends of the in-place path. cuDNN is left out: it builds a new plan for every key length, so
+# an eager decode step (length + 1 each step) cost 92 ms instead of ~20 on an H200 (docs/BENCHMARKS.md).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class RMSNorm(nn.Module):
@@ -128,7 +132,8 @@ class Attention(nn.Module):
             past_k.scatter_(2, slot, k)
             past_v.scatter_(2, slot, v)
             q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)  # same GQA fold as below
-            out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
+            with sdpa_kernel(SDPA_BACKENDS):
+                out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
             out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
             return self.o_proj(out), k, v
         keys = torch.cat((past_k, k), dim=2)  # (B, KV, P + T, hd)

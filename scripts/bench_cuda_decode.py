@@ -143,13 +143,13 @@ def run_variant(model: Transformer, v: Variant, prompt_len: int, decode_steps: i
             "graphs_captured": sorted(graphs.graphs) if graphs else [], "tokens": tokens}
 
 
-def profile_step(model: Transformer, prompt_len: int, max_seq: int, steps: int = 10) -> dict:
+def profile_step(model: Transformer, prompt_len: int, max_seq: int, steps: int = 10, compile: bool = False) -> dict:
     """torch.profiler over graphed decode steps: per-kernel device time per step vs the step's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     cfg = model.config
     runner = TorchRunner(model, SliceSpec(0, cfg.n_layers, cfg.n_layers), max_seq, cuda_graphs=True,
-                         graph_buckets=False)
+                         graph_buckets=False, compile_decode=compile)
     ids = np.ones((1, prompt_len), dtype=np.int32)
     runner.run(ids, np.arange(prompt_len, dtype=np.int32)[None])
     pos = prompt_len
@@ -177,7 +177,7 @@ def profile_step(model: Transformer, prompt_len: int, max_seq: int, steps: int =
 
 def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, variants: tuple[Variant, ...],
           long_max_seq: int, bandwidth: float = 0.0, gpt_fast: str | None = None,
-          gpt_fast_variants: tuple[str, ...] = (), profile: bool = False,
+          gpt_fast_variants: tuple[str, ...] = (), profile: str = "",
           save: Callable[[dict], None] = lambda _: None) -> dict:
     """Every variant on one shape (bf16 variants share one model; each quantised one gets a fresh
     model of the same seed). A variant that fails is recorded with its error and the run goes on."""
@@ -202,7 +202,8 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         save(res)
     if profile:
         try:
-            res["profile_graphs_bf16"] = profile_step(shared or make_model(name, dtype, EAGER), prompt_len, tight)
+            res["profile_graphs_bf16"] = profile_step(shared or make_model(name, dtype, EAGER), prompt_len, tight,
+                                                      compile=profile == "compile")
         except Exception as exc:  # noqa: BLE001
             res["profile_graphs_bf16"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         save(res)
@@ -256,7 +257,8 @@ def main() -> None:
     ap.add_argument("--long-max-seq", type=int, default=8192, help="cache length of the *-long variants")
     ap.add_argument("--gpt-fast", help="a gpt-fast checkout (pytorch-labs/gpt-fast) to time in the same run")
     ap.add_argument("--gpt-fast-variants", default="bf16", help="of bf16, int8, int4")
-    ap.add_argument("--profile", action="store_true", help="per-kernel profile of the bf16 graphed step")
+    ap.add_argument("--profile", choices=["", "eager", "compile"], default="",
+                    help="per-kernel profile of the bf16 graphed step (eager kernels or compiled)")
     ap.add_argument("--out", help="write the JSON here too, after every variant")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -86,7 +86,7 @@ def run(folder: Path, name: str, quant: str, prompt_len: int, decode_steps: int,
         for i in range(decode_steps + 3):  # the first steps compile and record the graph
             t = time.perf_counter()
             with sdpa_kernel(SDPBackend.MATH):
-                tok = decode(tok, torch.tensor([prompt_len + i], device="cuda", dtype=torch.int))
+                tok = decode(tok, torch.tensor([prompt_len + i], device="cuda", dtype=torch.int)).clone()
             int(tok.item())
             times.append(time.perf_counter() - t)
             if i == 2:
