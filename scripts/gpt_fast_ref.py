@@ -63,6 +63,10 @@ def run(folder: Path, name: str, quant: str, prompt_len: int, decode_steps: int,
     """Build, compile and time gpt-fast's decode; returns the same keys as our variants."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    import torch._inductor.config as inductor_config
+
+    inductor_config.coordinate_descent_tuning = True  # gpt-fast's generate.py settings
+    inductor_config.triton.unique_kernel_names = True
     model = build(folder, name, quant)
     with torch.device("cuda"):
         model.setup_caches(max_batch_size=1, max_seq_length=max_seq)

@@ -85,7 +85,9 @@ class DecodeGraphs:
             out, *_ = module(x, pos, *past, cache_in_place=True)  # writes the new K/V into `past`
             return out[:, -1] if self.is_last else out
 
-        fn = torch.compile(step, fullgraph=True, dynamic=False) if self.compile_step else step
+        # coordinate-descent tuning of inductor's reductions, as gpt-fast's generate.py sets it
+        fn = (torch.compile(step, fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True})
+              if self.compile_step else step)
         return lambda: fn(self.x[:b], self.positions[:b])
 
     def _capture(self, b: int, past_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
