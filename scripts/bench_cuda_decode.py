@@ -21,7 +21,7 @@ gpt-fast's model from a checkout (scripts/gpt_fast_ref.py) in the same run. Ever
 `pct_roofline`: bytes read per token (every weight but the embedding table, which is read one row at
 a time, plus the filled KV) / step time, over the device-to-device copy bandwidth measured at the
 start of the run (read + write bytes). `--profile` adds a torch.profiler per-kernel breakdown of the
-bf16 graphed decode step (kernel time vs the step's wall time).
+last variant's graphed decode step (kernel time vs the step's wall time).
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def profile_step(model: Transformer, prompt_len: int, max_seq: int, steps: int =
 
 def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, variants: tuple[Variant, ...],
           long_max_seq: int, bandwidth: float = 0.0, gpt_fast: str | None = None,
-          gpt_fast_variants: tuple[str, ...] = (), profile: str = "",
+          gpt_fast_variants: tuple[str, ...] = (), profile: bool = False,
           save: Callable[[dict], None] = lambda _: None) -> dict:
     """Every variant on one shape (bf16 variants share one model; each quantised one gets a fresh
     model of the same seed). A variant that fails is recorded with its error and the run goes on."""
@@ -202,10 +202,12 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         save(res)
     if profile:
         try:
-            res["profile_graphs_bf16"] = profile_step(shared or make_model(name, dtype, EAGER), prompt_len, tight,
-                                                      compile=profile == "compile")
+            last = variants[-1]  # profiled with its quantisation and compile setting, graphed
+            model = shared if shared is not None and not last.quant else make_model(name, dtype, last)
+            res["profile"] = {"variant": last.name, **profile_step(model, prompt_len, tight, compile=last.compile)}
+            del model
         except Exception as exc:  # noqa: BLE001
-            res["profile_graphs_bf16"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            res["profile"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         save(res)
     shared = None
     torch.cuda.empty_cache()
@@ -257,8 +259,8 @@ def main() -> None:
     ap.add_argument("--long-max-seq", type=int, default=8192, help="cache length of the *-long variants")
     ap.add_argument("--gpt-fast", help="a gpt-fast checkout (pytorch-labs/gpt-fast) to time in the same run")
     ap.add_argument("--gpt-fast-variants", default="bf16", help="of bf16, int8, int4")
-    ap.add_argument("--profile", choices=["", "eager", "compile"], default="",
-                    help="per-kernel profile of the bf16 graphed step (eager kernels or compiled)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel profile of the last variant's decode step, graphed (compiled if it is)")
     ap.add_argument("--out", help="write the JSON here too, after every variant")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -10,6 +10,7 @@ here to pass the (N, K/2) uint8 layout instead (the same codes).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -53,8 +54,9 @@ def build(folder: Path, name: str, quant: str, seed: int = 0) -> torch.nn.Module
         handler = gf_quant.WeightOnlyInt4QuantHandler(model, groupsize=128)
     else:
         return model.eval()
-    state = handler.create_quantized_state_dict()
-    model = handler.convert_for_runtime()
+    with contextlib.redirect_stdout(sys.stderr):  # its handlers print every layer
+        state = handler.create_quantized_state_dict()
+        model = handler.convert_for_runtime()
     model.load_state_dict(state, assign=True)
     return model.to("cuda").eval()
 
