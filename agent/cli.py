@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from agent import cli_bench, cli_build, cli_model, cli_power, cli_serve, cli_twin
+from agent import cli_bench, cli_build, cli_model, cli_power, cli_quant, cli_serve, cli_twin
 
 app = typer.Typer(
     name="orin-agent",
@@ -23,7 +23,6 @@ cli_serve.register(app)
 app.add_typer(cli_power.app, name="power")
 app.add_typer(cli_twin.app, name="twin")
 cli_bench.register(app)
-from agent import cli_quant  # noqa: E402  (moved into agent/cli/ at merge)
 cli_quant.register(app)
 
 

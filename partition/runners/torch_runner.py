@@ -6,8 +6,8 @@ captured graph instead (partition/runners/cuda_graphs.py); prefill and any other
 and both paths read and write the same cache, so they can alternate freely.
 
 On CUDA the slice runs in in-place cache mode (partition/model.py): each layer writes its new K/V into
-the cache and attends over it with SDPA at the model dtype, instead of concatenating a copy of the
-history per layer. CPU keeps the export formulation (the reference ONNX graphs are checked against)."""
+the cache and attends over it at the model dtype (SDPA for prefill, two batched GEMMs for a decode
+step), instead of concatenating a copy of the history per layer. CPU keeps the export formulation (the reference ONNX graphs are checked against)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
