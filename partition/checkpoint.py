@@ -1,5 +1,6 @@
 """Checkpoint folders: load a Hugging Face folder (config.json, one or many *.safetensors, tokenizer.json)
 into the one model definition, build random-weight models from presets, and save folders back.
+A folder whose config.json has `quantization_config` (GPTQ / AWQ) is loaded by partition/quantize.py.
 
 Loading builds the model on the `meta` device (no memory), reads each tensor once from the
 memory-mapped safetensors file and hands it to the module with `assign=True`, so the weights are
@@ -54,6 +55,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
         raise CheckpointError(f"{model_dir}: not a folder; pass a checkpoint folder with config.json, "
                               "*.safetensors and tokenizer.json")
     config = load_config(model_dir)
+    from partition.quantize import load_quantized, quantization_config
+
+    qcfg = quantization_config(model_dir)
+    if qcfg is not None:  # GPTQ / AWQ weights: projections become kernels.weight_only.QuantLinear
+        return load_quantized(model_dir, qcfg, dtype, device)
     with torch.device("meta"):
         model = Transformer(config)
     expected = set(model.state_dict())

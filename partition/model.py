@@ -12,6 +12,12 @@ KV-cache contract of a slice: it receives each layer's past K and V, shape (B, n
 and returns only the new K and V, shape (B, n_kv_heads, T, head_dim); the runner writes those into its
 own preallocated cache by position. Past slot k of row b is attended iff k < positions[b, 0], so a
 runner may pass either exactly the filled prefix (P = start) or its whole fixed-size buffer.
+
+In-place cache mode (`cache_in_place=True`, the runtime path of the PyTorch runner on CUDA, never used
+for export): the past tensors are views of the runner's cache covering slots [0, L) with L > every new
+position; each layer writes its new K/V into them by position (`scatter_`) and attends over the view
+at the model dtype (SDPA for prefill, two batched GEMMs for a decode step), so no step concatenates,
+copies or casts the cache. Slot k is attended by query i iff k <= positions[b, i]. The new K/V are still returned.
 """
 from __future__ import annotations
 
@@ -20,12 +26,16 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from partition.config import ModelConfig
 
 # Finite "minus infinity" for masks: the most negative fp16 value, so the mask survives a cast to fp16
 # and exp() of it underflows to exactly 0 in fp32 softmax.
 MASK_VALUE = -65504.0
+# SDPA backends of the in-place path. cuDNN is left out: it builds a new plan for every key length, so
+# an eager decode step (length + 1 each step) cost 92 ms instead of ~20 on an H200 (docs/BENCHMARKS.md).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class RMSNorm(nn.Module):
@@ -87,6 +97,16 @@ def attention_mask(positions: Tensor, past_len: int | Tensor) -> Tensor:
     return torch.where(ok, zero, neg)[:, None]  # (B, 1, T, P + T)
 
 
+def cache_mask(positions: Tensor, length: int, dtype: torch.dtype) -> Tensor:
+    """Additive mask (B, 1, T, L) at the model dtype for in-place cache mode: slot k visible to query i
+    iff k <= positions[b, i] (its own new K/V are already written at slot positions[b, i])."""
+    slots = torch.arange(length, dtype=positions.dtype, device=positions.device)  # (L,)
+    ok = slots[None, None, :] <= positions[:, :, None]  # (B, T, L)
+    zero = torch.zeros((), dtype=dtype, device=positions.device)
+    neg = torch.full((), MASK_VALUE, dtype=dtype, device=positions.device)
+    return torch.where(ok, zero, neg)[:, None]
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -98,18 +118,35 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * hd, d, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Tensor,
-                past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                past_v: Tensor, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """slot: None for the export formulation (past is the history, concatenated with the new K/V);
+        else the (B, KV, T, hd) int64 write index of in-place cache mode (past is the cache view)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        group = self.n_heads // self.n_kv_heads
+        if slot is not None:  # in-place cache mode: write, then attend over the cache view at model dtype
+            past_k.scatter_(2, slot, k)
+            past_v.scatter_(2, slot, v)
+            q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)  # same GQA fold as below
+            if t == 1:  # decode: two batched GEMMs over the cache at model dtype; only the (B, KV, G, L)
+                # scores are fp32. SDPA's kernels run one block per KV head for G query rows here (8 blocks
+                # for Llama-3-8B: 31 us a layer on an H200 against ~1 us of K/V traffic).
+                scores = torch.matmul(q, past_k.transpose(2, 3)).float() / math.sqrt(self.head_dim)
+                probs = torch.softmax(scores + mask, dim=-1).to(past_v.dtype)  # (B, KV, G, L)
+                out = torch.matmul(probs, past_v)  # ~12 us a layer at L = 641 on an H200 (docs/BENCHMARKS.md)
+            else:
+                with sdpa_kernel(SDPA_BACKENDS):
+                    out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
+            out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
+            return self.o_proj(out), k, v
         keys = torch.cat((past_k, k), dim=2)  # (B, KV, P + T, hd)
         values = torch.cat((past_v, v), dim=2)
         # Grouped-query attention without copying K/V per query head: fold each KV head's group of
         # query heads into the row dimension, (B, H, T, hd) -> (B, KV, G * T, hd), row = g * T + t.
-        group = self.n_heads // self.n_kv_heads
         q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)
         if group > 1:
             mask = mask.repeat(1, 1, group, 1)  # (B, 1, G * T, P + T), rows ordered as q's
@@ -140,8 +177,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Tensor,
-                past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
+                past_v: Tensor, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v, slot)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
@@ -204,15 +241,24 @@ class SliceModule(nn.Module):
     def n_layers(self) -> int:
         return self.end - self.start
 
-    def forward(self, x: Tensor, positions: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+    def forward(self, x: Tensor, positions: Tensor, *past: Tensor, cache_in_place: bool = False) -> tuple[Tensor, ...]:
+        """cache_in_place: past are cache views written in place (module docstring); False = export path."""
         if len(past) != 2 * self.n_layers:
             raise ValueError(f"slice {self.start}:{self.end} takes {2 * self.n_layers} past tensors, got {len(past)}")
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, D)
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
-        mask = attention_mask(positions, past[0].shape[2])
+        slot: Tensor | None = None
+        if cache_in_place:
+            b, t = positions.shape
+            kv, hd = past[0].shape[1], past[0].shape[3]
+            group = self.config.n_heads // self.config.n_kv_heads
+            mask = cache_mask(positions, past[0].shape[2], h.dtype).repeat(1, 1, group, 1)  # (B, 1, G*T, L)
+            slot = positions.long()[:, None, :, None].expand(b, kv, t, hd)
+        else:
+            mask = attention_mask(positions, past[0].shape[2])
         new: list[Tensor] = []
         for i, layer in enumerate(self.layers):
-            h, k, v = layer(h, cos, sin, mask, past[2 * i], past[2 * i + 1])
+            h, k, v = layer(h, cos, sin, mask, past[2 * i], past[2 * i + 1], slot)
             new += (k, v)
         if self.lm_head is not None:
             if not self.all_logits:

@@ -4,6 +4,8 @@ is the number that matters physically for a memory-bound decode.
 
     python scripts/bench_cuda_decode.py --presets llama-3.2-1b,qwen2.5-0.5b,llama-3-8b --json
     python scripts/bench_cuda_decode.py --compare --json      # eager vs CUDA graphs, one run
+    python scripts/bench_cuda_decode.py --presets llama-3-8b --variants eager,graphs,int8,int4 \
+        --gpt-fast third_party/gpt-fast --gpt-fast-variants bf16 --out results.json   # vs gpt-fast
 
 Run it on a CUDA machine (the lent H200). The achieved GB/s against the device's peak says how much of
 the decode step is the runner's overhead rather than memory traffic. `--compare` runs, per preset and
@@ -12,6 +14,14 @@ and graphs with a long cache (--long-max-seq), once attending over the whole buf
 power-of-two past-length bucket, which says whether bucketing is worth its extra captures. The GB/s
 counts the same useful bytes for every variant (so its ratio is the speed ratio): full-buffer
 attention reads more than that.
+
+`--variants` picks named variants (VARIANTS below: bf16 eager / graphs / long cache / compiled, and
+weight-only int8 / int4 through kernels.weight_only, optionally compiled); `--gpt-fast DIR` adds
+gpt-fast's model from a checkout (scripts/gpt_fast_ref.py) in the same run. Every row reports
+`pct_roofline`: bytes read per token (every weight but the embedding table, which is read one row at
+a time, plus the filled KV) / step time, over the device-to-device copy bandwidth measured at the
+start of the run (read + write bytes). `--profile` adds a torch.profiler per-kernel breakdown of the
+last variant's graphed decode step (kernel time vs the step's wall time).
 """
 from __future__ import annotations
 
@@ -20,6 +30,8 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,6 +43,7 @@ from partition.model import Transformer
 from partition.slices import SliceSpec
 from partition.runners.chain import Chain
 from partition.runners.torch_runner import TorchRunner
+from partition.quantize import default_spec, quantize_model
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,9 @@ class Variant:
     cuda_graphs: bool
     buckets: bool = True
     long_cache: bool = False  # max_seq = --long-max-seq instead of prompt + steps + 1
+    quant: str = ""  # "", "int8" (per channel) or "int4" (group 128): kernels.weight_only
+    compile: bool = False  # torch.compile the graphed decode step
+    lm_head: bool = False  # quantise lm_head too (as gpt-fast does); checkpoints keep it bf16
 
 
 EAGER = Variant("eager", False)
@@ -46,13 +62,55 @@ GRAPHS = Variant("graphs", True)
 COMPARE = (EAGER, Variant("graphs-full", True, buckets=False),
            Variant("graphs-full-long", True, buckets=False, long_cache=True),
            Variant("graphs-bucketed-long", True, buckets=True, long_cache=True))
+VARIANTS = {v.name: v for v in (
+    EAGER, Variant("graphs", True, buckets=False), Variant("graphs-long", True, long_cache=True),
+    Variant("graphs-compile", True, buckets=False, compile=True),
+    Variant("graphs-compile-long", True, long_cache=True, compile=True),
+    Variant("int8", True, buckets=False, quant="int8"), Variant("int4", True, buckets=False, quant="int4"),
+    Variant("int4-lmhead", True, buckets=False, quant="int4", lm_head=True),
+    Variant("int8-compile", True, buckets=False, quant="int8", compile=True),
+    Variant("int4-compile", True, buckets=False, quant="int4", compile=True),
+    Variant("int4-lmhead-compile", True, buckets=False, quant="int4", lm_head=True, compile=True))}
+
+
+def copy_bandwidth(gib: float = 4.0, reps: int = 10) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read and written (METHOD: mean of reps
+    timed copies after 3 warm-ups, CUDA events)."""
+    n = int(gib * 2 ** 30) // 2
+    a, b = torch.empty(n, dtype=torch.bfloat16, device="cuda"), torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n * 2 * reps / (start.elapsed_time(end) / 1e3)
+
+
+def read_bytes(model: Transformer) -> int:
+    """Weight bytes read by one decode step: parameters and buffers but the embedding table (one row)."""
+    emb = model.model.embed_tokens.weight
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    tensors.pop(emb.data_ptr(), None)
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + emb.shape[1] * emb.element_size()
+
+
+def make_model(name: str, dtype: torch.dtype, v: Variant) -> Transformer:
+    model = random_model(preset(name), seed=0, dtype=dtype, device="cuda")
+    if v.quant:
+        quantize_model(model, default_spec(8 if v.quant == "int8" else 4), lm_head=v.lm_head)
+    return model
 
 
 def run_variant(model: Transformer, v: Variant, prompt_len: int, decode_steps: int, max_seq: int,
                 label: str) -> dict:
     cfg = model.config
     chain = Chain([TorchRunner(model, SliceSpec(0, cfg.n_layers, cfg.n_layers), max_seq,
-                               cuda_graphs=v.cuda_graphs, graph_buckets=v.buckets)])
+                               cuda_graphs=v.cuda_graphs, graph_buckets=v.buckets, compile_decode=v.compile)])
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, prompt_len), dtype=np.int32)
     pos = np.arange(prompt_len, dtype=np.int32)[None]
     chain.forward(ids, pos)  # warm-up (allocator, kernels)
@@ -70,9 +128,9 @@ def run_variant(model: Transformer, v: Variant, prompt_len: int, decode_steps: i
         times.append(time.perf_counter() - t)
         tokens.append(token)
     step_s = float(np.median(times))  # the median skips the steps that capture a graph
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = read_bytes(model)
     kv_bytes = (2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (prompt_len + decode_steps // 2)
-                * model.lm_head.weight.element_size())
+                * model.model.embed_tokens.weight.element_size())
     graphs = chain.runners[0].graphs
     del chain
     torch.cuda.empty_cache()
@@ -80,29 +138,112 @@ def run_variant(model: Transformer, v: Variant, prompt_len: int, decode_steps: i
             "prefill_tok_s": round(prompt_len / prefill_ms * 1e3, 1),
             "decode_ms_per_token": round(step_s * 1e3, 3), "decode_tok_s": round(1 / step_s, 1),
             "achieved_GB_s": round((weight_bytes + kv_bytes) / step_s / 1e9, 1),
-            "slowest_step_ms": round(max(times) * 1e3, 1),  # a capture, for graph variants
+            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+            "slowest_step_ms": round(max(times) * 1e3, 1),  # a capture (and compile), for graph variants
             "graphs_captured": sorted(graphs.graphs) if graphs else [], "tokens": tokens}
 
 
+def profile_step(model: Transformer, prompt_len: int, max_seq: int, steps: int = 10, compile: bool = False) -> dict:
+    """torch.profiler over graphed decode steps: per-kernel device time per step vs the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = model.config
+    runner = TorchRunner(model, SliceSpec(0, cfg.n_layers, cfg.n_layers), max_seq, cuda_graphs=True,
+                         graph_buckets=False, compile_decode=compile)
+    ids = np.ones((1, prompt_len), dtype=np.int32)
+    runner.run(ids, np.arange(prompt_len, dtype=np.int32)[None])
+    pos = prompt_len
+    for _ in range(3):  # capture outside the profile
+        runner.run(np.ones((1, 1), np.int32), np.array([[pos]], np.int32))
+        pos += 1
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.run(np.ones((1, 1), np.int32), np.array([[pos]], np.int32))
+            torch.cuda.synchronize()
+            pos += 1
+        wall = (time.perf_counter() - t0) / steps
+    kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0
+               and e.device_type.name == "CUDA"]
+    total_us = sum(e.self_device_time_total for e in kernels) / steps
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
+    del runner
+    return {"step_wall_ms": round(wall * 1e3, 3), "kernel_ms_per_step": round(total_us / 1e3, 3),
+            "gap_ms_per_step": round(wall * 1e3 - total_us / 1e3, 3),
+            "top_kernels": [{"name": e.key[:90], "us_per_step": round(e.self_device_time_total / steps, 1),
+                             "calls_per_step": e.count // steps} for e in top]}
+
+
 def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, variants: tuple[Variant, ...],
-          long_max_seq: int) -> dict:
+          long_max_seq: int, bandwidth: float = 0.0, gpt_fast: str | None = None,
+          gpt_fast_variants: tuple[str, ...] = (), profile: bool = False,
+          save: Callable[[dict], None] = lambda _: None) -> dict:
+    """Every variant on one shape (bf16 variants share one model; each quantised one gets a fresh
+    model of the same seed). A variant that fails is recorded with its error and the run goes on."""
     cfg = preset(name)
-    model = random_model(cfg, seed=0, dtype=dtype, device="cuda")
     tight = prompt_len + decode_steps + 1
-    rows = [run_variant(model, v, prompt_len, decode_steps, long_max_seq if v.long_cache else tight,
-                        name) for v in variants]
-    del model
+    res = {"preset": name, "dtype": str(dtype).removeprefix("torch."), "params": cfg.n_params,
+           "prompt_tokens": prompt_len, "decode_steps": decode_steps, "variants": []}
+    rows: list[dict] = res["variants"]
+    shared: Transformer | None = None
+    for v in variants:
+        try:
+            if v.quant:
+                shared = None
+                torch.cuda.empty_cache()
+                model = make_model(name, dtype, v)
+            else:
+                shared = model = shared or make_model(name, dtype, v)
+            rows.append(run_variant(model, v, prompt_len, decode_steps, long_max_seq if v.long_cache else tight, name))
+            del model
+        except Exception as exc:  # noqa: BLE001 - a benchmark records a failed variant and goes on
+            rows.append({"variant": v.name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        save(res)
+    if profile:
+        try:
+            last = variants[-1]  # profiled with its quantisation and compile setting, graphed
+            model = shared if shared is not None and not last.quant else make_model(name, dtype, last)
+            res["profile"] = {"variant": last.name, **profile_step(model, prompt_len, tight, compile=last.compile)}
+            del model
+        except Exception as exc:  # noqa: BLE001
+            res["profile"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        save(res)
+    shared = None
     torch.cuda.empty_cache()
-    base, base_tokens = rows[0], rows[0]["tokens"]
-    for r in rows:  # ratios against the first variant (eager in --compare)
-        r["x_" + base["variant"]] = round(r["decode_tok_s"] / base["decode_tok_s"], 2)
-        tokens = r.pop("tokens")
-        r["tokens_match_" + base["variant"]] = tokens == base_tokens
-        # Random weights give near-flat bf16 logits, so one rounding difference (another attention
-        # length, another kernel) can flip an argmax; where it first happens says how soon.
-        r["first_token_diff_step"] = next((i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b), None)
-    return {"preset": name, "dtype": str(dtype).removeprefix("torch."), "params": cfg.n_params,
-            "prompt_tokens": prompt_len, "decode_steps": decode_steps, "variants": rows}
+    if gpt_fast:
+        from gpt_fast_ref import run as run_gpt_fast  # scripts/ is on sys.path when run as a script
+
+        kv = rows[0].get("kv_bytes", 0) if rows else 0
+        for q in gpt_fast_variants:
+            try:
+                r = run_gpt_fast(Path(gpt_fast), name, "" if q == "bf16" else q, prompt_len, decode_steps, tight)
+                r["kv_bytes"] = kv
+                r["achieved_GB_s"] = round((r["weight_bytes"] + kv) / (r["decode_ms_per_token"] / 1e3) / 1e9, 1)
+                rows.append(r)
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"variant": f"gpt-fast-{q}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            save(res)
+    ok = [r for r in rows if "error" not in r]
+    base = ok[0] if ok else None
+    for r in ok:
+        if base is not None:
+            r["x_" + base["variant"]] = round(r["decode_tok_s"] / base["decode_tok_s"], 2)
+        if bandwidth:
+            r["roofline_tok_s"] = round(bandwidth / (r["weight_bytes"] + r["kv_bytes"]), 1)
+            r["pct_roofline"] = round(100 * r["decode_tok_s"] / r["roofline_tok_s"], 1)
+        tokens = r.pop("tokens", None)
+        if tokens is not None and base is not None and "tokens" in base:
+            r["tokens_match_" + base["variant"]] = tokens == base["tokens"]
+            # Random weights give near-flat bf16 logits, so one rounding difference (another attention
+            # length, another kernel) can flip an argmax; where it first happens says how soon.
+            r["first_token_diff_step"] = next((i for i, (a, b) in enumerate(zip(tokens, base["tokens"])) if a != b), None)
+        if r is base:
+            base["tokens_match_" + base["variant"]] = True
+    for r in ok:
+        r.pop("tokens", None)
+    save(res)
+    return res
 
 
 def main() -> None:
@@ -114,27 +255,53 @@ def main() -> None:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--cuda-graphs", action="store_true", help="decode with CUDA graphs only")
     mode.add_argument("--compare", action="store_true", help="eager vs graphs (full and bucketed), one run")
+    mode.add_argument("--variants", help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--long-max-seq", type=int, default=8192, help="cache length of the *-long variants")
+    ap.add_argument("--gpt-fast", help="a gpt-fast checkout (pytorch-labs/gpt-fast) to time in the same run")
+    ap.add_argument("--gpt-fast-variants", default="bf16", help="of bf16, int8, int4")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel profile of the last variant's decode step, graphed (compiled if it is)")
+    ap.add_argument("--out", help="write the JSON here too, after every variant")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: no CUDA device; run this on a GPU machine")
-    variants = COMPARE if args.compare else (GRAPHS,) if args.cuda_graphs else (EAGER,)
-    results = [bench(n, getattr(torch, args.dtype), args.prompt_len, args.decode_steps, variants,
-                     args.long_max_seq) for n in args.presets.split(",")]
+    if args.variants:
+        unknown = [n for n in args.variants.split(",") if n not in VARIANTS]
+        if unknown:
+            sys.exit(f"error: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+        variants = tuple(VARIANTS[n] for n in args.variants.split(","))
+    else:
+        variants = COMPARE if args.compare else (GRAPHS,) if args.cuda_graphs else (EAGER,)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv)}
+    bw = copy_bandwidth()
+    meta["copy_bandwidth_GB_s"] = round(bw / 1e9, 1)
+    results: list[dict] = []
+
+    def save(partial: dict) -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps({"meta": meta, "results": [*results, partial]}, indent=2))
+
+    for n in args.presets.split(","):
+        results.append(bench(n, getattr(torch, args.dtype), args.prompt_len, args.decode_steps, variants,
+                             args.long_max_seq, bw, args.gpt_fast, tuple(args.gpt_fast_variants.split(",")),
+                             args.profile, save))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     if args.json:
         print(json.dumps({"meta": meta, "results": results}, indent=2))
         return
-    print(f"{meta['device']}, torch {meta['torch']}, {meta['date']}")
-    print(f"{'preset':14} {'variant':22} {'max_seq':>7} {'prefill ms':>10} {'decode tok/s':>12} "
-          f"{'GB/s':>8} {'x base':>7}")
+    print(f"{meta['device']}, torch {meta['torch']}, {meta['date']}, copy {meta['copy_bandwidth_GB_s']} GB/s")
+    print(f"{'preset':12} {'variant':20} {'max_seq':>7} {'decode tok/s':>12} {'GB/s':>8} {'% roof':>7} {'x base':>7}")
     for res in results:
         for r in res["variants"]:
-            ratio = next(v for k, v in r.items() if k.startswith("x_"))
-            print(f"{res['preset']:14} {r['variant']:22} {r['max_seq']:7d} {r['prefill_ms']:10.1f} "
-                  f"{r['decode_tok_s']:12.1f} {r['achieved_GB_s']:8.1f} {ratio:7.2f}")
+            if "error" in r:
+                print(f"{res['preset']:12} {r['variant']:20} error: {r['error']}")
+                continue
+            ratio = next((v for k, v in r.items() if k.startswith("x_")), 0.0)
+            print(f"{res['preset']:12} {r['variant']:20} {r['max_seq']:7d} {r['decode_tok_s']:12.1f} "
+                  f"{r['achieved_GB_s']:8.1f} {r.get('pct_roofline', 0):7.1f} {ratio:7.2f}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 command groups together; each lives in its own module with ``register(app)``:
 
 - ``generate``: one prompt through the service's own engine (agent.engine), text to stdout;
-- ``build``: export a model's slices to ONNX (partition.build);
+- ``build``: export a model's slices to ONNX (partition.build); ``quant``: ``quantize``, weight-only
+  INT8/INT4 checkpoints (partition.quantize);
 - ``serve``: the service (agent.service) and ``demo`` (agent.demo: the service on a twin);
 - ``power`` (status, restore) with ``profiles`` (profiles, show, set, state): the board's power;
 - ``twin``: create and run a simulated Orin; ``bench``: the benchmarks;
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import typer
 
-from agent.cli import bench, build, edge, generate, power, serve, smoke, twin
+from agent.cli import bench, build, edge, generate, power, quant, serve, smoke, twin
 
 app = typer.Typer(
     name="orin-agent",
@@ -25,7 +26,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for group in (generate, build, serve, power, twin, bench, smoke, edge):
+for group in (generate, build, quant, serve, power, twin, bench, smoke, edge):
     group.register(app)
 
 

@@ -20,6 +20,7 @@ from partition.build.manifest import MANIFEST, BuildError, BuildManifest, graph_
 from partition.build.trt_check import CheckReport, check_trt_compat
 from partition.checkpoint import load_model, model_hash
 from partition.config import load_config
+from partition.quantize import refuse_export
 from partition.slices import SliceSpec, parse_slices
 
 # progress(index, spec, stage): stage is "export" (export + checks), "compare" or "done".
@@ -49,6 +50,7 @@ def build_slices(model_dir: str | Path, slices: str | Sequence[SliceSpec] | None
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     specs = resolve_slices(model_dir, slices)
     digest = model_hash(model_dir)
+    refuse_export(model_dir)
     model = load_model(model_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stale = out_dir / MANIFEST
@@ -100,6 +102,7 @@ def ensure_build(model_dir: str | Path, slices: str | Sequence[SliceSpec] | None
     matches, built into if empty, refused if it holds a different build); without it the build lives
     in `cache_dir` (default ~/.cache/orin-agent/builds) under a key of model hash, slices, options."""
     model_dir = Path(model_dir)
+    refuse_export(model_dir)
     specs = resolve_slices(model_dir, slices)
     digest = model_hash(model_dir)
     if build_dir is not None:

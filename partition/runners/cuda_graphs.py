@@ -8,11 +8,14 @@ runner (H200)"). A graph needs fixed shapes and addresses, which the runner's pr
   - `past` is a fixed view `cache[:B, :, :L]` of each layer's buffer, never the filled prefix: the
     slice's mask attends slot k of row b iff k < positions[b, 0] (partition/model.py), so slots past
     a row's history are invisible and L can be any length >= the longest history;
-  - the new K/V are written inside the graph by position (`scatter_` along the sequence dim, index
-    from the static positions buffer), in place on the preallocated cache.
+  - the slice runs in in-place cache mode (partition/model.py): each layer writes its new K/V into
+    the cache by position (index from the static positions buffer) and attends over the view with
+    SDPA at the model dtype, so the graph never copies the history.
+  - optionally the step is `torch.compile`d (inductor fuses the norms, RoPE and the weight-only
+    dequantisation) before it is captured; that costs one compile per (batch, bucket).
 
 Attention over L slots costs L, not the filled length, so L is bucketed: the smallest power of two
->= the longest history (at least `min_bucket`), capped at max_seq. That bounds the waste to 2x the
+>= the longest history + 1 (the new slot; at least `min_bucket`), capped at max_seq. That bounds the waste to 2x the
 history and costs one capture per bucket used (log2(max_seq) at most per batch size).
 
 Only rows 0..B-1 are graphed (the cache views must be fixed); other slot sets, prefill (T > 1) and
@@ -57,10 +60,11 @@ class DecodeGraphs:
 
     def __init__(self, module: SliceModule, cache: list[Tensor], max_batch: int, max_seq: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, bucketed: bool = True,
-                 min_bucket: int = MIN_BUCKET) -> None:
+                 min_bucket: int = MIN_BUCKET, compile_step: bool = False) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this slice is on {device}")
         self.module, self.cache = module, cache
+        self.compile_step = compile_step
         self.is_first, self.is_last = module.is_first, module.is_last
         self.buckets = past_buckets(max_seq, min_bucket) if bucketed else (max_seq,)
         # Static inputs, allocated once: each graph reads the first B rows of them.
@@ -74,19 +78,17 @@ class DecodeGraphs:
 
     def _step(self, b: int, past_len: int) -> Callable[[], Tensor]:
         """One decode step of rows 0..b-1 reading only static buffers: the function that is captured."""
-        cache_rows = [c[:b] for c in self.cache]  # (b, KV, max_seq, hd) views, fixed addresses
-        past = [c[:, :, :past_len] for c in cache_rows]  # (b, KV, L, hd)
-        kv, hd = self.cache[0].shape[1], self.cache[0].shape[3]
+        past = [c[:b, :, :past_len] for c in self.cache]  # (b, KV, L, hd) views, fixed addresses
+        module = self.module
 
-        def step() -> Tensor:
-            pos = self.positions[:b]  # (b, 1)
-            out, *new = self.module(self.x[:b], pos, *past)
-            slot = pos.long().view(b, 1, 1, 1).expand(b, kv, 1, hd)  # row r writes at positions[r, 0]
-            for cache, fresh in zip(cache_rows, new):
-                cache.scatter_(2, slot, fresh)  # fresh (b, KV, 1, hd), in place on the cache
+        def step(x: Tensor, pos: Tensor) -> Tensor:
+            out, *_ = module(x, pos, *past, cache_in_place=True)  # writes the new K/V into `past`
             return out[:, -1] if self.is_last else out
 
-        return step
+        # coordinate-descent tuning of inductor's reductions, as gpt-fast's generate.py sets it
+        fn = (torch.compile(step, fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True})
+              if self.compile_step else step)
+        return lambda: fn(self.x[:b], self.positions[:b])
 
     def _capture(self, b: int, past_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         step = self._step(b, past_len)
@@ -110,7 +112,7 @@ class DecodeGraphs:
         b = positions.shape[0]
         self.x[:b].copy_(torch.as_tensor(x))  # converts dtype and device as needed
         self.positions[:b].copy_(torch.from_numpy(positions))
-        key = (b, bucket_for(int(positions[:, 0].max()), self.buckets))
+        key = (b, bucket_for(int(positions[:, 0].max()) + 1, self.buckets))  # + 1: the new token's slot
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self._capture(*key)

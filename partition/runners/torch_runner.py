@@ -3,7 +3,11 @@ position, so no step ever reallocates or copies the whole cache.
 
 Eager is the reference path. With `cuda_graphs=True` (CUDA only) decode steps of rows 0..B-1 replay a
 captured graph instead (partition/runners/cuda_graphs.py); prefill and any other slot set stay eager,
-and both paths read and write the same cache, so they can alternate freely."""
+and both paths read and write the same cache, so they can alternate freely.
+
+On CUDA the slice runs in in-place cache mode (partition/model.py): each layer writes its new K/V into
+the cache and attends over it at the model dtype (SDPA for prefill, two batched GEMMs for a decode
+step), instead of concatenating a copy of the history per layer. CPU keeps the export formulation (the reference ONNX graphs are checked against)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -21,10 +25,13 @@ class TorchRunner(SliceRunner):
     array_kind = "torch"
 
     def __init__(self, model: Transformer, spec: SliceSpec, max_seq: int, max_batch: int = 1,
-                 cuda_graphs: bool = False, graph_buckets: bool = True) -> None:
+                 cuda_graphs: bool = False, graph_buckets: bool = True, kv_in_place: bool | None = None,
+                 compile_decode: bool = False) -> None:
         """cuda_graphs: replay captured graphs for decode (needs a CUDA model: refused on CPU rather
         than silently ignored, so a benchmark never reports eager numbers as graphed ones).
-        graph_buckets: capture per power-of-two past length instead of over the whole max_seq buffer."""
+        graph_buckets: capture per power-of-two past length instead of over the whole max_seq buffer.
+        kv_in_place: in-place cache mode (None = on exactly on CUDA; graphs always use it).
+        compile_decode: torch.compile the captured decode step (CUDA graphs only; one compile per bucket)."""
         cfg = model.config
         self.spec, self.max_seq, self.max_batch = spec, max_seq, max_batch
         self.module = SliceModule(model, spec.start, spec.end)
@@ -36,8 +43,11 @@ class TorchRunner(SliceRunner):
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {self.device}; "
                              "leave CUDA graphs off (the eager path is used) or load the model with device='cuda'")
+        if compile_decode and not cuda_graphs:
+            raise ValueError("compile_decode compiles the CUDA-graph decode step: it needs cuda_graphs=True")
+        self.kv_in_place = self.device.type == "cuda" if kv_in_place is None else kv_in_place
         self.graphs = DecodeGraphs(self.module, self.cache, max_batch, max_seq, cfg.hidden_size, self.dtype,
-                                   self.device, bucketed=graph_buckets) if cuda_graphs else None
+                                   self.device, bucketed=graph_buckets, compile_step=compile_decode) if cuda_graphs else None
 
     def _past(self, rows: list[int], past_len: int) -> list[torch.Tensor]:
         span = row_range(rows)
@@ -59,6 +69,11 @@ class TorchRunner(SliceRunner):
                                 device=self.device).to(torch.int32)
         else:
             x = torch.as_tensor(x, device=self.device).to(self.dtype)
+        span = row_range(rows)
+        if self.kv_in_place and span is not None:  # views of the cache up to the last new slot
+            past = [c[span, :, :int(positions[:, -1].max()) + 1] for c in self.cache]
+            out, *_ = self.module(x, pos, *past, cache_in_place=True)
+            return out[:, -1] if self.spec.is_last else out
         past_len = int(positions[:, 0].max())  # rows with a shorter history mask the extra slots
         out, *new = self.module(x, pos, *self._past(rows, past_len))
         write_new_kv(self.cache, new, rows, positions)

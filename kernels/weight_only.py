@@ -1,0 +1,125 @@
+"""Weight-only quantised linear layers: `QuantLinear` holds a group-wise INT8 or INT4 weight and runs
+it through PyTorch's own kernels where they apply, with a plain dequantise-then-matmul reference.
+
+Canonical form (what checkpoints unpack to, partition/quantize.py): integer codes q (N, K) in
+[0, 2^bits), per-group scales s (N, G) and integer zero points z (N, G), group of column k = g_idx[k]
+(k // group_size unless the checkpoint is act-ordered); weight = (q - z[:, g]) * s[:, g].
+
+Kernels (PyTorch's ATen ops, no home-made GEMV):
+  - INT8, symmetric per output channel (z == 128): on CPU `aten._weight_int8pack_mm(x, int8 (N, K),
+    scales (N,))`; on CUDA `F.linear(x, int8.to(x.dtype)) * scales` (gpt-fast's formulation), which
+    inductor fuses into one GEMV when the decode step is compiled (`_weight_int8pack_mm` has a CUDA
+    kernel in torch 2.11 but it ran an 8B decode step in 59 ms against 8 ms for bf16 on an H200).
+  - INT4, sequential groups of 32..256: `aten._weight_int4pack_mm` (CUDA, tinygemm, bf16 activations)
+    or `aten._weight_int4pack_mm_for_cpu`, after `_convert_weight_to_int4pack[_for_cpu]`. tinygemm
+    dequantises as (q - 8) * scale + zero with a float zero, so zero = (8 - z) * s.
+  - anything else (act-order g_idx, asymmetric INT8, odd shapes): the reference path.
+The kernel is chosen once, when the layer is built on its device (`QuantLinear.kernel` says which).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+INT4_GROUPS = (32, 64, 128, 256)  # group sizes tinygemm takes (aten/src/ATen/native/cuda/int4mm.cu)
+INT8_SYM_ZERO = 128  # the zero point of symmetric INT8 in the GPTQ convention (2 ** (bits - 1))
+
+
+def dequantize(q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor) -> Tensor:
+    """Reference: (q - z[:, g_idx]) * s[:, g_idx] in the scales' dtype, shape (N, K)."""
+    g = g_idx.long()
+    return (q.to(scales.dtype) - zeros[:, g].to(scales.dtype)) * scales[:, g]
+
+
+def _inner_k_tiles(k: int) -> int | None:
+    for tiles in (8, 4, 2):
+        if k % (tiles * 16) == 0:
+            return tiles
+    return None
+
+
+def _pack_int4(q: Tensor, tiles: int) -> Tensor:
+    """tinygemm's packed weight from codes (N, K). CUDA takes (N, K/2) uint8 with the even column in
+    the high nibble (PyTorch >= 2.5), the CPU op the (N, K) int32 codes."""
+    if q.device.type == "cuda":
+        pairs = (q[:, ::2].to(torch.uint8) << 4) | q[:, 1::2].to(torch.uint8)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), tiles)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), tiles)
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W held as `bits`-bit codes; see the module docstring."""
+
+    def __init__(self, q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, bits: int, group_size: int,
+                 bias: Tensor | None = None, dtype: torch.dtype = torch.float32, reference: bool = False) -> None:
+        """q (N, K) integer codes, scales (N, G), zeros (N, G) integer, g_idx (K,): on the target device.
+        dtype: the activations' dtype. reference: force the dequantise-then-matmul path."""
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"weight-only quantisation supports 4 or 8 bits, not {bits}")
+        self.out_features, self.in_features = q.shape
+        self.bits, self.group_size = bits, group_size
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        sequential = bool(torch.equal(g_idx.long().cpu(), torch.arange(self.in_features) // group_size))
+        self.kernel = "reference" if reference else self._pick_kernel(q, zeros, sequential, dtype)
+        device = q.device
+        if self.kernel in ("int8pack", "int8dq"):
+            self.register_buffer("weight", (q.to(torch.int16) - INT8_SYM_ZERO).to(torch.int8).contiguous())
+            self.register_buffer("scales", scales[:, 0].to(dtype).contiguous())
+        elif self.kernel in ("int4pack", "int4pack_cpu"):
+            tiles = _inner_k_tiles(self.in_features)
+            assert tiles is not None
+            self.register_buffer("weight", _pack_int4(q, tiles))
+            s = scales.float()
+            zero = (8 - zeros.float()) * s  # tinygemm: w = (q - 8) * s + zero
+            act = torch.bfloat16 if device.type == "cuda" else dtype
+            self.register_buffer("scales_zeros", torch.stack([s.T, zero.T], dim=-1).to(act).contiguous())  # (G, N, 2)
+        else:
+            self.register_buffer("weight", q.to(torch.uint8).contiguous())
+            self.register_buffer("scales", scales.to(dtype).contiguous())
+            self.register_buffer("zeros", zeros.to(torch.uint8).contiguous())
+            self.register_buffer("g_idx", g_idx.to(torch.int32).contiguous())
+
+    def _pick_kernel(self, q: Tensor, zeros: Tensor, sequential: bool, dtype: torch.dtype) -> str:
+        cuda = q.device.type == "cuda"
+        if self.bits == 8 and zeros.shape[1] == 1 and bool((zeros == INT8_SYM_ZERO).all()):  # per channel
+            return "int8dq" if cuda else "int8pack"
+        if (self.bits == 4 and sequential and self.group_size in INT4_GROUPS and self.out_features % 8 == 0
+                and _inner_k_tiles(self.in_features) is not None and self.in_features % self.group_size == 0):
+            if cuda and torch.cuda.get_device_capability(q.device) >= (8, 0):
+                return "int4pack"
+            if not cuda and dtype in (torch.float32, torch.bfloat16, torch.float16):
+                return "int4pack_cpu"
+        return "reference"
+
+    def dequantized_weight(self) -> Tensor:
+        """The weight (N, K) in float32, whatever the kernel (for tests and tools, not the hot path)."""
+        if self.kernel == "reference":
+            return dequantize(self.weight, self.scales.float(), self.zeros, self.g_idx)
+        eye = torch.eye(self.in_features, device=self.weight.device,
+                        dtype=self.scales.dtype if self.kernel.startswith("int8") else self.scales_zeros.dtype)
+        return self._fast(eye).float().T.contiguous()
+
+    def _fast(self, x2: Tensor) -> Tensor:
+        if self.kernel == "int8dq":
+            return F.linear(x2, self.weight.to(x2.dtype)) * self.scales
+        if self.kernel == "int8pack":
+            return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
+        if self.kernel == "int4pack":
+            return torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16), self.weight, self.group_size,
+                                                      self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self.scales_zeros.dtype), self.weight,
+                                                          self.group_size, self.scales_zeros)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kernel == "reference":
+            w = dequantize(self.weight, self.scales, self.zeros, self.g_idx).to(x.dtype)
+            return F.linear(x, w, self.bias)
+        y = self._fast(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}, "
+                f"kernel={self.kernel}")
+
