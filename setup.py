@@ -8,8 +8,12 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["agent", "agent.*", "power", "power.*", "partition", "partition.*", "kernels", "kernels.*"]),
-    package_data={"power": ["profiles/*.toml"]},
+    # the shipped model (models/<name>) installs as package data of partition.shipped_models, so a
+    # wheel or a non-editable install carries it (partition/paths.py finds it either way)
+    packages=find_packages(include=["agent", "agent.*", "power", "power.*", "partition", "partition.*", "kernels", "kernels.*"])
+    + ["partition.shipped_models"],
+    package_dir={"partition.shipped_models": "models"},
+    package_data={"power": ["profiles/*.toml"], "partition.shipped_models": ["*/*.json", "*/*.safetensors", "*/*.md"]},
     include_package_data=True,
     install_requires=[
         # torch>=2.2: the on-disk CPU build torch==2.13.0 satisfies it; JetPack's NVIDIA wheels too.
