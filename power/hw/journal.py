@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from power.hw import sysfs
-from power.hw.errors import BoardWriteError, JournalError, RefusedWrite  # noqa: F401 (re-exported)
+from power.hw.errors import BoardWriteError, JournalError, RefusedWrite, ToolError  # noqa: F401 (re-exported)
+from power.hw.parsers import parse_nvpmodel_status
 
 DEFAULT_RUN_DIR = "/run/orin-agent"
 JOURNAL_NAME = "journal.json"
@@ -66,6 +67,14 @@ class BoardIO:
 
     def remove(self, host_path: str) -> None:
         os.unlink(host_path)
+
+    def set_mode(self, mode_id: int) -> None:
+        """Switch the power mode back (a journaled ``nvpmodel -m``, role ``mode``)."""
+        from power.hw.tools import run_tool  # the tools module sits beside the journal
+        try:
+            run_tool(["nvpmodel", "-m", str(mode_id)], 60.0)
+        except ToolError as exc:        # reported like a failed file write
+            raise OSError(errno.EIO, str(exc)) from exc
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,11 @@ def restore_entries(root: str, entries: tuple[JournalEntry, ...], io: BoardIO) -
         done.add(i)
         host = sysfs.resolve(root, e.path)
         try:
+            if e.role == "mode" and e.original is not None:
+                # the mode in force before a real `nvpmodel -m`: switch back, then nvpmodel's status
+                mode_id = parse_nvpmodel_status(e.original.decode(errors="replace"))
+                if mode_id is not None:
+                    io.set_mode(mode_id)
             if e.original is None:
                 if os.path.lexists(host):
                     io.remove(host)
