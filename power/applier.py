@@ -146,7 +146,7 @@ class ClockApplier:
         def go() -> int:
             n = 0
             g0, g1, emc, cpu = d.clocks()
-            prev = self.applied
+            prev = self._still_in_force(self.applied)
             with self.writer.transaction():
                 if prev is None or (prev[0], prev[1]) != (g0, g1):
                     self.board.gpu.set_range(self.writer, g0, g1)
@@ -170,6 +170,22 @@ class ClockApplier:
             self.note(f"clamped by the kernel: {line}")
         self.writer.clamps.clear()
         return n
+
+    def _still_in_force(self, prev: tuple[int, int, int, int] | None) -> tuple[int, int, int, int] | None:
+        """What we last applied, if the GPU and EMC files still hold it: another tool (nvpmodel by
+        hand, jtop, jetson_clocks) may have changed them since; then everything is written again."""
+        if prev is None:
+            return None
+        root, gpu, emc = self.board.root, self.board.info.gpu, self.board.info.emc
+        if gpu.devfreq and (sysfs.read_int(root, f"{gpu.devfreq}/min_freq"),
+                            sysfs.read_int(root, f"{gpu.devfreq}/max_freq")) != (prev[0], prev[1]):
+            self.emc_locked = self.emc_locked and bool(emc.locked and sysfs.read_int(root, emc.locked))
+            return None
+        if self.emc_locked and emc.pinnable and (sysfs.read_int(root, emc.locked or "") != 1 or
+                                                 sysfs.read_int(root, emc.rate or "") != prev[2]):
+            self.emc_locked = False
+            return None
+        return prev
 
     def _emc(self, hz: int) -> int:
         """Pin the EMC (bpmp debugfs); without debugfs cap it (r36 clk_cap) or leave it, with a note."""

@@ -16,7 +16,7 @@ from power.applier import ClockApplier, PowerLoop, read_zone_samples, tables_fro
 from power.hw.backends import SysfsBoard, open_board
 from power.hw.journal import DEFAULT_RUN_DIR as _JOURNAL_RUN_DIR
 from power.hw.writer import ClockWriter
-from power.physics.boards import BoardSpec, board_for
+from power.physics.boards import BOARDS, NANO_SUPER, BoardSpec, board_for
 from power.physics.costmodel import ModelShape
 from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Planner, Readings
 from power.policy.profiles import DEFAULT_USER_DIR, Profile, ProfileStore
@@ -58,9 +58,23 @@ def spec_of(board: SysfsBoard) -> BoardSpec | None:
     if not ident.board or ident.l4t is None:
         return None
     try:
-        return board_for(ident.board, ident.l4t.release if ident.l4t.release in ("r35", "r36") else "r36")
+        spec = board_for(ident.board, ident.l4t.release if ident.l4t.release in ("r35", "r36") else "r36")
     except KeyError:
         return None
+    if spec is NANO_SUPER and not _says_super(board):
+        # JetPack 6.0/6.1 Nanos are r36 but not Super (EMC tops at 2133 MHz: ORIN.md field notes)
+        return BOARDS["orin-nano-8gb"]
+    return spec
+
+
+def _says_super(board: SysfsBoard) -> bool:
+    """The board calls itself Super: its model string, or a MAXN_SUPER mode in its nvpmodel.conf."""
+    if "super" in (board.info.identity.model or "").lower():
+        return True
+    try:
+        return board.nvpmodel.available and any("SUPER" in m.name.upper() for m in board.nvpmodel.conf().modes)
+    except ValueError:
+        return False
 
 
 def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], profile: str | Profile,
