@@ -50,7 +50,7 @@ def _set(root: Path, run: Path, profile: str = "balanced", *extra: str) -> dict:
 
 def test_the_toml_readers_fall_back_to_tomli_where_tomllib_is_missing() -> None:
     pytest.importorskip("tomli")
-    code = ("import sys; sys.modules['tomllib'] = None\n"        # as on Python 3.10
+    code = ("import sys; sys.modules['tomllib'] = None; sys.version_info = (3, 10, 13)\n"    # as on 3.10
             "from power.policy.profiles import ProfileStore\n"
             "import agent.config\n"
             "print(ProfileStore(None).load('balanced').nvpmodel)")
