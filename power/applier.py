@@ -78,6 +78,7 @@ class ClockApplier:
         self.emc_locked = False
         self.writes = 0
         self.notes: list[str] = []      # what was skipped or clamped: one line each, for people
+        self._after: tuple[bytes, ...] = ()     # the clock files right after our last apply
         self._cpu_min = {cl.name: r.min_khz or cl.available_khz[0]
                          for cl, r in zip(board.info.cpu.clusters, board.cpu.read()) if cl.available_khz}
 
@@ -166,26 +167,31 @@ class ClockApplier:
             return n
         n = self._guarded(go)
         self.writes += n
+        self._after = self._files()
         for line in self.writer.clamps:
             self.note(f"clamped by the kernel: {line}")
         self.writer.clamps.clear()
         return n
 
+    def _files(self) -> tuple[bytes, ...]:
+        """The GPU min/max and EMC lock/rate files as they are now (what another tool would change)."""
+        gpu, emc = self.board.info.gpu, self.board.info.emc
+        paths = ([f"{gpu.devfreq}/min_freq", f"{gpu.devfreq}/max_freq"] if gpu.devfreq else []) + \
+            ([emc.locked or "", emc.rate or ""] if emc.pinnable else [])
+        try:
+            return tuple(self.writer.read_raw(p).strip() for p in paths)
+        except OSError:
+            return ()
+
     def _still_in_force(self, prev: tuple[int, int, int, int] | None) -> tuple[int, int, int, int] | None:
-        """What we last applied, if the GPU and EMC files still hold it: another tool (nvpmodel by
-        hand, jtop, jetson_clocks) may have changed them since; then everything is written again."""
-        if prev is None:
-            return None
-        root, gpu, emc = self.board.root, self.board.info.gpu, self.board.info.emc
-        if gpu.devfreq and (sysfs.read_int(root, f"{gpu.devfreq}/min_freq"),
-                            sysfs.read_int(root, f"{gpu.devfreq}/max_freq")) != (prev[0], prev[1]):
-            self.emc_locked = self.emc_locked and bool(emc.locked and sysfs.read_int(root, emc.locked))
-            return None
-        if self.emc_locked and emc.pinnable and (sysfs.read_int(root, emc.locked or "") != 1 or
-                                                 sysfs.read_int(root, emc.rate or "") != prev[2]):
-            self.emc_locked = False
-            return None
-        return prev
+        """What we last applied, if the GPU and EMC files still hold what they held after our writes:
+        another tool (nvpmodel by hand, jtop, jetson_clocks) may have changed them since; then
+        everything is written again."""
+        if prev is None or self.writer.dry_run or self._files() == self._after:
+            return prev
+        self.note("clock files changed by another tool since the last write: writing them again")
+        self.emc_locked = False
+        return None
 
     def _emc(self, hz: int) -> int:
         """Pin the EMC (bpmp debugfs); without debugfs cap it (r36 clk_cap) or leave it, with a note."""
