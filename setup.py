@@ -8,8 +8,12 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["agent", "agent.*", "power", "power.*", "partition", "partition.*", "kernels", "kernels.*"]),
-    package_data={"power": ["profiles/*.toml"]},
+    # the shipped model (models/<name>) installs as package data of partition.shipped_models, so a
+    # wheel or a non-editable install carries it (partition/paths.py finds it either way)
+    packages=find_packages(include=["agent", "agent.*", "power", "power.*", "partition", "partition.*", "kernels", "kernels.*"])
+    + ["partition.shipped_models"],
+    package_dir={"partition.shipped_models": "models"},
+    package_data={"power": ["profiles/*.toml"], "partition.shipped_models": ["*/*.json", "*/*.safetensors", "*/*.md"]},
     include_package_data=True,
     install_requires=[
         # torch>=2.2: the on-disk CPU build torch==2.13.0 satisfies it; JetPack's NVIDIA wheels too.
@@ -32,7 +36,8 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "openai>=1.30"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "openai>=1.30",
+                 "vermin>=1.6", "tomli>=2.0"],  # the 3.10 checks run under 3.11 too
         # TensorRT itself comes from JetPack's apt packages (python3-libnvinfer), never pip.
         "jetson": ["jetson-stats>=4.2"],
         # the device side of offload (KServe v2 over gRPC); the edge server's own interpreter comes

@@ -145,6 +145,8 @@ class Service:
         meter = EnergyMeter(reader) if reader is not None and reader.has_power else None
         if reader is not None and meter is None:
             log.info("no power rails under %s: energy is reported as null", self.board.root)
+        # the power mode switch (nvpmodel) happens here, before any CUDA context exists
+        self.controller = self._open_controller()
         t0 = time.monotonic()
         tokenizer = Tokenizer.from_dir(cfg.model_dir)
         chain = build_chain(cfg)
@@ -154,7 +156,6 @@ class Service:
         listeners: list[Any] = [self.listener]
         if self.board.twin is not None:
             listeners.append(self.board.twin)
-        self.controller = self._open_controller()
         if self.controller is not None:
             listeners.append(self.controller)
         core = EngineCore(ChainExecutor(chain), tokenizer, listener=FanOut(*listeners), meter=meter,

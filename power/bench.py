@@ -141,8 +141,10 @@ class _Run:
         else:
             store = ProfileStore(cfg.profile_dir)
             profile = store.load_doc("auto", AUTO_DOC) if policy == "auto" else store.load(policy)
+            # the twin "reboots" for free: every policy runs at its profile's mode, as MAXN does above
             session = open_session(root, run_dir, profile, cfg.shape, precision=cfg.precision,
-                                   fan_ours=cfg.fan == "ours", spec=self.spec, zones=self._zones)
+                                   fan_ours=cfg.fan == "ours", spec=self.spec, zones=self._zones,
+                                   allow_reboot_modes=True)
             self.board, self.writer, self.loop = session.board, session.writer, session.loop
         self.twin = Twin(root, ambient_c=cfg.ambient_c, fan_daemon=cfg.fan == "daemon")
         self.trip_c = min((p for p, _, _ in self.twin.trips), default=TRIP_C * 1000) / 1000.0

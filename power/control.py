@@ -16,7 +16,7 @@ from power.applier import ClockApplier, PowerLoop, read_zone_samples, tables_fro
 from power.hw.backends import SysfsBoard, open_board
 from power.hw.journal import DEFAULT_RUN_DIR as _JOURNAL_RUN_DIR
 from power.hw.writer import ClockWriter
-from power.physics.boards import BoardSpec, board_for
+from power.physics.boards import BOARDS, NANO_SUPER, BoardSpec, board_for
 from power.physics.costmodel import ModelShape
 from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Planner, Readings
 from power.policy.profiles import DEFAULT_USER_DIR, Profile, ProfileStore
@@ -41,6 +41,11 @@ class Session:
     spec: BoardSpec | None
     tables: BoardTables
 
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What the board did not offer (skipped) or the kernel clamped, one line each."""
+        return tuple(self.applier.notes)
+
     def close(self) -> None:
         """Release the journal's lock, leaving its entries for a later restore."""
         if self.writer.journal is not None:
@@ -53,9 +58,23 @@ def spec_of(board: SysfsBoard) -> BoardSpec | None:
     if not ident.board or ident.l4t is None:
         return None
     try:
-        return board_for(ident.board, ident.l4t.layout if ident.l4t.layout in ("r35", "r36") else "r36")
+        spec = board_for(ident.board, ident.l4t.layout if ident.l4t.layout in ("r35", "r36") else "r36")
     except KeyError:
         return None
+    if spec is NANO_SUPER and not _says_super(board):
+        # JetPack 6.0/6.1 Nanos are r36 but not Super (EMC tops at 2133 MHz: ORIN.md field notes)
+        return BOARDS["orin-nano-8gb"]
+    return spec
+
+
+def _says_super(board: SysfsBoard) -> bool:
+    """The board calls itself Super: its model string, or a MAXN_SUPER mode in its nvpmodel.conf."""
+    if "super" in (board.info.identity.model or "").lower():
+        return True
+    try:
+        return board.nvpmodel.available and any("SUPER" in m.name.upper() for m in board.nvpmodel.conf().modes)
+    except ValueError:
+        return False
 
 
 def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], profile: str | Profile,
@@ -63,12 +82,16 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
                  profile_dir: str | os.PathLike[str] | None = DEFAULT_PROFILE_DIR, precision: str = "int4",
                  fan_ours: bool = False, spec: BoardSpec | None = None,
                  zones: Callable[[], tuple[ZoneSample, ...]] | None = None,
-                 echo: Callable[[str], None] | None = None, recover: bool = True) -> Session:
+                 echo: Callable[[str], None] | None = None, recover: bool = True,
+                 allow_reboot_modes: bool = False) -> Session:
     """Open ``root`` for control with ``profile``: its nvpmodel mode is switched (journaled), the board
     rediscovered, the tables read and, with a model shape (a preset name or the served model's), the
     cost-model planner built (without one, ``auto`` falls back to a fixed rule). ``spec`` defaults to
-    the board's identity; ``zones`` to the board's thermal zones. On any error the journal is restored
-    and closed before the error propagates."""
+    the board's identity; ``zones`` to the board's thermal zones. What the board does not offer (no
+    nvpmodel.conf, no such mode, no debugfs) is skipped with a line in ``Session.warnings``; a mode
+    switch that needs a reboot (TPC mask) only with ``allow_reboot_modes``. Call it before any CUDA
+    context exists (a mode switch changes the GPU's caps under it). On any error the journal is
+    restored and closed before the error propagates."""
     prof = profile if isinstance(profile, Profile) else ProfileStore(
         None if profile_dir is None else os.fspath(profile_dir)).load(profile)
     board = open_board(root)
@@ -76,11 +99,12 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
     applier = ClockApplier(board, writer)
     spec = spec if spec is not None else spec_of(board)
     try:
-        if prof.nvpmodel:
-            applier.set_mode(prof.nvpmodel)
-            if not dry_run and board.backend == "sysfs":
+        if prof.nvpmodel and applier.set_mode(prof.nvpmodel, allow_reboot=allow_reboot_modes) \
+                and not dry_run:
+            if board.backend == "sysfs":
                 board = SysfsBoard(board.root)       # rediscover: the mode changed caps and cores
                 applier.board = board
+            applier.check_mode_caps(prof.nvpmodel)
         tables = tables_from_board(board, spec.emc_hz if spec else ())
         mode = board.read_mode()
         planner = (Planner.for_board(spec, model_shape, precision, mode.id if mode else None)
@@ -95,16 +119,25 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
     return Session(board, writer, applier, loop, prof, spec, tables)
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What ``power set`` did: the profile, the idle decision written, and what was skipped."""
+    profile: Profile
+    decision: Decision
+    warnings: tuple[str, ...]
+
+
 def apply_profile(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], name: str, *,
                   profile_dir: str | os.PathLike[str] | None = DEFAULT_PROFILE_DIR, dry_run: bool = False,
-                  echo: Callable[[str], None] | None = None) -> tuple[Profile, Decision]:
+                  echo: Callable[[str], None] | None = None, allow_reboot_modes: bool = False) -> Applied:
     """``orin-agent power set``: apply a profile's power mode and idle clocks now, journaled (``power
-    restore`` undoes it), leave the journal for that restore and record the state file."""
+    restore`` undoes it), leave the journal for that restore and record the state file (with the
+    warnings, so ``power status`` shows them)."""
     prof = ProfileStore(None if profile_dir is None else os.fspath(profile_dir)).load(name)
     if not Path(root).is_dir():
         raise FileNotFoundError(f"--root {root}: no such directory")
     session = open_session(root, run_dir, prof, None, dry_run, profile_dir=profile_dir, echo=echo,
-                           recover=False)
+                           recover=False, allow_reboot_modes=allow_reboot_modes)
     try:
         d, _ = session.loop.controller.decide(Readings(), PhaseIn("idle"), session.profile, DvfsState(), 0.0)
         session.applier.apply(d)
@@ -115,5 +148,6 @@ def apply_profile(root: str | os.PathLike[str], run_dir: str | os.PathLike[str],
         write_state(run_dir, {"profile": session.profile.name, "phase": "idle", "set_by": "orin-agent power set",
                               "decision": {"gpu_min_hz": d.gpu_min_hz, "gpu_max_hz": d.gpu_max_hz,
                                            "emc_hz": d.emc_hz, "cpu_max_khz": d.cpu_max_khz,
-                                           "reason": d.reason}})
-    return session.profile, d
+                                           "reason": d.reason},
+                              "warnings": list(session.warnings)})
+    return Applied(session.profile, d, session.warnings)

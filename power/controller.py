@@ -45,6 +45,7 @@ class PowerController:
         self._thread = threading.Thread(target=self._run, name="power", daemon=True)
         self._stop = threading.Event()
         self.failed: str | None = None
+        self._noted = 0     # applier notes (skipped interfaces, clamps) already logged
 
     @classmethod
     def open(cls, root: str | os.PathLike[str], run_dir: str | os.PathLike[str], profile: str | Profile,
@@ -100,6 +101,9 @@ class PowerController:
                 self.failed = str(exc)
                 log.error("power controller disabled after a write error (board files restored): %s", exc)
                 continue
+            for line in self.applier.notes[self._noted:]:
+                log.warning("%s", line)
+            self._noted = len(self.applier.notes)
             if now - last_state >= 1.0:
                 last_state = now
                 try:
@@ -110,7 +114,7 @@ class PowerController:
     def snapshot(self, d: Any) -> dict[str, Any]:
         v = self.loop.state.verdict
         return {"profile": self.loop.profile.name, "phase": self.loop.phase.kind, "pid": os.getpid(),
-                "updated": time.time(), "failed": self.failed,
+                "updated": time.time(), "failed": self.failed, "warnings": list(self.applier.notes),
                 "decision": None if d is None else {
                     "phase": d.phase, "gpu_min_hz": d.gpu_min_hz, "gpu_max_hz": d.gpu_max_hz,
                     "emc_hz": d.emc_hz, "cpu_max_khz": d.cpu_max_khz, "fan_pwm": d.fan_pwm,

@@ -35,6 +35,8 @@ def describe_state(state: dict[str, Any] | None) -> str:
         line += (f"; GPU {d.get('gpu_min_hz', 0) / 1e6:.0f}-{d.get('gpu_max_hz', 0) / 1e6:.0f} MHz, "
                  f"EMC {d.get('emc_hz', 0) / 1e6:.0f} MHz, CPU max {d.get('cpu_max_khz', 0) / 1e3:.0f} MHz "
                  f"({d.get('reason')})")
+    if state.get("warnings"):
+        line += "; warning: " + "; ".join(map(str, state["warnings"]))
     if state.get("failed"):
         line += f"; FAILED: {state['failed']}"
     return line

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -28,7 +29,10 @@ RUN_JOURNAL = Path("/run/orin-agent/journal.json")
 
 def _auth() -> dict[str, str]:
     """The bearer token the installed config asks for (server.token or server.token_file), if any."""
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib  # novermin (guarded by the version check)
+    else:  # Python 3.10
+        import tomli as tomllib
 
     server = tomllib.loads(CONFIG.read_text()).get("server", {})
     token = server.get("token") or ""

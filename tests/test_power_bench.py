@@ -27,7 +27,7 @@ EMC = "sys/kernel/debug/bpmp/debug/clk/emc"
 def _loop(root: Path, profile: str = "balanced") -> tuple[PowerLoop, ClockApplier]:
     board = SysfsBoard(root)
     applier = ClockApplier(board, board.writer(root / "run" / "orin-agent"))
-    applier.set_mode("MAXN")
+    applier.set_mode("MAXN", allow_reboot=True)     # the twin reboots for free
     board = SysfsBoard(root)
     applier.board = board
     ctl = DvfsController(tables_from_board(board, SPEC.emc_hz), Planner.for_board(SPEC, "llama-3-8b", "int4", 0))

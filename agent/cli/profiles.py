@@ -70,14 +70,31 @@ def set_profile(name: str = typer.Argument(..., help="Profile name."),
                 root: Path = root_option(),
                 run_dir: Path = run_dir_option(),
                 profile_dir: Path = profile_dir_option(),
-                dry_run: bool = typer.Option(False, "--dry-run", help="Print the writes, change nothing.")) -> None:
-    """Apply a profile's power mode and idle clocks now (journaled; `power restore` undoes it)."""
+                dry_run: bool = typer.Option(False, "--dry-run", help="Print the writes, change nothing."),
+                allow_reboot_modes: bool = typer.Option(
+                    False, "--allow-reboot-modes",
+                    help="Also switch to a power mode that changes the GPU TPC mask (needs a reboot)."),
+                json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Apply a profile's power mode and idle clocks now (journaled; `power restore` undoes it).
+    What the board does not offer (no nvpmodel.conf, no debugfs, no such mode) is skipped with one
+    warning line."""
     from power.control import apply_profile
 
     with cli_errors():
-        prof, _ = apply_profile(root, run_dir, name, profile_dir=profile_dir, dry_run=dry_run, echo=typer.echo)
+        done = apply_profile(root, run_dir, name, profile_dir=profile_dir, dry_run=dry_run,
+                             echo=None if json_out else typer.echo, allow_reboot_modes=allow_reboot_modes)
+        if json_out:
+            d = done.decision
+            print_json({"profile": done.profile.name, "root": str(root), "dry_run": dry_run,
+                        "decision": {"gpu_min_hz": d.gpu_min_hz, "gpu_max_hz": d.gpu_max_hz, "emc_hz": d.emc_hz,
+                                     "cpu_max_khz": d.cpu_max_khz, "reason": d.reason},
+                        "warning": "; ".join(done.warnings) or None, "warnings": list(done.warnings)})
+            return
+        if done.warnings:
+            typer.echo("warning: " + "; ".join(done.warnings), err=True)
         if not dry_run:
-            typer.echo(f"profile {prof.name} applied to {root} (idle clocks; `orin-agent power restore` undoes it)")
+            typer.echo(f"profile {done.profile.name} applied to {root} (idle clocks; `orin-agent power restore` "
+                       f"undoes it)")
 
 
 def state(run_dir: Path = run_dir_option("The controller's run directory."),

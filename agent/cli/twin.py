@@ -24,6 +24,9 @@ def create(
     board: str = typer.Option("agx-orin-64gb", "--board", help=f"One of: {', '.join(BOARDS)}."),
     l4t: str = typer.Option("r36", "--l4t", help=f"L4T layout: {' or '.join(L4T_RELEASES)}."),
     ambient: float = typer.Option(25.0, "--ambient", help="Starting temperature, °C."),
+    no_debugfs: bool = typer.Option(False, "--no-debugfs", help="Leave /sys/kernel/debug out (as in a container)."),
+    nvpmodel_conf: str = typer.Option("file", "--nvpmodel-conf",
+                                      help="/etc/nvpmodel.conf as a file, absent, or a symlink into /etc/nvpmodel/."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Lay out BOARD's sysfs / procfs / etc tree (L4T r35 or r36 layout) in DIRECTORY."""
@@ -35,7 +38,8 @@ def create(
         if directory.exists() and not directory.is_dir():
             raise NotADirectoryError(f"{directory} exists and is not a folder")
         try:
-            paths = create_twin(directory, board, l4t, ambient_c=ambient)
+            paths = create_twin(directory, board, l4t, ambient_c=ambient, debugfs=not no_debugfs,
+                                nvpmodel_conf=nvpmodel_conf)
         except OSError as e:
             raise OSError(f"cannot create the twin in {directory}: {e}") from e
     result = {"root": str(directory), "board": board, "l4t": l4t,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,7 @@ from power.hw.thermal import ThermalZones, ZoneReading
 from power.hw.tools import Runner, run_tool
 from power.hw.writer import ClockWriter
 
+log = logging.getLogger("orin_agent.power")
 JTOP_SOCKET = "/run/jtop.sock"  # ORIN.md: jtop.service listens here
 
 
@@ -111,11 +113,27 @@ class JtopBoard(SysfsBoard):
     backend = "jtop"
 
     def __init__(self, jetson: Any, root: str | os.PathLike[str] = "/", *, info: BoardInfo | None = None,
-                 runner: Runner | None = None) -> None:
+                 runner: Runner | None = None, errors: tuple[type[Exception], ...] = (OSError,)) -> None:
         super().__init__(root, info=info, runner=runner)
         self.jetson = jetson
+        self._errors = errors       # jtop's JtopException (and OSError) when its thread or service died
+
+    def _alive(self) -> bool:
+        """jtop's data is live (``ok()``); False when its thread died, so readings come from sysfs
+        and temperatures cannot freeze at the last value jtop saw."""
+        ok = getattr(self.jetson, "ok", None)
+        if ok is None:
+            return True
+        try:
+            ok()
+        except self._errors as exc:
+            log.warning("jtop stopped answering (%s): reading the board from sysfs", exc)
+            return False
+        return True
 
     def read_zones(self) -> tuple[ZoneReading, ...]:
+        if not self._alive():
+            return super().read_zones()
         trips = {z.name: z.trips for z in self.thermal.read()}
         out = []
         for name, t in dict(self.jetson.temperature).items():
@@ -125,7 +143,15 @@ class JtopBoard(SysfsBoard):
         return tuple(out)
 
     def read_rails(self) -> tuple[RailReading, ...]:
-        rails = dict(self.jetson.power).get("rail", {})
+        if not self._alive():
+            return super().read_rails()
+        power = dict(self.jetson.power)
+        rails = dict(power.get("rail", {}))
+        # jetson-stats moves the board total (VDD_IN on NX/Nano) out of "rail" into "tot" (ORIN.md
+        # field notes): keep it as its own rail so the total is VDD_IN, not a sum of sub-rails
+        tot = power.get("tot") or {}
+        if tot.get("name") and tot["name"] not in rails and tot.get("volt") is not None:
+            rails[tot["name"]] = tot
         return tuple(RailReading(name, r.get("volt"), r.get("curr"), r.get("crit"))
                      for name, r in rails.items() if r.get("online", True))
 
@@ -160,6 +186,9 @@ class JtopBoard(SysfsBoard):
             if writer.echo:
                 writer.echo(f"would set the fan to {pwm}/255 through jtop")
             return
+        # without the manual profile nvfancontrol rewrites the PWM within ~2 s (ORIN.md field notes)
+        if getattr(self.jetson.fan, "profile", "manual") != "manual":
+            self.jetson.fan.profile = "manual"
         self.jetson.fan.speed = round(100.0 * pwm / PWM_MAX)
 
     def set_jetson_clocks(self, writer: ClockWriter, *, fan: bool = False) -> None:
@@ -204,6 +233,20 @@ def open_board(root: str | os.PathLike[str] = "/", *, backend: str = "auto",
     if not jtop_available(root):
         raise FeatureUnavailable(f"jtop backend needs root '/', the jetson-stats package and {JTOP_SOCKET}")
     module = importlib.import_module("jtop")
-    jetson = module.jtop()
-    jetson.start()
-    return JtopBoard(jetson, root, runner=runner)
+    # the jtop client refuses a service of another major.minor (and raises JtopException when the
+    # service is down): in auto mode that is a warning and the board is read from sysfs
+    errors: tuple[type[Exception], ...] = (OSError,)
+    exc_type = getattr(module, "JtopException", None)
+    if isinstance(exc_type, type) and issubclass(exc_type, Exception):
+        errors = (exc_type, OSError)
+    try:
+        jetson = module.jtop()
+        jetson.start()
+    except errors as exc:
+        if backend == "jtop":
+            raise FeatureUnavailable(f"jtop backend: {exc} (install the jetson-stats version of the board's "
+                                     f"jtop service: `jtop --version`)") from exc
+        log.warning("jtop unusable (%s): reading the board from sysfs; pin jetson-stats to the board's "
+                    "jtop service version", exc)
+        return SysfsBoard(root, runner=runner)
+    return JtopBoard(jetson, root, runner=runner, errors=errors)

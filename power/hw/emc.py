@@ -4,8 +4,10 @@ ORIN.md ("EMC"): ``/sys/kernel/debug/bpmp/debug/clk/emc/{rate,min_rate,max_rate,
 lock with ``mrq_rate_locked``=1, then write ``rate``; the nvpmodel cap is
 ``/sys/kernel/nvpmodel_emc_cap/emc_iso_cap`` (r35). r36 kernels name the cap
 ``/sys/kernel/nvpmodel_clk_cap/emc`` (the ``_KNEXT`` path in NVIDIA's 2023 nvpmodel_p3701_0000.conf and
-the path ``nvpmodel -q --verbose`` prints on an r36.4 Orin Nano, both in tests/data). Activity:
-``/sys/kernel/actmon_avg_activity/mc_all`` or ``/sys/kernel/debug/cactmon/mc_all``;
+the path ``nvpmodel -q --verbose`` prints on an r36.4 Orin Nano, both in tests/data). Without
+debugfs (containers, locked-down boards) the EMC cannot be pinned; on r36 the agent then caps it
+through ``/sys/kernel/nvpmodel_clk_cap/emc`` (ORIN.md field notes), on r35 it leaves the EMC alone.
+Activity: ``/sys/kernel/actmon_avg_activity/mc_all`` or ``/sys/kernel/debug/cactmon/mc_all``;
 utilisation = mc_all / (rate/1000). Units: Hz.
 """
 from __future__ import annotations
@@ -18,7 +20,8 @@ from power.hw.errors import FeatureUnavailable
 from power.hw.writer import ClockWriter
 
 BPMP_EMC = "/sys/kernel/debug/bpmp/debug/clk/emc"
-CAP_PATHS = ("/sys/kernel/nvpmodel_emc_cap/emc_iso_cap", "/sys/kernel/nvpmodel_clk_cap/emc")
+CAP_R36 = "/sys/kernel/nvpmodel_clk_cap/emc"
+CAP_PATHS = ("/sys/kernel/nvpmodel_emc_cap/emc_iso_cap", CAP_R36)
 ACTIVITY_PATHS = ("/sys/kernel/actmon_avg_activity/mc_all", "/sys/kernel/debug/cactmon/mc_all")
 
 
@@ -36,6 +39,16 @@ class EmcInfo:
     def available(self) -> bool:
         return self.rate is not None
 
+    @property
+    def pinnable(self) -> bool:
+        """The rate can be locked (bpmp debugfs rate + mrq_rate_locked)."""
+        return self.rate is not None and self.locked is not None
+
+    @property
+    def control_cap(self) -> str | None:
+        """The cap the agent writes when it cannot pin the rate: r36's clk_cap, only without debugfs."""
+        return CAP_R36 if not self.pinnable and CAP_R36 in self.caps else None
+
 
 @dataclass(frozen=True)
 class EmcReading:
@@ -45,6 +58,13 @@ class EmcReading:
     cap_hz: int | None
     locked: bool | None
     util_pct: float | None
+
+
+def rate_accept(rate_hz: int) -> tuple[int, int]:
+    """Read-backs of an EMC rate write that are BPMP's choice, not a failure: the BPMP rounds to its
+    own table (ORIN.md field notes); within a tenth of the rate asked for (an estimate: the T234
+    rates in power.physics.boards, 204/665.6/2133/3199 MHz, lie far more than 10 % apart)."""
+    return (rate_hz - rate_hz // 10, rate_hz + rate_hz // 10)
 
 
 def find_emc(root: str | os.PathLike[str]) -> EmcInfo:
@@ -73,6 +93,8 @@ class Emc:
         if self.info.rate and self.info.locked:
             out[self.info.rate] = "EMC rate (Hz), bpmp debugfs"
             out[self.info.locked] = "EMC mrq_rate_locked (0/1), bpmp debugfs"
+        elif self.info.control_cap:
+            out[self.info.control_cap] = "EMC cap (Hz), nvpmodel clk_cap (no debugfs)"
         return out
 
     def cap_writable(self) -> dict[str, str]:
@@ -104,7 +126,13 @@ class Emc:
             raise ValueError(f"EMC rate {rate_hz} Hz is outside [{lo}, {hi}] Hz")
         with writer.transaction():
             writer.write(self.info.locked, 1, group=self.group, role="lock")
-            writer.write(self.info.rate, rate_hz, group=self.group, role="rate")
+            writer.write(self.info.rate, rate_hz, group=self.group, role="rate", accept=rate_accept(rate_hz))
+
+    def cap(self, writer: ClockWriter, rate_hz: int) -> None:
+        """Without debugfs on r36: cap the EMC at ``rate_hz`` through nvpmodel's clk_cap file."""
+        if not self.info.control_cap:
+            raise FeatureUnavailable(f"no EMC cap file the agent may write ({CAP_R36} without debugfs)")
+        writer.write(self.info.control_cap, rate_hz, group=self.group, role="cap")
 
     def unlock(self, writer: ClockWriter) -> None:
         """Hand the EMC back to the BPMP's own scaling."""

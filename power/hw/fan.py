@@ -15,6 +15,7 @@ from power.hw.writer import ClockWriter
 
 PWM_GLOB = "/sys/devices/platform/pwm-fan*/hwmon/hwmon*/pwm1"
 PWM_MAX = 255
+TACH_GLOB = "/sys/class/hwmon/hwmon*/rpm"   # a hwmon device named like *tach* (r36 carriers)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ def find_fan(root: str | os.PathLike[str]) -> FanInfo:
     if pwm:
         cand = pwm.rsplit("/", 1)[0] + "/rpm"
         rpm = cand if sysfs.is_file(root, cand) else None
+    if rpm is None:     # the tachometer in its own hwmon device (issue report from JetPack 6 boards)
+        rpm = next((p for p in sysfs.glob_board(root, TACH_GLOB)
+                    if "tach" in (sysfs.read_text(root, p.rsplit("/", 1)[0] + "/name") or "")), None)
     return FanInfo(pwm, rpm)
 
 

@@ -23,12 +23,14 @@ FALLBACK_DEVFREQ = (
     "/sys/devices/17000000.ga10b/devfreq/17000000.ga10b",
     "/sys/devices/gpu.0/devfreq/17000000.ga10b",
     "/sys/devices/platform/bus@0/17000000.gpu/devfreq/17000000.gpu",
+    "/sys/devices/platform/17000000.gpu/devfreq_dev",   # r36 nvpmodel's _KNEXT path (ORIN.md field notes)
 )
 # ORIN.md "GPU load" / "GPU rail-gating": r35, then the two r36 places.
 GPU_DEVICE_DIRS = (
     "/sys/devices/gpu.0",
     "/sys/devices/platform/gpu.0",
     "/sys/devices/platform/bus@0/17000000.gpu",
+    "/sys/devices/platform/17000000.gpu",
 )
 
 

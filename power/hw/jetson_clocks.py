@@ -6,8 +6,9 @@ ORIN.md ("jetson_clocks"): it pins each clock at its mode maximum; ``--show`` pr
 The tool is always called through the board's runner (power.hw.tools): the real ``jetson_clocks`` on
 the board, power.twin.runner.TwinRunner on a twin tree. The real tool writes outside our journal, so
 before running it the agent's own clock/fan files are recorded in the journal and ``restore`` undoes
-it like any other change (what jetson_clocks does to cpuidle states is not journaled: use
-``jetson_clocks --restore`` for those); the twin's runner writes through the journal itself.
+it like any other change; what it does to cpuidle states is covered by ``jetson_clocks --store`` into
+the run directory first and ``--restore`` from there at restore time. The twin's runner writes
+through the journal itself.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from power.hw.gpu import GpuClock
 from power.hw.parsers import JetsonClocksShow, parse_jetson_clocks_show
 from power.hw.tools import Runner, journals_writes, run_tool
 from power.hw.writer import ClockWriter
+
+STORE_NAME = "jetson_clocks.store"
 
 
 class JetsonClocks:
@@ -48,6 +51,13 @@ class JetsonClocks:
                 if writer.journal is not None and writer.is_allowed(path):
                     writer.journal.record(sysfs.to_board(self.root, sysfs.resolve(self.root, path)),
                                           writer.read_raw(path))
+            if writer.journal is not None and not writer.dry_run:
+                # the tool also disables CPU idle states (ORIN.md field notes), which the journal's
+                # files do not cover: its own --store file, under the run directory, puts them back
+                # (power.hw.journal runs `jetson_clocks --restore FILE` for this entry)
+                store = os.path.abspath(os.fspath(writer.journal.run_dir / STORE_NAME))
+                self.runner(["jetson_clocks", "--store", store], 30.0, writer)
+                writer.journal.record(store, b"", group="jetson_clocks", role="store")
         self.runner(["jetson_clocks", "--fan"] if fan else ["jetson_clocks"], 30.0, writer)
 
     def own_files(self) -> list[str]:

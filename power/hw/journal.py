@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from power.hw import sysfs
-from power.hw.errors import BoardWriteError, JournalError, RefusedWrite  # noqa: F401 (re-exported)
+from power.hw.errors import BoardWriteError, JournalError, RefusedWrite, ToolError  # noqa: F401 (re-exported)
+from power.hw.parsers import parse_nvpmodel_status
 
 DEFAULT_RUN_DIR = "/run/orin-agent"
 JOURNAL_NAME = "journal.json"
@@ -66,6 +67,22 @@ class BoardIO:
 
     def remove(self, host_path: str) -> None:
         os.unlink(host_path)
+
+    def jetson_clocks_restore(self, store_file: str) -> None:
+        """Put back what ``jetson_clocks`` changed (clocks and cpuidle states) from its --store file."""
+        from power.hw.tools import run_tool  # the tools module sits beside the journal
+        try:
+            run_tool(["jetson_clocks", "--restore", store_file], 60.0)
+        except ToolError as exc:        # reported like a failed file write
+            raise OSError(errno.EIO, str(exc)) from exc
+
+    def set_mode(self, mode_id: int) -> None:
+        """Switch the power mode back (a journaled ``nvpmodel -m``, role ``mode``)."""
+        from power.hw.tools import run_tool  # the tools module sits beside the journal
+        try:
+            run_tool(["nvpmodel", "-m", str(mode_id)], 60.0)
+        except ToolError as exc:        # reported like a failed file write
+            raise OSError(errno.EIO, str(exc)) from exc
 
 
 @dataclass(frozen=True)
@@ -146,8 +163,20 @@ def restore_entries(root: str, entries: tuple[JournalEntry, ...], io: BoardIO) -
     def put(i: int) -> None:
         e = entries[i]
         done.add(i)
+        if e.role == "store":       # jetson_clocks' own --store file, outside the root
+            try:
+                io.jetson_clocks_restore(e.path)
+                restored.append(e.path)
+            except OSError as exc:
+                failed.append(describe_os_error(exc, "restore", e.path, "jetson_clocks --restore"))
+            return
         host = sysfs.resolve(root, e.path)
         try:
+            if e.role == "mode" and e.original is not None:
+                # the mode in force before a real `nvpmodel -m`: switch back, then nvpmodel's status
+                mode_id = parse_nvpmodel_status(e.original.decode(errors="replace"))
+                if mode_id is not None:
+                    io.set_mode(mode_id)
             if e.original is None:
                 if os.path.lexists(host):
                     io.remove(host)

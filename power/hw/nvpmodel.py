@@ -7,7 +7,9 @@ mode in ``/var/lib/nvpmodel/status`` as ``pmode:000N`` (what ``nvpmodel -q`` rep
 The tool is always called through the board's runner (power.hw.tools): the real ``nvpmodel`` on the
 board, power.twin.runner.TwinRunner on a twin tree (it writes the mode's caps into the tree's files
 through the journal and records the mode in ``<root>/var/lib/nvpmodel/status``). When ``nvpmodel -q``
-cannot answer, the mode is read from that status file, then nvpmodel.conf's default.
+cannot answer, the mode is read from that status file, then nvpmodel.conf's default. With the real
+tool (whose writes bypass the journal) a switch first journals the mode in force (role ``mode``), so
+``power restore`` switches back with ``nvpmodel -m``.
 """
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ from power.hw import sysfs
 from power.hw.cpu import CpuFreq
 from power.hw.emc import Emc
 from power.hw.gpu import GpuClock
-from power.hw.parsers import (NvpModelConf, NvpModelConfError, parse_nvpmodel_conf, parse_nvpmodel_query,
-                              parse_nvpmodel_status)
-from power.hw.tools import Runner, ToolError, run_tool
+from power.hw.parsers import (NvpModelConf, NvpModelConfError, format_nvpmodel_status, parse_nvpmodel_conf,
+                              parse_nvpmodel_query, parse_nvpmodel_status)
+from power.hw.tools import Runner, ToolError, journals_writes, run_tool
 from power.hw.writer import ClockWriter
 
 CONF = "/etc/nvpmodel.conf"
@@ -89,6 +91,15 @@ class NvpModel:
         ``applied ...`` / ``skipped ...`` (the twin's) become the change's applied/skipped settings."""
         m = self.conf().mode(mode) if self.available else None
         mode_id = m.id if m else int(mode)
+        if writer is not None and writer.journal is not None and not writer.dry_run \
+                and not journals_writes(self.runner):
+            # the real tool writes past the journal: record the mode in force (nvpmodel's status
+            # line), so a restore runs `nvpmodel -m` back to it (power.hw.journal, role "mode")
+            prev = self.current()
+            if prev is not None and prev.id is not None:
+                writer.journal.record(STATUS, (sysfs.read_text(self.root, STATUS) or
+                                               format_nvpmodel_status(prev.id).strip()).encode() + b"\n",
+                                      group="nvpmodel", role="mode")
         out = self.runner(["nvpmodel", "-m", str(mode_id)], 60.0, writer)
         lines = out.splitlines()
         applied = tuple(ln[len("applied "):] for ln in lines if ln.startswith("applied "))

@@ -107,8 +107,32 @@ class NvpModelConf:
             if (isinstance(key, int) and m.id == key) or (isinstance(key, str) and
                                                             (m.name.lower() == key.lower() or key == str(m.id))):
                 return m
-        choices = ", ".join(f"{m.id} {m.name}" for m in self.modes)
-        raise ValueError(f"no power mode {key!r} (this board has: {choices})")
+        raise ValueError(f"no power mode {key!r} (this board has: {self.choices()})")
+
+    def choices(self) -> str:
+        return ", ".join(f"{m.id} {m.name}" for m in self.modes)
+
+    def resolve(self, key: int | str) -> ConfMode | None:
+        """A profile's mode, resolved on this board: ``max`` (the MAXN* mode, else the least capped:
+        Orin Nano r35 has no MAXN and calls its top mode 15W, r36 Super MAXN_SUPER), ``default``
+        (PM_CONFIG DEFAULT), or an explicit name or id. ``None`` when this board has no such mode."""
+        if isinstance(key, str) and key.lower() == "default":
+            return next((m for m in self.modes if m.id == self.default_id), None)
+        if isinstance(key, str) and key.lower() == "max":
+            maxn = [m for m in self.modes if m.name.upper().startswith("MAXN")]
+            if maxn:
+                return maxn[0]
+            inf = float("inf")
+
+            def headroom(m: ConfMode) -> tuple[float, ...]:
+                caps = (m.max_cap("GPU"), m.max_cap("EMC"), *(m.max_cap(p) for p in sorted(self.params)
+                                                             if p.startswith("CPU_A78_")))
+                return (*(inf if c is None else float(c) for c in caps), float(len(m.online_cores())))
+            return max(self.modes, key=headroom)
+        try:
+            return self.mode(key)
+        except ValueError:
+            return None
 
 
 _HEADER = re.compile(r"^<\s*(PARAM|POWER_MODEL|PM_CONFIG)\b(.*?)>\s*$")

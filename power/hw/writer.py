@@ -40,6 +40,13 @@ def _same(a: bytes, b: bytes) -> bool:
         return False
 
 
+def _int(text: str) -> int | None:
+    try:
+        return int(text.split()[0]) if text else None
+    except ValueError:
+        return None
+
+
 class ClockWriter:
     """Writes to the allowed board files of one root, through a journal (or as a dry run)."""
 
@@ -62,6 +69,7 @@ class ClockWriter:
         # Resolved host paths by board path: sysfs links name device topology, which does not change
         # while the writer lives; resolving walks every component (~90 us), too slow per phase switch.
         self._hosts: dict[str, str] = {}
+        self.clamps: list[str] = []     # read-backs the kernel clamped (accepted writes)
         self._boards: dict[str, str] = {}
 
     def for_tool(self, allowed: Mapping[str, str]) -> "ClockWriter":
@@ -142,16 +150,17 @@ class ClockWriter:
     # -- writing -------------------------------------------------------------------------------
 
     def write(self, path: str, value: int | str, *, group: str | None = None, role: str | None = None,
-              create: bool = False) -> bool:
+              create: bool = False, accept: tuple[int, int] | None = None) -> bool:
         """Write one value (``"612000000"``), verified. Returns False if it was already in force.
 
         ``create`` lets a missing file be made (only for state files such as nvpmodel's status; the
-        journal then records it as absent, so a restore removes it again)."""
+        journal then records it as absent, so a restore removes it again). ``accept``: a read-back
+        in this range is a kernel clamp, recorded in ``clamps`` instead of raised."""
         with self.transaction():
-            return self._write(path, value, group, role, create)
+            return self._write(path, value, group, role, create, accept)
 
     def _write(self, path: str, value: int | str, group: str | None, role: str | None,
-               create: bool = False) -> bool:
+               create: bool = False, accept: tuple[int, int] | None = None) -> bool:
         host = self._host(path)
         if host not in self._allowed:
             raise RefusedWrite(f"refusing to write {path}: discovery under {self.root} did not identify it "
@@ -188,8 +197,13 @@ class ClockWriter:
         except OSError as exc:
             raise BoardWriteError(describe_os_error(exc, "read back", board)) from exc
         if not _same(back, new):
-            raise BoardWriteError(f"wrote {value} to {board} but it reads back "
-                                  f"{back.decode(errors='replace').strip()!r}")
+            got = back.decode(errors="replace").strip()
+            if accept is not None and _int(got) is not None and accept[0] <= int(got) <= accept[1]:
+                # a kernel clamp (QoS/OPP limits on devfreq, BPMP rounding on EMC): the file holds
+                # the effective value; report it, keep it (the journal still has the original)
+                self.clamps.append(f"{board}: wrote {value}, the kernel holds {got}")
+                return True
+            raise BoardWriteError(f"wrote {value} to {board} but it reads back {got!r}")
         return True
 
     def write_range(self, min_path: str, max_path: str, new_min: int, new_max: int, *, group: str) -> None:
@@ -203,9 +217,12 @@ class ClockWriter:
             raise ValueError(f"{group}: minimum {new_min} is above maximum {new_max}")
         with self.transaction():
             cur_min = self.read_int(min_path)
+            # devfreq/cpufreq read back the effective value after QoS/OPP limits (ORIN.md field
+            # notes): a maximum held lower, or a minimum held higher, inside the range is a clamp
+            hi_ok, lo_ok = (new_min, new_max), (new_min, new_max)
             if cur_min <= new_max:
-                self._write(max_path, new_max, group, "max")
-                self._write(min_path, new_min, group, "min")
+                self._write(max_path, new_max, group, "max", accept=hi_ok)
+                self._write(min_path, new_min, group, "min", accept=lo_ok)
             else:
-                self._write(min_path, new_min, group, "min")
-                self._write(max_path, new_max, group, "max")
+                self._write(min_path, new_min, group, "min", accept=lo_ok)
+                self._write(max_path, new_max, group, "max", accept=hi_ok)

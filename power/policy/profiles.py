@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
+else:  # Python 3.10 (JetPack 6's Ubuntu 22.04): the same parser, from PyPI
     import tomli as tomllib
 
 DEFAULT_USER_DIR = "/etc/orin-agent/profiles"
@@ -227,8 +228,9 @@ def build_profile(name: str, doc: dict[str, Any], sources: tuple[str, ...]) -> P
                     _num(tm, "dwell_s", f"{src}: timing", 0.25, 0, 10))
     nvp = doc.get("nvpmodel")
     if nvp is not None and (not isinstance(nvp, str) or not nvp.strip()):
-        raise ProfileError(f"{src}: nvpmodel: {nvp!r}; allowed: a power mode name from the board's "
-                           f"/etc/nvpmodel.conf (e.g. \"MAXN\"), or leave it out")
+        raise ProfileError(f"{src}: nvpmodel: {nvp!r}; allowed: \"max\" (the board's top mode: MAXN, "
+                           f"MAXN_SUPER, or the Nano r35's 15W), \"default\", a mode name or id from the "
+                           f"board's /etc/nvpmodel.conf, or leave it out")
     desc = doc.get("description", "")
     if not isinstance(desc, str):
         raise ProfileError(f"{src}: description must be a string")

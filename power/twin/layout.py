@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -255,9 +256,20 @@ def _fan(t: _Tree, paths: TwinPaths) -> None:
     t.link(f"sys/class/hwmon/{paths.fan_hwmon.rsplit('/', 1)[1]}", paths.fan_hwmon)
 
 
-def _nvpmodel(t: _Tree, spec: BoardSpec, paths: TwinPaths) -> None:
+# How /etc/nvpmodel.conf appears: a plain file; absent (inside most containers); or, as on a flashed
+# board, an absolute symlink into /etc/nvpmodel/ (ORIN.md field notes), which only resolves inside
+# the root when the reader resolves it there.
+CONF_STYLES = ("file", "absent", "symlink")
+
+
+def _nvpmodel(t: _Tree, spec: BoardSpec, paths: TwinPaths, conf_style: str = "file") -> None:
     mode = spec.mode(spec.default_mode)
-    t.write(paths.nvpmodel_conf, render_nvpmodel_conf(spec))
+    if conf_style == "file":
+        t.write(paths.nvpmodel_conf, render_nvpmodel_conf(spec))
+    elif conf_style == "symlink":
+        target = f"/etc/nvpmodel/{spec.conf_name}"
+        t.write(target, render_nvpmodel_conf(spec))
+        os.symlink(target, t.root / paths.nvpmodel_conf)
     # nvpmodel records the mode it applied; the fan mode is nvfancontrol's ("cool" by default).
     t.write(paths.nvpmodel_status, f"pmode:{mode.id:04d} fmode:cool")
     if spec.has_dla:        # the DLA/PVA cap files nvpmodel.conf names, at both layouts' paths
@@ -268,12 +280,17 @@ def _nvpmodel(t: _Tree, spec: BoardSpec, paths: TwinPaths) -> None:
                 t.write(p, str(v if v is not None else 1600000000))
 
 
-def create_twin(root: Path | str, board: str, l4t: str, ambient_c: float = 25.0) -> TwinPaths:
+def create_twin(root: Path | str, board: str, l4t: str, ambient_c: float = 25.0, *, debugfs: bool = True,
+                nvpmodel_conf: str = "file") -> TwinPaths:
     """Lay out ``board`` under ``l4t`` (r35 / r36) at ``root``; returns the layout's paths.
 
     The tree starts at the board's default nvpmodel mode, idle, at ambient temperature. Raises
-    ``KeyError`` naming the valid boards / releases for an unknown name.
+    ``KeyError`` naming the valid boards / releases for an unknown name. The situations of
+    containers and flashed boards: ``debugfs=False`` leaves ``/sys/kernel/debug`` out (no bpmp EMC
+    files, no cactmon); ``nvpmodel_conf`` is one of ``CONF_STYLES``.
     """
+    if nvpmodel_conf not in CONF_STYLES:
+        raise ValueError(f"nvpmodel_conf {nvpmodel_conf!r}; valid: {', '.join(CONF_STYLES)}")
     spec = board_for(board, l4t)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -286,7 +303,9 @@ def create_twin(root: Path | str, board: str, l4t: str, ambient_c: float = 25.0)
     _thermal(t, spec, paths, ambient_c)
     _rails(t, spec, paths)
     _fan(t, paths)
-    _nvpmodel(t, spec, paths)
+    _nvpmodel(t, spec, paths, nvpmodel_conf)
+    if not debugfs:
+        shutil.rmtree(root / "sys/kernel/debug")
     t.write(META_FILE, json.dumps({"board": board, "l4t": l4t, "format": 1}))
     t.write(WORKLOAD_FILE, json.dumps({"phase": "idle", "gpu_util": 0.0, "mem_util": 0.0}))
     return paths
