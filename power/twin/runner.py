@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from power.hw import sysfs
 from power.hw.backends import SysfsBoard
@@ -27,6 +28,8 @@ from power.hw.nvpmodel import STATUS
 from power.hw.parsers import (ClockShow, ConfMode, CpuShow, JetsonClocksShow, NvpModelConfError,
                               format_jetson_clocks_show, format_nvpmodel_status)
 from power.hw.writer import ClockWriter
+from power.physics.boards import board_for
+from power.twin.layout import read_meta, twin_paths
 
 
 class TwinRunner:
@@ -52,6 +55,7 @@ class TwinRunner:
             return "".join(f"applied {a}\n" for a in applied) + "".join(f"skipped {s}\n" for s in skipped)
         if cmd in (["jetson_clocks"], ["jetson_clocks", "--fan"]):
             _pin(board, tool, fan=cmd[-1] == "--fan")
+            _disable_idle_states(self.root, board)
             return ""
         raise ToolError(f"`{' '.join(cmd)}`: the twin does not emulate this command")
 
@@ -67,6 +71,8 @@ def _tool_files(board: SysfsBoard) -> dict[str, str]:
            STATUS: "nvpmodel status (pmode:NNNN)"}
     if board.info.gpu.tpc_pg_mask:
         out[board.info.gpu.tpc_pg_mask] = "GPU TPC power-gating mask"
+    if board.info.gpu.railgate:
+        out[board.info.gpu.railgate] = "GPU rail-gating (jetson_clocks turns it off)"
     return out
 
 
@@ -151,6 +157,8 @@ def _pin(board: SysfsBoard, writer: ClockWriter, *, fan: bool) -> None:
             top = board.gpu.read().max_hz
             if top:
                 board.gpu.set_range(writer, top, top)
+            if board.info.gpu.railgate:     # NVIDIA's jetson_clocks: `echo 0 > ${GPU_RAIL_GATE}`
+                writer.write(board.info.gpu.railgate, "0")
         if board.emc.available and board.emc.info.locked:
             e = board.emc.read()
             top = e.max_hz
@@ -160,6 +168,20 @@ def _pin(board: SysfsBoard, writer: ClockWriter, *, fan: bool) -> None:
                 board.emc.lock(writer, top)
         if fan and board.fan.available:
             board.fan.set_pwm(writer, PWM_MAX)
+
+
+def _disable_idle_states(root: str | os.PathLike[str], board: SysfsBoard) -> None:
+    """jetson_clocks also disables every online core's idle states (captured `jetson_clocks --show`:
+    `IdleStates: WFI=1 c7=1` before, `WFI=0 c7=0` after; ORIN.md). Like the real tool's, this change is
+    outside the journal (`jetson_clocks --restore` undoes it on a board); the twin tree is thrown away."""
+    board_name, l4t = read_meta(root)
+    base = Path(root) / twin_paths(board_for(board_name, l4t), l4t).cpu
+    for cl in board.cpu.read():
+        for c in cl.online:
+            for state in ("state0", "state1"):
+                f = base / f"cpu{c}" / "cpuidle" / state / "disable"
+                f.parent.mkdir(parents=True, exist_ok=True)
+                f.write_text("1\n")
 
 
 def _show(board: SysfsBoard) -> JetsonClocksShow:
