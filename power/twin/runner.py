@@ -28,8 +28,6 @@ from power.hw.nvpmodel import STATUS
 from power.hw.parsers import (ClockShow, ConfMode, CpuShow, JetsonClocksShow, NvpModelConfError,
                               format_jetson_clocks_show, format_nvpmodel_status)
 from power.hw.writer import ClockWriter
-from power.physics.boards import board_for
-from power.twin.layout import read_meta, twin_paths
 
 
 class TwinRunner:
@@ -174,8 +172,7 @@ def _disable_idle_states(root: str | os.PathLike[str], board: SysfsBoard) -> Non
     """jetson_clocks also disables every online core's idle states (captured `jetson_clocks --show`:
     `IdleStates: WFI=1 c7=1` before, `WFI=0 c7=0` after; ORIN.md). Like the real tool's, this change is
     outside the journal (`jetson_clocks --restore` undoes it on a board); the twin tree is thrown away."""
-    board_name, l4t = read_meta(root)
-    base = Path(root) / twin_paths(board_for(board_name, l4t), l4t).cpu
+    base = Path(root) / "sys/devices/system/cpu"       # the same on every L4T release
     for cl in board.cpu.read():
         for c in cl.online:
             for state in ("state0", "state1"):
