@@ -52,8 +52,14 @@ class TwinRunner:
             applied, skipped = _set_mode(board, board.nvpmodel.conf().mode(int(cmd[2]) if cmd[2].isdigit() else cmd[2]), tool)
             return "".join(f"applied {a}\n" for a in applied) + "".join(f"skipped {s}\n" for s in skipped)
         if cmd in (["jetson_clocks"], ["jetson_clocks", "--fan"]):
+            idle = _idle_state_files(self.root, board)
+            tool = writer.for_tool({**_tool_files(board), **{f: "CPU idle state" for f in idle}})
             _pin(board, tool, fan=cmd[-1] == "--fan")
-            _disable_idle_states(self.root, board)
+            with tool.transaction():
+                # jetson_clocks also disables every online core's idle states (captured `jetson_clocks
+                # --show`: `IdleStates: WFI=1 c7=1` before, `WFI=0 c7=0` after; ORIN.md)
+                for f in idle:
+                    tool.write(f, "1")
             return ""
         raise ToolError(f"`{' '.join(cmd)}`: the twin does not emulate this command")
 
@@ -168,17 +174,16 @@ def _pin(board: SysfsBoard, writer: ClockWriter, *, fan: bool) -> None:
             board.fan.set_pwm(writer, PWM_MAX)
 
 
-def _disable_idle_states(root: str | os.PathLike[str], board: SysfsBoard) -> None:
-    """jetson_clocks also disables every online core's idle states (captured `jetson_clocks --show`:
-    `IdleStates: WFI=1 c7=1` before, `WFI=0 c7=0` after; ORIN.md). Like the real tool's, this change is
-    outside the journal (`jetson_clocks --restore` undoes it on a board); the twin tree is thrown away."""
-    base = Path(root) / "sys/devices/system/cpu"       # the same on every L4T release
+def _idle_state_files(root: str | os.PathLike[str], board: SysfsBoard) -> list[str]:
+    """The ``cpuidle/stateN/disable`` files of the online cores that the tree has."""
+    out = []
     for cl in board.cpu.read():
         for c in cl.online:
             for state in ("state0", "state1"):
-                f = base / f"cpu{c}" / "cpuidle" / state / "disable"
-                f.parent.mkdir(parents=True, exist_ok=True)
-                f.write_text("1\n")
+                rel = f"sys/devices/system/cpu/cpu{c}/cpuidle/{state}/disable"   # the same on every L4T
+                if (Path(root) / rel).is_file():
+                    out.append("/" + rel)
+    return out
 
 
 def _show(board: SysfsBoard) -> JetsonClocksShow:
