@@ -23,7 +23,7 @@ class PointQuery:
     phase: str = "decode"           # decode: one token per sequence per step; prefill: ``tokens`` in one step
     tokens: int = 512               # decode: context length; prefill: prompt tokens
     batch: int = 1
-    nvpmodel: str | None = None     # mode name or id; None = the board's MAXN-like top mode (id 0)
+    nvpmodel: str | None = None     # mode name or id; None = the mode without GPU/EMC caps
     gpu_mhz: float | None = None
     emc_mhz: float | None = None
 
@@ -49,8 +49,8 @@ class PointPrediction:
 
 
 def _mode(spec: BoardSpec, name: str | None) -> int:
-    if name is None:
-        return 0
+    if name is None:        # the mode without GPU/EMC caps (MAXN, MAXN_SUPER; the original Nano's 15W)
+        return next((m.id for m in spec.modes if m.gpu_max_hz is None and m.emc_cap_hz is None), 0)
     for m in spec.modes:
         if name == str(m.id) or name.upper() == m.name.upper():
             return m.id
