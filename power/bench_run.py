@@ -52,6 +52,11 @@ def pct(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def _zone_key(name: str) -> str:
+    """``cpu``, ``cpu-thermal`` (r36) and ``CPU-therm`` (r35) are one zone."""
+    return name.lower().removesuffix("-thermal").removesuffix("-therm")
+
+
 class PolicyRun:
     """One policy on one twin tree (made fresh under ``root``)."""
 
@@ -98,9 +103,9 @@ class PolicyRun:
         if self._zone_meta is None:
             self.measure_sensor_read()
         assert self._zone_meta is not None
-        temps = self.twin.state.temps_c
-        return tuple(ZoneSample(z.name, round(temps[z.name] * 1000) / 1000 if z.name in temps else z.temp_c,
-                                z.trip_c) for z in self._zone_meta)
+        temps = {_zone_key(k): v for k, v in self.twin.state.temps_c.items()}
+        return tuple(ZoneSample(z.name, round(temps[_zone_key(z.name)] * 1000) / 1000, z.trip_c)
+                     for z in self._zone_meta)
 
     def measure_sensor_read(self, n: int = 5) -> float:
         """Median wall time of reading every thermal zone (temperature and trips) through the board
