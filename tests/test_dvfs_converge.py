@@ -4,6 +4,7 @@ optimum when the model is 3 %, 30 % or 20x off, without walking the GPU x EMC gr
 from __future__ import annotations
 
 import math
+import random
 from typing import Callable
 
 import pytest
@@ -85,6 +86,15 @@ def test_model_20x_fast_settles_without_a_walk(kind: str, size: int) -> None:
     assert len(set(seen)) <= 2 and len(set(seen[2:])) == 1
     seen = replay(kind, size, scaled(20.0))     # one probe of the fastest point, then the optimum
     assert len(set(seen)) <= 2 and set(seen[2:]) == {optimum(kind, size, scaled(1.0))}
+
+
+def test_noisy_cpu_steps_settle() -> None:
+    """The demo's case: a tiny model on a loaded CPU, ~20x the model's time with +-5 % noise per step
+    whatever the clocks: exploration stays within its budget and the clocks stop moving."""
+    rng = random.Random(0)
+    flat = 20 * model_time("decode", 600, SPEC.gpu_max_hz, SPEC.emc_max_hz)
+    seen = replay("decode", 600, lambda *_: flat * (1 + rng.uniform(-0.05, 0.05)), steps=60)
+    assert len(set(seen)) <= 6 and len(set(seen[-30:])) == 1
 
 
 def test_measured_point_corrects_every_point() -> None:

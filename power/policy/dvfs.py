@@ -106,7 +106,7 @@ class DvfsState:
     verdict: ThermalVerdict | None = None
     # log(measured / predicted) per (phase kind, gpu, emc), EWMA; and unmeasured points tried per kind
     point_log: Mapping[tuple[str, int, int], float] = field(default_factory=lambda: MappingProxyType({}))
-    explored: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    chosen: Mapping[str, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))  # last auto point
 
     def global_log(self, kind: str) -> float:
         """The correction every unmeasured point of ``kind`` gets: the mean over its measured points."""
@@ -241,7 +241,7 @@ class DvfsController:
 
     # -- auto
     def _auto(self, p: PhaseIn, b: _Bounds, gpu_cap: int, profile: Profile,
-              state: DvfsState) -> tuple[int, int, float]:
+              state: DvfsState) -> tuple[int, int, float, str]:
         assert self.planner is not None
         t = self.tables
         hi = min(b.gpu_hi, gpu_cap)
@@ -264,17 +264,24 @@ class DvfsController:
             limit = max(fastest[0], min(limit, absolute / 1000.0))
         ok = [c for c in cands if c[0] <= limit * (1 + 1e-9)]
         best = min(ok, key=lambda c: (c[1], c[0]))
+        last = state.chosen.get(p.kind)
+        keep = next((c for c in ok if (c[2], c[3]) == last), None)
+        if keep is not None and keep[1] <= best[1] * math.exp(AGREE_LOG):
+            best = keep         # hysteresis: measurement noise of a few % does not move the clocks
+        tag = ""
         if len(measured) == 1 and abs(glob) > AGREE_LOG and (fastest[2], fastest[3]) not in measured:
             # one point measured and the model is off: is it off everywhere, or only there? The
             # fastest point decides the latency limit, so it is the one worth a step to learn
-            best = fastest
+            best, tag = fastest, " (probe)"
         elif measured and (best[2], best[3]) not in measured:
             if len(measured) > EXPLORE_BUDGET:
                 # exploration spent: back to the best point measured (the fastest measured if none fits)
                 known = [c for c in cands if (c[2], c[3]) in measured]
                 fits = [c for c in known if c[0] <= limit * (1 + 1e-9)]
                 best = min(fits, key=lambda c: (c[1], c[0])) if fits else min(known)
-        return best[2], best[3], best[0]
+            else:
+                tag = " (explore)"
+        return best[2], best[3], best[0], tag
 
     def _busy_decision(self, p: PhaseIn, profile: Profile, level: int, state: DvfsState) -> Decision:
         t = self.tables
@@ -282,17 +289,17 @@ class DvfsController:
         top_i = len(t.gpu_hz) - 1
         steps = level if p.kind == "prefill" else max(0, level - PREFILL_ONLY_LEVELS)
         gpu_cap = t.gpu_hz[max(0, top_i - steps)]
-        predicted = None
+        predicted, tag = None, ""
         if b.gpu_auto or b.emc is None:
             if self.planner is not None:
-                g, e, predicted = self._auto(p, b, gpu_cap, profile, state)
+                g, e, predicted, tag = self._auto(p, b, gpu_cap, profile, state)
                 lo, hi = g, g
             else:   # no model to plan with: the textbook split (decode GPU-low/EMC-high, prefill GPU-high)
                 frac = 1.0 if p.kind == "prefill" else 0.45
                 g = min(snap(t.gpu_hz, frac * t.gpu_hz[-1], up=False), b.gpu_hi, gpu_cap)
                 lo = hi = max(min(g, b.gpu_hi), min(b.gpu_lo, b.gpu_hi))
                 e = b.emc if b.emc is not None else t.emc_top
-            reason = "auto"
+            reason = "auto" + tag
         else:
             lo, hi, e = b.gpu_lo, b.gpu_hi, b.emc
             reason = "profile"
@@ -357,7 +364,10 @@ class DvfsController:
                 d = _elementwise_max(plain, other, f"{other.phase}/{phase.kind} alternating faster than "
                                                    f"dwell {profile.timing.dwell_s} s")
             d = replace(d, fan_pwm=fan, message=msg, wake_at=now + RECHECK_S)
-            return d, replace(new, last=d, busy=plain, other=other, switched_s=switched,
+            chosen = state.chosen
+            if plain.reason.startswith("auto") and plain.predicted_s is not None and "(" not in plain.reason:
+                chosen = MappingProxyType({**state.chosen, phase.kind: (plain.gpu_max_hz, plain.emc_hz)})
+            return d, replace(new, last=d, busy=plain, other=other, switched_s=switched, chosen=chosen,
                               mix_until=mix_until, idle_since=None)
         # idle
         idle_since = state.idle_since if state.idle_since is not None else now
