@@ -42,6 +42,7 @@ from power.policy.thermal import ThermalState, ThermalVerdict, ZoneSample, therm
 EWMA_ALPHA = 0.3            # weight of a new step-time sample in the correction ratio
 EXPLORE_BUDGET = 4          # unmeasured points a phase may try after its first, then measured only
 AGREE_LOG = 0.05            # measured points within ~5 % of each other: the error is uniform
+HYSTERESIS_LOG = 0.02       # keep the last point unless another is > 2 % cheaper (EWMA-smoothed noise)
 RECHECK_S = 1.0             # re-decide at least this often while a phase persists (thermal, corrections)
 PREFILL_ONLY_LEVELS = 4     # thermal levels that cap prefill alone before decode's cap starts falling
 
@@ -266,7 +267,7 @@ class DvfsController:
         best = min(ok, key=lambda c: (c[1], c[0]))
         last = state.chosen.get(p.kind)
         keep = next((c for c in ok if (c[2], c[3]) == last), None)
-        if keep is not None and keep[1] <= best[1] * math.exp(AGREE_LOG):
+        if keep is not None and keep[1] <= best[1] * math.exp(HYSTERESIS_LOG):
             best = keep         # hysteresis: measurement noise of a few % does not move the clocks
         tag = ""
         if len(measured) == 1 and abs(glob) > AGREE_LOG and (fastest[2], fastest[3]) not in measured:
