@@ -55,7 +55,7 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
             table.add_column(col, justify="left" if col == "policy" else "right")
         for r in results:
             d = deltas.get(r.policy, {})
-            table.add_row(r.policy, f"{r.joules_per_token:.3f}", f"{d.get('energy_per_token_pct', 0):+.1f} %",
+            table.add_row(r.policy, f"{r.joules_per_token:.3f}", f"{d['energy_per_token_pct']:+.1f} %" if d else "-",
                           f"{r.busy_joules_per_token:.3f}", f"{r.idle_w:.2f}",
                           f"{r.ttft_p50_s:.3f} / {r.ttft_p95_s:.3f}",
                           f"{r.tpot_p50_s * 1e3:.1f} / {r.tpot_p95_s * 1e3:.1f}", f"{r.peak_power_w:.1f}",
