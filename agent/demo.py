@@ -25,10 +25,19 @@ DEMO_PROMPTS = (
 )
 
 
+def applied_clocks(controller: object, kind: str) -> str:
+    """The GPU/EMC clocks the power controller applied for a phase (its last decision for it), "-" when
+    no controller runs or it has not decided that phase yet."""
+    loop = getattr(controller, "loop", None)
+    d = getattr(loop, "applied", {}).get(kind) if loop is not None else None
+    return "-" if d is None else f"{d.gpu_max_hz / 1e6:.0f}/{d.emc_hz / 1e6:.0f}"
+
+
 class ClockSampler:
-    """A phase listener that notes the GPU and EMC clocks in force during each phase: read at the next
-    event, i.e. at the end of the phase, once the controller has had the phase's steps to switch them
-    (read at its start they would still be the previous phase's)."""
+    """A phase listener that notes the GPU and EMC clocks the board reported during each phase: read at
+    the next event, i.e. at the end of the phase (the twin updates ``cur_freq`` every 50 ms, so a short
+    prefill can still read the previous phase's clocks: the table shows the controller's own choice
+    beside it)."""
 
     def __init__(self, reader: BoardReader | None) -> None:
         self.reader = reader
@@ -64,8 +73,10 @@ class DemoResult:
     usage: dict = field(default_factory=dict)
     ttft_s: float | None = None
     tok_s: float | None = None
-    prefill_clocks: str = "-"
+    prefill_clocks: str = "-"       # what the controller applied
     decode_clocks: str = "-"
+    prefill_board: str = "-"        # what the board reported (cur_freq)
+    decode_board: str = "-"
 
 
 def stream_request(client: httpx.Client, kind: str, prompt: str, max_tokens: int,
@@ -130,8 +141,11 @@ def run_demo(model_dir: Path, max_tokens: int, on_text: Callable[[str], None],
                 t0 = time.monotonic()
                 res = stream_request(client, kind, prompt, max_tokens, on_text)
                 t1 = time.monotonic()
-                res.prefill_clocks = sampler.clocks("prefill", t0, t1)
-                res.decode_clocks = sampler.clocks("decode", t0, t1)
+                res.prefill_board = sampler.clocks("prefill", t0, t1)
+                res.decode_board = sampler.clocks("decode", t0, t1)
+                time.sleep(0.05)    # the controller's thread handles the request's last events
+                res.prefill_clocks = applied_clocks(svc.controller, "prefill")
+                res.decode_clocks = applied_clocks(svc.controller, "decode")
                 results.append(res)
     finally:
         svc.stop_thread()

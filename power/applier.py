@@ -256,6 +256,7 @@ class PowerLoop:
         self._phase_t: float | None = None
         self._sensed_t = float("-inf")
         self._switched = False
+        self.applied: dict[str, Decision] = {}      # the last clocks decided per busy phase
 
     @property
     def sensed_at(self) -> float:
@@ -313,4 +314,6 @@ class PowerLoop:
             if self.applier is not None:
                 self.stats.writes += self.applier.apply(d, self.fan_ours)
         self.decision = d
+        if d.phase in ("prefill", "decode"):
+            self.applied[d.phase] = d
         return d

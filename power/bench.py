@@ -1,47 +1,36 @@
 """The energy benchmark: a request trace replayed through the real controller against the twin, in
-virtual time, for several policies side by side. The CLI is agent/cli/bench.py.
+virtual time, for several policies side by side. The CLI is agent/cli/bench.py, which drives each policy
+with the service's own Scheduler (agent.benchpower); :func:`simple_driver` here is a plain
+prefill-first engine for power's own tests. One policy on one twin tree is power.bench_run.PolicyRun
+(the twin, the policy, the step-time integration and the accounting).
 
-Per policy, on a fresh twin tree (tmpfs when there is one):
-- a simple engine: prefill-first continuous batching up to ``max_batch`` sequences; a prefill step
-  produces a request's first token, a decode step one token for every active sequence;
-- each step's time and the workload it presents come from the cost model at the clocks the twin
-  has settled on (``power.physics.costmodel``); the twin integrates power and temperature over the step;
-- controller policies get the engine's phase events through :class:`power.applier.PowerLoop`, which
-  writes through the journaled board layer into the twin tree; the twin re-reads its limits after
-  each write and settles the new clocks for ``SETTLE_S`` (ORIN.md: GPU 5 ms, EMC 8 ms) before the
-  step runs; the thermal zones are flushed and read at most once per second;
-- baselines: MAXN + jetson_clocks (fixed maximum), and the stock governors (MAXN, and the board's
-  boot default mode), written the same way (nvpmodel / jetson_clocks emulated on the twin).
+Per policy, on a fresh twin tree (tmpfs when there is one): baselines MAXN + jetson_clocks (every clock
+pinned, CPU idle states and GPU rail-gating off, as NVIDIA's tool does), stock MAXN (default governors,
+what most users run) and the board's boot default mode; the shipped profiles and ``auto`` run the
+controller through :class:`power.applier.PowerLoop`, writing through the journaled board layer.
 
 Reported per policy: J/token (board energy of the whole trace, idle included, over output tokens),
-TTFT and time per output token p50/p95, peak board power, hottest zone, time at or above the
-passive trip, and the wall-clock cost of a phase switch (decide + writes) against a decode step.
+busy J/token (energy of prefill and decode steps over output tokens) and idle watts, TTFT and time per
+output token p50/p95, peak board power, hottest zone, time at or above the passive trip, and the
+controller's wall-clock cost per switch (p50/p95 of decide + writes; separately the switches that also
+read the thermal zones).
 """
 from __future__ import annotations
 
 import json
 import os
 import tempfile
-import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from power.applier import PowerLoop, read_zone_samples
-from power.control import open_session
-from power.hw.backends import open_board
+from power.bench_run import BASELINES, PolicyRun, Tally, pct
 from power.physics.boards import board_for
-from power.physics.costmodel import OperatingPoint, PRECISIONS, decode_step, model_shape, prefill_step
+from power.physics.costmodel import PRECISIONS, model_shape
 from power.policy.dvfs import PhaseIn
 from power.policy.profiles import ProfileStore
 from power.traces import Request, make_trace
-from power.twin import IDLE, Twin, create_twin
 
-SETTLE_S = 0.008            # a new EMC rate takes ~8 ms, GPU ~5 ms (ORIN.md, Orin NX/Nano measurement)
-SAMPLE_S = 0.5              # timeline resolution for the plot
-TRIP_C = 99.0               # fallback passive trip when the tree has none (ORIN.md)
-BASELINES = ("maxn+jetson_clocks", "stock-maxn", "stock-default")
 # `auto`: every busy clock chosen for least J/token under absolute latency targets only: 50 ms per
 # output token (20 tok/s, faster than people read) and 1.5 s per prefill step (estimates of an
 # interactive service's targets; the shipped profiles use slack relative to full speed instead).
@@ -87,7 +76,12 @@ class PolicyResult:
     switches: int = 0
     writes: int = 0
     critical_entries: int = 0
+    busy_joules_per_token: float = 0.0          # prefill + decode steps' energy / output tokens
+    idle_w: float = 0.0                         # mean board power while idle
+    idle_s: float = 0.0
     switch_cost_us: float | None = None         # median wall time of decide + writes of a switch
+    switch_cost_p95_us: float | None = None
+    switch_sense_us: float | None = None        # median of the switches that also read the zones
     switch_cost_pct_of_decode: float | None = None
     messages: list[str] = field(default_factory=list)
     timeline: dict[str, list[float]] = field(default_factory=dict, repr=False)
@@ -98,208 +92,80 @@ class PolicyResult:
         return d
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def _tmp_base() -> str | None:
     shm = "/dev/shm"
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
 
 
-@dataclass
-class _Seq:
-    req: Request
-    ctx: int
-    left: int
-    first_s: float
+Driver = Callable[[PolicyRun, tuple[Request, ...], "BenchConfig"], Tally]
 
 
-class _Run:
-    """One policy on one twin tree."""
-
-    def __init__(self, cfg: BenchConfig, policy: str, root: Path, trace: tuple[Request, ...]) -> None:
-        self.cfg, self.policy, self.trace = cfg, policy, trace
-        self.spec = board_for(cfg.board, cfg.l4t)
-        self.shape = model_shape(cfg.shape)
-        create_twin(root, cfg.board, cfg.l4t)
-        run_dir = root / "run" / "orin-agent"
-        self.loop: PowerLoop | None = None
-        if policy in BASELINES:
-            self.board = open_board(root)
-            self.writer = self.board.writer(run_dir)
-            if policy != "stock-default":
-                self.board.set_mode("MAXN", self.writer)
-            if policy == "maxn+jetson_clocks":
-                open_board(root).set_jetson_clocks(self.writer)     # on the rediscovered MAXN tree
+def simple_driver(run: PolicyRun, trace: tuple[Request, ...], cfg: "BenchConfig") -> Tally:
+    """Prefill-first continuous batching up to ``max_batch`` sequences: a prefill step produces a
+    request's first token, a decode step one token for every active sequence."""
+    pending, waiting = list(trace), []
+    active: list[list[Any]] = []           # [request, context, tokens left, first-token time]
+    tally = Tally()
+    run.event(PhaseIn("idle"))
+    while pending or waiting or active:
+        while pending and pending[0].arrival_s <= run.t + 1e-9:
+            waiting.append(pending.pop(0))
+        if waiting and len(active) < cfg.max_batch:
+            r = waiting.pop(0)
+            run.event(PhaseIn("prefill", n_tokens=r.prompt, batch=1))
+            run.step("prefill", r.prompt, 1)
+            tally.ttft_s.append(run.t - r.arrival_s)
+            tally.tokens += 1
+            if r.output > 1:
+                active.append([r, r.prompt + 1, r.output - 1, run.t])
+        elif active:
+            run.event(PhaseIn("decode", context=max(s[1] for s in active), batch=len(active)))
+            run.step("decode", sum(s[1] for s in active) // len(active), len(active))
+            tally.tokens += len(active)
+            for s in active:
+                s[1], s[2] = s[1] + 1, s[2] - 1
+                if s[2] == 0:
+                    tally.tpot_s.append((run.t - s[3]) / (s[0].output - 1))
+            active = [s for s in active if s[2] > 0]
         else:
-            store = ProfileStore(cfg.profile_dir)
-            profile = store.load_doc("auto", AUTO_DOC) if policy == "auto" else store.load(policy)
-            # the twin "reboots" for free: every policy runs at its profile's mode, as MAXN does above
-            session = open_session(root, run_dir, profile, cfg.shape, precision=cfg.precision,
-                                   fan_ours=cfg.fan == "ours", spec=self.spec, zones=self._zones,
-                                   allow_reboot_modes=True)
-            self.board, self.writer, self.loop = session.board, session.writer, session.loop
-        self.twin = Twin(root, ambient_c=cfg.ambient_c, fan_daemon=cfg.fan == "daemon")
-        self.trip_c = min((p for p, _, _ in self.twin.trips), default=TRIP_C * 1000) / 1000.0
-        self._costs: dict[tuple[object, ...], Any] = {}
-        self.t = 0.0
-        self.switch_wall: list[float] = []
-        self.decode_steps: list[float] = []
-        self.above_trip_s = 0.0
-        self.throttled_s = 0.0
-        self.peak_w = 0.0
-        self.max_c = 0.0
-        self.tl: dict[str, list[float]] = {k: [] for k in ("t", "phase", "gpu_mhz", "emc_mhz", "power_w", "temp_c")}
-        self._next_sample = 0.0
+            run.event(PhaseIn("idle"))
+            run.idle_until(pending[0].arrival_s)
+    return tally
 
-    def _zones(self) -> Any:
-        self.twin.flush()
-        return read_zone_samples(self.board)
 
-    # -- events and time
-    def _event(self, p: PhaseIn) -> None:
-        if self.loop is None:
-            return
-        before = self.loop.stats.switches
-        w0 = time.perf_counter()
-        self.loop.on_event(p, self.t)
-        wall = time.perf_counter() - w0
-        if self.loop.stats.switches != before:
-            # the cost of a phase switch: decide + writes. Sensor reads (once a second, on the
-            # controller's own schedule) and the journal's first record of each file (fsync) are
-            # not part of it, so those switches are left out of the measurement.
-            if self.loop.stats.switches > 6 and self.loop.sensed_at != self.t:
-                self.switch_wall.append(wall)
-            self.twin.read_limits()
-            self._run_for(SETTLE_S, IDLE if p.kind == "idle" else None, p.kind)
-
-    def _tick_until(self, until: float) -> None:
-        """Idle until ``until``, waking the controller when it asks."""
-        while self.t < until - 1e-9:
-            nxt = until
-            if self.loop is not None and (w := self.loop.next_wake()) is not None and w > self.t:
-                nxt = min(nxt, w)
-            self._run_for(nxt - self.t, IDLE, "idle")
-            if self.loop is not None and self.t >= (self.loop.next_wake() or float("inf")) - 1e-9:
-                before = self.loop.stats.switches
-                self.loop.tick(self.t)
-                if self.loop.stats.switches != before:
-                    self.twin.read_limits()
-
-    def _run_for(self, dt: float, workload: Any, phase: str) -> None:
-        if dt <= 0:
-            return
-        if workload is None:    # settling into a busy phase: the GPU is already busy at old clocks
-            c = self.twin.state.clocks
-            workload = self._cost(phase, c.gpu_hz, c.emc_hz, c.tpcs, 512, 1).workload(
-                self.spec, OperatingPoint(c.gpu_hz, c.emc_hz, c.tpcs))
-        self.twin.advance(dt, workload, max_dt_s=0.5)
-        st = self.twin.state
-        self.t += dt
-        self.peak_w = max(self.peak_w, st.power.board_w)
-        self.max_c = max(self.max_c, st.max_temp_c)
-        if st.max_temp_c >= self.trip_c:
-            self.above_trip_s += dt
-        if st.throttle_steps:
-            self.throttled_s += dt
-        if self.t >= self._next_sample:
-            self._next_sample = self.t + SAMPLE_S
-            for k, v in (("t", self.t), ("phase", {"prefill": 0, "decode": 1, "idle": 2}[phase]),
-                         ("gpu_mhz", st.clocks.gpu_hz / 1e6 if st.clocks.gpu_powered else 0.0),
-                         ("emc_mhz", st.clocks.emc_hz / 1e6), ("power_w", st.power.board_w),
-                         ("temp_c", st.max_temp_c)):
-                self.tl[k].append(float(v))
-
-    def _cost(self, kind: str, gpu: int, emc: int, tpcs: int, size: int, batch: int) -> Any:
-        size = max(16, (size + 15) // 16 * 16)
-        key = (kind, gpu, emc, tpcs, size, batch)
-        c = self._costs.get(key)
-        if c is None:
-            op = OperatingPoint(gpu, emc, tpcs)
-            c = (prefill_step(self.spec, self.shape, self.cfg.precision, op, size) if kind == "prefill"
-                 else decode_step(self.spec, self.shape, self.cfg.precision, op, size, batch))
-            self._costs[key] = c
-        return c
-
-    def _step(self, kind: str, size: int, batch: int) -> float:
-        c = self.twin.state.clocks
-        cost = self._cost(kind, c.gpu_hz, c.emc_hz, c.tpcs, size, batch)
-        self._run_for(cost.seconds, cost.workload(self.spec, OperatingPoint(c.gpu_hz, c.emc_hz, c.tpcs)), kind)
-        return cost.seconds
-
-    # -- the engine
-    def run(self) -> PolicyResult:
-        pending = deque(self.trace)
-        waiting: deque[Request] = deque()
-        active: list[_Seq] = []
-        ttft: list[float] = []
-        tpot: list[float] = []
-        tokens = 0
-        self._event(PhaseIn("idle"))
-        while pending or waiting or active:
-            while pending and pending[0].arrival_s <= self.t + 1e-9:
-                waiting.append(pending.popleft())
-            if waiting and len(active) < self.cfg.max_batch:
-                r = waiting.popleft()
-                self._event(PhaseIn("prefill", n_tokens=r.prompt, batch=1))
-                self._step("prefill", r.prompt, 1)
-                ttft.append(self.t - r.arrival_s)
-                tokens += 1
-                if r.output > 1:
-                    active.append(_Seq(r, r.prompt + 1, r.output - 1, self.t))
-            elif active:
-                ctx = sum(s.ctx for s in active) // len(active)
-                self._event(PhaseIn("decode", context=max(s.ctx for s in active), batch=len(active)))
-                self.decode_steps.append(self._step("decode", ctx, len(active)))
-                tokens += len(active)
-                for s in active:
-                    s.ctx += 1
-                    s.left -= 1
-                    if s.left == 0:
-                        tpot.append((self.t - s.first_s) / (s.req.output - 1))
-                active = [s for s in active if s.left > 0]
-            else:
-                self._event(PhaseIn("idle"))
-                self._tick_until(pending[0].arrival_s)
-        self._event(PhaseIn("idle"))
-        self._tick_until(max(self.t + 1.0, self.cfg.duration_s))
-        st = self.twin.state
-        res = PolicyResult(
-            self.policy, st.energy_j / max(1, tokens), st.energy_j, tokens, len(self.trace), self.t,
-            _pct(ttft, 0.5), _pct(ttft, 0.95), _pct(tpot, 0.5), _pct(tpot, 0.95), self.peak_w,
-            st.energy_j / self.t, self.max_c, self.above_trip_s, self.throttled_s, timeline=self.tl)
-        if self.loop is not None:
-            s = self.loop.stats
-            res.switches, res.writes, res.critical_entries = s.switches, s.writes, s.critical_entries
-            res.messages = list(s.messages[:20])
-            if self.switch_wall and self.decode_steps:
-                cost = _pct(self.switch_wall, 0.5)
-                res.switch_cost_us = cost * 1e6
-                res.switch_cost_pct_of_decode = 100 * cost / (sum(self.decode_steps) / len(self.decode_steps))
-        return res
-
-    def close(self) -> None:
-        """Put the twin tree back (journal restore): the same path as a service stop."""
-        if self.writer.journal is not None:
-            try:
-                self.writer.journal.restore()
-            finally:
-                self.writer.journal.close()
+def result(run: PolicyRun, tally: Tally, requests: int, duration_s: float) -> PolicyResult:
+    """Close the trace (idle to its end) and account for it."""
+    run.event(PhaseIn("idle"))
+    run.idle_until(max(run.t + 1.0, duration_s))
+    st = run.twin.state
+    busy_j = run.energy["prefill"] + run.energy["decode"]
+    res = PolicyResult(
+        run.policy, st.energy_j / max(1, tally.tokens), st.energy_j, tally.tokens, requests, run.t,
+        pct(tally.ttft_s, 0.5), pct(tally.ttft_s, 0.95), pct(tally.tpot_s, 0.5), pct(tally.tpot_s, 0.95),
+        run.peak_w, st.energy_j / run.t, run.max_c, run.above_trip_s, run.throttled_s,
+        busy_joules_per_token=busy_j / max(1, tally.tokens),
+        idle_w=run.energy["idle"] / max(1e-9, run.seconds["idle"]), idle_s=run.seconds["idle"],
+        timeline=run.tl)
+    if run.loop is not None:
+        s = run.loop.stats
+        res.switches, res.writes, res.critical_entries = s.switches, s.writes, s.critical_entries
+        res.messages = list(s.messages[:20])
+        if run.switch_wall and run.decode_steps:
+            cost = pct(run.switch_wall, 0.5)
+            res.switch_cost_us = cost * 1e6
+            res.switch_cost_p95_us = pct(run.switch_wall, 0.95) * 1e6
+            res.switch_cost_pct_of_decode = 100 * cost / (sum(run.decode_steps) / len(run.decode_steps))
+        if run.sense_wall:
+            res.switch_sense_us = pct(run.sense_wall, 0.5) * 1e6
+    return res
 
 
 def all_policies(cfg: BenchConfig) -> tuple[str, ...]:
     return cfg.policies or (*BASELINES, *ProfileStore(cfg.profile_dir).names(), "auto")
 
 
-def run_bench(cfg: BenchConfig) -> list[PolicyResult]:
-    """Every policy over the same seeded trace, each on a fresh twin tree."""
+def run_bench(cfg: BenchConfig, driver: Driver = simple_driver) -> list[PolicyResult]:
+    """Every policy over the same seeded trace, each on a fresh twin tree, driven by ``driver``."""
     try:
         board_for(cfg.board, cfg.l4t)
         model_shape(cfg.shape)
@@ -315,11 +181,15 @@ def run_bench(cfg: BenchConfig) -> list[PolicyResult]:
             raise ValueError(f"unknown policy {p!r}; allowed: {', '.join(known)}")
     trace = make_trace(cfg.trace, cfg.duration_s, cfg.seed)
     results = []
+    store = ProfileStore(cfg.profile_dir)
     for policy in all_policies(cfg):
+        profile = None if policy in BASELINES else (
+            store.load_doc("auto", AUTO_DOC) if policy == "auto" else store.load(policy))
         with tempfile.TemporaryDirectory(prefix="orin-bench-", dir=_tmp_base()) as d:
-            run = _Run(cfg, policy, Path(d), trace)
+            run = PolicyRun(cfg.board, cfg.l4t, cfg.shape, cfg.precision, policy, Path(d),
+                            ambient_c=cfg.ambient_c, fan=cfg.fan, profile=profile)
             try:
-                results.append(run.run())
+                results.append(result(run, driver(run, trace, cfg), len(trace), cfg.duration_s))
             finally:
                 run.close()
     return results

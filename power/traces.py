@@ -8,6 +8,8 @@ RAG logs, not fits to a data set (stated in docs/BENCHMARKS.md):
   median 180 tokens (LMSYS-Chat-1M reports ~215 tokens per answer on average, arXiv 2309.11998).
 - ``rag``: retrieved context makes prompts long (median 2000 tokens), answers short (median 150),
   mean gap 30 s.
+- ``sparse``: an assistant that is mostly idle: one request a minute on average (chat-sized), so
+  idle power dominates the energy.
 - ``batch``: offline jobs, sustained: arrivals faster than the board serves them (mean gap 0.5 s),
   prompts median 1000, answers median 250: the queue never drains, the board never rests.
 """
@@ -41,6 +43,7 @@ TRACES = {
     "chat": TraceShape("chat", 20.0, 400, 0.8, 180, 0.7),
     "rag": TraceShape("rag", 30.0, 2000, 0.4, 150, 0.5),
     "batch": TraceShape("batch", 0.5, 1000, 0.5, 250, 0.5),
+    "sparse": TraceShape("sparse", 60.0, 400, 0.8, 180, 0.7),
 }
 
 

@@ -30,7 +30,7 @@ def test_auto_decode_low_gpu_high_emc_prefill_high_gpu_lower_emc() -> None:
     pre, dec = run([(PhaseIn("prefill", 512), 0.0), (PhaseIn("decode", context=600), 1.0)])
     assert dec.gpu_max_hz < 0.6 * SPEC.gpu_max_hz and dec.emc_hz == SPEC.emc_max_hz
     assert pre.gpu_max_hz > 0.9 * SPEC.gpu_max_hz and pre.emc_hz < SPEC.emc_max_hz
-    fastest = Planner.for_board(SPEC, "llama-3-8b", "int4", 0).predict("decode", 768, 1, SPEC.gpu_max_hz,
+    fastest = Planner.for_board(SPEC, "llama-3-8b", "int4", 0).predict("decode", 608, 1, SPEC.gpu_max_hz,
                                                                        SPEC.emc_max_hz)[0]
     assert dec.predicted_s <= fastest * 1.04 + 1e-9
 
@@ -53,7 +53,7 @@ def test_online_correction_moves_decode_off_a_slow_point() -> None:
         sample = StepSample(PhaseIn("decode", context=600), slow_point[0], slow_point[1], pred * 1.3)
         d, s = CTL.decide(Readings(steps=(sample,)), PhaseIn("decode", context=600), p, s, 2.0 + i * 2)
     assert (d.gpu_max_hz, d.emc_hz) != slow_point
-    assert abs(s.ratios[("decode", *slow_point)] - 1.3) < 0.01
+    assert abs(s.ratio("decode", *slow_point) - 1.3) < 0.01
 
 
 def test_thermal_throttles_prefill_before_decode() -> None:

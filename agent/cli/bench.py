@@ -1,8 +1,8 @@
 """`orin-agent bench ...`: benchmarks. ``bench power`` replays a request trace through the power
-controller against the twin in virtual time (power.bench) and prints one row per policy; ``bench run``
-is the end-to-end benchmark of the running configuration in real time (agent.benchmark), writing
-report.json, PNG plots and summary.md. Thin: the logic is in those packages; this file parses options
-and prints."""
+controller against the twin in virtual time, through the service's own scheduler (agent.benchpower over
+power.bench), and prints one row per policy; ``bench run`` is the end-to-end benchmark of the running
+configuration in real time (agent.benchmark), writing report.json, PNG plots and summary.md. Thin: the
+logic is in those packages; this file parses options and prints."""
 from __future__ import annotations
 
 import json
@@ -71,7 +71,7 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
           l4t: str = typer.Option("r36", "--l4t", help="L4T layout of the twin (r35 or r36)."),
           shape: str = typer.Option("llama-3-8b", "--model-shape", help="Model shape for the cost model."),
           precision: str = typer.Option("int4", "--precision", help="fp16, int8, int4 or q4f16."),
-          trace: str = typer.Option("chat", "--trace", help="chat, rag or batch."),
+          trace: str = typer.Option("chat", "--trace", help="chat, rag, batch or sparse."),
           ambient: float = typer.Option(25.0, "--ambient", help="Ambient temperature, °C."),
           duration: float = typer.Option(3600.0, "--duration", min=1.0, help="Trace length, virtual seconds."),
           seed: int = typer.Option(0, "--seed", help="Trace seed."),
@@ -84,12 +84,13 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
                                           "(default: ~/.cache/orin-agent/bench-power)."),
           plot: bool = typer.Option(True, "--plot/--no-plot", help="Write the PNG plot.")) -> None:
     """Energy per token, TTFT/TPOT, peak power and temperature per policy, side by side."""
-    from power.bench import BenchConfig, compare, default_out_dir, run_bench, save_results
+    from agent.benchpower import run_power_bench
+    from power.bench import BenchConfig, compare, default_out_dir, save_results
 
     with cli_errors():
         cfg = BenchConfig(board, l4t, shape, precision, trace, ambient, duration, seed, max_batch, fan,
                           tuple(policy), str(profile_dir))
-        results = run_bench(cfg)
+        results = run_power_bench(cfg)
         doc = save_results(cfg, results, out or default_out_dir(), plot=plot)
         written = " and ".join(str(p) for p in doc["written"])
         if json_out:
@@ -99,16 +100,17 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
             return
         deltas = compare(results)
         table = Table(title=f"{trace} trace, {duration:g} s, ambient {ambient:g} °C (twin: {board}, {shape} {precision})")
-        for col in ("policy", "J/token", "vs MAXN", "TTFT p50/p95 s", "TPOT p50/p95 ms", "peak W",
-                    "max °C", "s >= trip", "switch µs"):
+        for col in ("policy", "J/token", "vs MAXN", "busy J/tok", "idle W", "TTFT p50/p95 s", "TPOT p50/p95 ms",
+                    "peak W", "max °C", "s >= trip", "switch µs p50/p95"):
             table.add_column(col, justify="left" if col == "policy" else "right")
         for r in results:
             d = deltas.get(r.policy, {})
-            table.add_row(r.policy, f"{r.joules_per_token:.3f}", f"{d.get('energy_per_token_pct', 0):+.1f} %",
+            table.add_row(r.policy, f"{r.joules_per_token:.3f}", f"{d['energy_per_token_pct']:+.1f} %" if d else "-",
+                          f"{r.busy_joules_per_token:.3f}", f"{r.idle_w:.2f}",
                           f"{r.ttft_p50_s:.3f} / {r.ttft_p95_s:.3f}",
                           f"{r.tpot_p50_s * 1e3:.1f} / {r.tpot_p95_s * 1e3:.1f}", f"{r.peak_power_w:.1f}",
                           f"{r.max_zone_c:.1f}", f"{r.time_above_trip_s:.0f}",
-                          "-" if r.switch_cost_us is None else f"{r.switch_cost_us:.0f}")
+                          "-" if r.switch_cost_us is None else f"{r.switch_cost_us:.0f} / {r.switch_cost_p95_us:.0f}")
         Console().print(table)
         typer.echo(f"wrote {written}")
 

@@ -72,9 +72,10 @@ def demo(
     if as_json:
         print_json([r.__dict__ for r in results])
         return
-    table = Table(title="orin-agent demo (twin of an AGX Orin 64GB; clocks GPU/EMC MHz)")
+    table = Table(title="orin-agent demo (twin of an AGX Orin 64GB; clocks GPU/EMC MHz: what the controller "
+                        "applied, and what the board reported, prefill | decode)")
     for col in ("#", "kind", "prompt tok", "out tok", "TTFT ms", "tok/s", "joules", "J/tok",
-                "prefill clocks", "decode clocks"):
+                "prefill clocks", "decode clocks", "board reported"):
         table.add_column(col, justify="right")
     for i, r in enumerate(results, 1):
         u = r.usage
@@ -83,7 +84,8 @@ def demo(
         table.add_row(str(i), r.kind, str(u.get("prompt_tokens", "-")), str(out),
                       f"{r.ttft_s * 1e3:.0f}" if r.ttft_s is not None else "-",
                       f"{r.tok_s:.1f}" if r.tok_s else "-", f"{j:.3f}" if j is not None else "-",
-                      f"{j / out:.4f}" if j is not None and out else "-", r.prefill_clocks, r.decode_clocks)
+                      f"{j / out:.4f}" if j is not None and out else "-", r.prefill_clocks, r.decode_clocks,
+                      f"{r.prefill_board} | {r.decode_board}")
     console.print()
     console.print(table)
 

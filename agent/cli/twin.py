@@ -99,5 +99,37 @@ def run(
         typer.echo(f"stopped: {_line(st)} energy={st.energy_j:.1f}J")
 
 
+@app.command()
+def predict(
+    board: str = typer.Option("agx-orin-64gb", "--board", help=f"One of: {', '.join(BOARDS)}."),
+    l4t: str = typer.Option("r36", "--l4t", help="L4T release (the Orin Nano is 'Super' on r36)."),
+    shape: str = typer.Option("llama-3-8b", "--model-shape", help="A model shape preset."),
+    precision: str = typer.Option("int4", "--precision", help="fp16, int8, int4 or q4f16."),
+    gpu_mhz: float | None = typer.Option(None, "--gpu-mhz", help="GPU clock (default: the mode's cap)."),
+    emc_mhz: float | None = typer.Option(None, "--emc-mhz", help="EMC rate (default: the mode's cap)."),
+    nvpmodel: str | None = typer.Option(None, "--nvpmodel", help="Power mode name or id (default: the "
+                                        "mode without caps, e.g. MAXN)."),
+    phase: str = typer.Option("decode", "--phase", help="decode or prefill."),
+    tokens: int = typer.Option(512, "--tokens", help="Decode: context length; prefill: prompt tokens."),
+    batch: int = typer.Option(1, "--batch", help="Sequences per decode step."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """The twin's tok/s, step time, rail watts and J/token at one operating point (to hold against a
+    measurement; docs/TWIN_VALIDATION.md)."""
+    from power.physics.predict import PointQuery, predict_point
+
+    with cli_errors():
+        p = predict_point(PointQuery(board, l4t, shape, precision, phase, tokens, batch, nvpmodel, gpu_mhz,
+                                     emc_mhz))
+    if json_out:
+        print_json(p.__dict__)
+        return
+    rails = " ".join(f"{k}={v:.2f}W" for k, v in p.rails_w.items())
+    typer.echo(f"{p.board} {p.mode} GPU {p.gpu_mhz:.1f} MHz x{p.tpcs} TPC, EMC {p.emc_mhz:.0f} MHz: {p.shape} "
+               f"{p.precision} {p.phase} tokens={p.tokens} batch={p.batch}: {p.step_ms:.1f} ms/step, "
+               f"{p.tokens_per_s:.1f} tok/s ({p.bound}-bound), board {p.board_w:.1f} W ({rails}), "
+               f"{p.joules_per_token:.3f} J/token")
+
+
 def register(root_app: typer.Typer) -> None:
     root_app.add_typer(app, name="twin")

@@ -82,7 +82,8 @@ class PowerConstants:
     cpu_w_per_core: float       # dynamic CPU power per busy core at cpu_ref_khz
     cpu_ref_khz: int
     cpu_exp: float
-    cpu_floor_w: float          # CPU cluster floor with cores online
+    cpu_floor_w: float          # CPU rail with every core online and idle (idle states enabled)
+    cpu_noidle_w_per_core: float  # an idle online core whose idle states are disabled, at cpu_ref_khz
     soc_base_w: float           # SOC fabric etc. with EMC at its lowest rate
     soc_emc_w: float            # extra SOC power with EMC at its top rate (linear in rate)
     dram_j_per_byte: float      # DRAM streaming energy
@@ -166,16 +167,32 @@ _CPU_EXP = 2.58
 # near its 68 GB/s peak: 3.7 / 68e9 = 54 pJ/byte (derived; assumes the test ran near peak).
 _DRAM_J_PER_BYTE = 3.7 / 68e9
 
+# Idle rails, captured with tegrastats on AGX Orin 64GB dev kits (public):
+# - default governors, MAXN, GPU rail-gated, EMC 2133 MHz, CPUs idle at 729.6 MHz: VDD_GPU_SOC 2399 mW,
+#   VDD_CPU_CV 400 mW, VIN_SYS_5V0 4032 mW, VDDQ_VDD2_1V8AO 301 mW (7.1 W total; catid's blog post
+#   "Jetson Orin", 2023-04-23, catid.io/posts/orin_opt, with its `jetson_clocks --show`: IdleStates WFI=1 c7=1);
+# - every core pinned at 2201.6 MHz at 0 % load (the jetson_clocks state; the EMC is not printed): VDD_GPU_SOC
+#   4940 mW, VDD_CPU_CV 988 mW, VIN_SYS_5V0 4442 mW (DataDog/datadog-agent,
+#   pkg/collector/corechecks/nvidia/jetson/jetson_test.go, `orinSample`);
+# - r36, two cores busy at 2201.6 MHz: VIN_SYS_5V0 4767 mW (same file, `r36Sample`).
+# Derived from them: the rail-gated idle gives SOC base + soc_emc x 2133/3199 = 2.40 W; the pinned idle gives
+# base + soc_emc + powered-GPU leakage at the top clock = 4.94 W. How the 2.54 W left splits between the EMC
+# rate and GPU leakage is not measured: soc_emc 1.5 W (base 1.40 W, leakage 0.255 W per TPC at the top clock)
+# puts the GPU-stress fit above within 10 % at all four modes (MAXN/50W/30W/15W: +2.3/+3.0/+1.0/-8.8 %);
+# 1.0-2.5 W fit about as well (mean error 4.2-3.4 %). An idle core with its idle states disabled
+# (jetson_clocks) at 2.2 GHz: (0.988 - 0.400 - 0.06 W of background load) / 12 = 0.044 W. VIN_SYS_5V0:
+# the median of the three captures.
 _AGX_POWER = PowerConstants(
     gpu_w_per_tpc=_GPU_W_PER_TPC, gpu_ref_hz=1300500000, gpu_exp=_GPU_EXP,
-    gpu_leak_w_per_tpc=0.1,         # estimate: 0.8 W for 8 TPCs, part of the 4 W floor
-    cpu_w_per_core=_CPU_W_PER_CORE, cpu_ref_khz=2201600, cpu_exp=_CPU_EXP, cpu_floor_w=0.6,
-    soc_base_w=2.2, soc_emc_w=1.0,  # estimate: 3.2 W SOC + 0.8 W GPU leak = the 4 W floor;
-                                    # idle total ~9 W matches captured idle AGX rails (3.4+0.5+4.9+0.4)
+    gpu_leak_w_per_tpc=0.255,       # derived from the captures above
+    cpu_w_per_core=_CPU_W_PER_CORE, cpu_ref_khz=2201600, cpu_exp=_CPU_EXP,
+    cpu_floor_w=0.4,                # captured: VDD_CPU_CV 400 mW, 12 cores online and idle
+    cpu_noidle_w_per_core=0.044,    # derived from the captures above
+    soc_base_w=1.40, soc_emc_w=1.5,  # derived from the captures above (the EMC share: see there)
     dram_j_per_byte=_DRAM_J_PER_BYTE,
     dram_share_on_soc=0.7,          # estimate: controller on VDD_GPU_SOC, IO on VDDQ_VDD2_1V8AO
-    sys_w=4.9,                      # captured: VIN_SYS_5V0 reads ~4.9-5.0 W idle and loaded
-    dram_idle_w=0.4,                # captured: VDDQ_VDD2_1V8AO ~0.4 W on an idle AGX
+    sys_w=4.44,                     # captured: VIN_SYS_5V0 4.03 / 4.44 / 4.77 W (median)
+    dram_idle_w=0.3,                # captured: VDDQ_VDD2_1V8AO 301 mW on an idle AGX
     module_cap_w=60.0,              # published: AGX Orin 64GB module maximum (ORIN.md)
 )
 # AGX thermal: estimate (no public AGX figure). Sized so that ~50 W sustained at 45 °C ambient
@@ -195,7 +212,7 @@ def _p3767_power(cap_w: float) -> PowerConstants:
     return PowerConstants(
         gpu_w_per_tpc=_GPU_W_PER_TPC, gpu_ref_hz=1300500000, gpu_exp=_GPU_EXP,
         gpu_leak_w_per_tpc=0.1, cpu_w_per_core=_CPU_W_PER_CORE, cpu_ref_khz=2201600,
-        cpu_exp=_CPU_EXP, cpu_floor_w=0.5, soc_base_w=1.0, soc_emc_w=0.4,
+        cpu_exp=_CPU_EXP, cpu_floor_w=0.5, cpu_noidle_w_per_core=0.044, soc_base_w=1.0, soc_emc_w=0.4,
         dram_j_per_byte=_DRAM_J_PER_BYTE, dram_share_on_soc=1.0,   # the 3.7 W showed on VDD_SOC
         sys_w=1.9, dram_idle_w=0.0, module_cap_w=cap_w)
 

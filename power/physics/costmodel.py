@@ -209,12 +209,13 @@ def decode_step(spec: BoardSpec, shape: ModelShape, precision: str, op: Operatin
     attn = 4 * shape.layers * q_dim * context * batch            # QK^T and PV
     flops = 2 * params_n * batch + attn
     nbytes = _weight_bytes(shape, prec) + batch * context * shape.kv_bytes_per_token(params.kv_bytes)
+    # each weight tile is dequantised once per step, for every row of the batch (GEMV and GEMM kernels
+    # alike load a tile, expand it in registers/shared memory and use it for all rows)
+    ops = flops + shape.body_params * prec.dequant_ops
     if batch >= params.gemm_batch:
         rate = op.tpcs * TENSOR_FLOP_PER_TPC_CYCLE * op.gpu_hz * params.tensor_eff
-        ops = flops + shape.body_params * prec.dequant_ops
-    else:       # batch-1 GEMV on CUDA cores, dequantising every weight it reads
+    else:       # small-batch GEMV on CUDA cores
         rate = op.tpcs * CUDA_FLOP_PER_TPC_CYCLE * op.gpu_hz * params.cuda_eff
-        ops = flops + shape.body_params * prec.dequant_ops * batch
     overhead = shape.layers * params.overhead_cycles_per_layer / op.gpu_hz
     return _finish(spec, op, "decode", batch, flops, nbytes, ops / rate, overhead, params)
 

@@ -68,6 +68,7 @@ class Clocks:
     cpu_khz: tuple[int, ...]
     cpu_online: tuple[int, ...]
     gpu_powered: bool = True
+    cpu_idle_states: bool = True    # False after jetson_clocks: idle cores spin instead of entering c7
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,11 @@ def power(spec: BoardSpec, c: Clocks, a: Activity) -> Power:
     cpu = k.cpu_floor_w * online / spec.cpu_count
     busy = a.cpu_busy_cores
     for khz, n in zip(c.cpu_khz, c.cpu_online):     # busy time lands on the first online clusters
-        if n and busy > 0:
-            use = min(busy, n)
-            cpu += k.cpu_w_per_core * use * (khz / k.cpu_ref_khz) ** k.cpu_exp
-            busy -= use
+        use = min(busy, n) if n and busy > 0 else 0.0
+        cpu += k.cpu_w_per_core * use * (khz / k.cpu_ref_khz) ** k.cpu_exp
+        busy -= use
+        if not c.cpu_idle_states:                   # the idle cores cannot sleep (jetson_clocks)
+            cpu += k.cpu_noidle_w_per_core * (n - use) * (khz / k.cpu_ref_khz) ** k.cpu_exp
     soc = k.soc_base_w + k.soc_emc_w * c.emc_hz / spec.emc_max_hz
     dram = k.dram_j_per_byte * a.dram_bytes_per_s
     dram_soc = dram * k.dram_share_on_soc

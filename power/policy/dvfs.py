@@ -5,12 +5,17 @@ profile's clock policy into concrete clocks from the board's tables:
 - fixed values (fractions, frequencies) are snapped to the table and capped by the power mode;
 - ``auto`` picks the (GPU, EMC) point of least predicted joules per token whose predicted step time
   is within the profile's latency targets (slack over the fastest allowed point, and/or an absolute
-  TTFT/TPOT), starting from the roofline cost model (``power.physics.costmodel``) and correcting it online:
-  each measured step updates an EWMA of measured/predicted time for its clock point (points not
-  measured yet keep the model's time), so a board slower or faster than the model converges to its
-  own best point (RESEARCH.md: a GPU-clock-only latency model misses by up to 32 %
-  on Orin, so learn per-clock-point step times online). Decode comes out GPU-low/EMC-high, prefill
-  GPU-high/EMC-lower, because that is what the model (and the board) rewards.
+  TTFT/TPOT), starting from the roofline cost model (``power.physics.costmodel``) and correcting it online
+  (RESEARCH.md: a GPU-clock-only latency model misses by up to 32 % on Orin, so learn per-clock-point
+  step times online). Each measured step is compared with the model's time *at the size actually
+  served* and updates an EWMA of log(measured/predicted) for its clock point; the mean over the
+  measured points of a phase is a global correction that applies to every point, the point's own
+  EWMA replaces it where the point has been measured (a per-point residual). A model that is off by
+  the same factor everywhere (the shipped model on a CPU: 20x) therefore changes no choice. Where the
+  measured points disagree (the error depends on the clocks) the controller explores, at most
+  ``EXPLORE_BUDGET`` unmeasured points per phase, then only returns to the best measured point.
+  Decode comes out GPU-low/EMC-high, prefill GPU-high/EMC-lower, because that is what the model
+  (and the board) rewards.
 - idle drops to the idle policy after ``idle_hold_s`` (< 1 s); shorter idle gaps keep the busy
   clocks (no churn between decode steps), busy phases alternating faster than ``dwell_s`` run at the
   element-wise maximum of both phases' clocks;
@@ -35,6 +40,9 @@ from power.policy.tables import BoardTables, resolve_clock, snap
 from power.policy.thermal import ThermalState, ThermalVerdict, ZoneSample, thermal_step
 
 EWMA_ALPHA = 0.3            # weight of a new step-time sample in the correction ratio
+EXPLORE_BUDGET = 4          # unmeasured points a phase may try after its first, then measured only
+AGREE_LOG = 0.05            # measured points within ~5 % of each other: the error is uniform
+HYSTERESIS_LOG = 0.02       # keep the last point unless another is > 2 % cheaper (EWMA-smoothed noise)
 RECHECK_S = 1.0             # re-decide at least this often while a phase persists (thermal, corrections)
 PREFILL_ONLY_LEVELS = 4     # thermal levels that cap prefill alone before decode's cap starts falling
 
@@ -97,7 +105,19 @@ class DvfsState:
     idle_since: float | None = None
     thermal: ThermalState = ThermalState()
     verdict: ThermalVerdict | None = None
-    ratios: Mapping[tuple[object, ...], float] = field(default_factory=lambda: MappingProxyType({}))
+    # log(measured / predicted) per (phase kind, gpu, emc), EWMA; and unmeasured points tried per kind
+    point_log: Mapping[tuple[str, int, int], float] = field(default_factory=lambda: MappingProxyType({}))
+    chosen: Mapping[str, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))  # last auto point
+
+    def global_log(self, kind: str) -> float:
+        """The correction every unmeasured point of ``kind`` gets: the mean over its measured points."""
+        xs = [v for (k, _, _), v in self.point_log.items() if k == kind]
+        return sum(xs) / len(xs) if xs else 0.0
+
+    def ratio(self, kind: str, gpu_hz: int, emc_hz: int) -> float:
+        """measured / model step time at a point: its own EWMA where measured, else the global one."""
+        v = self.point_log.get((kind, gpu_hz, emc_hz))
+        return math.exp(self.global_log(kind) if v is None else v)
 
 
 # --- the cost model behind `auto` -----------------------------------------------------------------
@@ -109,6 +129,14 @@ def size_bucket(p: PhaseIn) -> int:
     if p.kind == "decode":
         return 256 * max(1, math.ceil(p.context / 256))
     return 0
+
+
+def served_size(p: PhaseIn) -> int:
+    """The size the planner predicts at: prefill tokens up to a multiple of 16, decode context up
+    to a multiple of 32 (fine enough that the prediction is the served one, coarse enough to memoise)."""
+    if p.kind == "prefill":
+        return 16 * max(1, math.ceil(p.n_tokens / 16))
+    return 32 * max(1, math.ceil(p.context / 32))
 
 
 @dataclass(frozen=True)
@@ -132,30 +160,30 @@ class Planner:
         resolved = model_shape(shape) if isinstance(shape, str) else shape  # fail early on an unknown name
         return cls(spec, resolved, precision, active_tpcs(spec, m.tpc_pg_mask))
 
-    def candidates(self, kind: str, bucket: int, batch: int, gpus: tuple[int, ...],
+    def candidates(self, kind: str, size: int, batch: int, gpus: tuple[int, ...],
                    emcs: tuple[int, ...]) -> tuple[tuple[float, float, int, int], ...]:
         """(seconds, joules per token, gpu, emc) for every point of the grid (memoised)."""
-        key = ("grid", kind, bucket, batch, gpus, emcs)
+        key = ("grid", kind, size, batch, gpus, emcs)
         hit = self._grids.get(key)
         if hit is None:
-            tokens = bucket if kind == "prefill" else batch
+            tokens = size if kind == "prefill" else batch
             hit = tuple((s, j / tokens, g, e) for g in gpus for e in emcs
-                        for s, j in (self.predict(kind, bucket, batch, g, e),))
+                        for s, j in (self.predict(kind, size, batch, g, e),))
             self._grids[key] = hit
         return hit
 
-    def predict(self, kind: str, bucket: int, batch: int, gpu_hz: int, emc_hz: int) -> tuple[float, float]:
-        """(seconds, joules) of one step of ``kind`` at the bucket's size."""
-        key = (kind, bucket, batch, gpu_hz, emc_hz)
+    def predict(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int) -> tuple[float, float]:
+        """(seconds, joules) of one step of ``kind``: ``size`` = prefill tokens or decode context."""
+        key = (kind, size, batch, gpu_hz, emc_hz)
         hit = self._memo.get(key)
         if hit is not None:
             return hit
         op = OperatingPoint(gpu_hz, emc_hz, self.tpcs)
         shape = self.shape
         if kind == "prefill":
-            c = prefill_step(self.spec, shape, self.precision, op, bucket, 0, self.params)
+            c = prefill_step(self.spec, shape, self.precision, op, size, 0, self.params)
         else:
-            c = decode_step(self.spec, shape, self.precision, op, max(1, bucket - 128), batch, self.params)
+            c = decode_step(self.spec, shape, self.precision, op, max(1, size), batch, self.params)
         out = (c.seconds, c.energy_j)
         self._memo[key] = out
         return out
@@ -214,7 +242,7 @@ class DvfsController:
 
     # -- auto
     def _auto(self, p: PhaseIn, b: _Bounds, gpu_cap: int, profile: Profile,
-              ratios: Mapping[tuple[object, ...], float]) -> tuple[int, int, float]:
+              state: DvfsState) -> tuple[int, int, float, str]:
         assert self.planner is not None
         t = self.tables
         hi = min(b.gpu_hi, gpu_cap)
@@ -222,43 +250,57 @@ class DvfsController:
         if not b.gpu_auto:
             gpus = [hi]
         emcs = [b.emc] if b.emc is not None else [f for f in t.emc_hz if f <= t.emc_top]
-        bucket, batch = size_bucket(p), max(1, p.batch)
-        base = self.planner.candidates(p.kind, bucket, batch, tuple(gpus), tuple(emcs))
-        cands = []
-        for s, jt, g, e in base:
-            # measured time scales the energy too: the rails burn for as long as the step runs. A
-            # point never measured keeps the model's time: when a measured point turns out too slow
-            # the next decision tries the next cheapest, until the measured points settle it.
-            r = ratios.get((p.kind, g, e), 1.0)
-            cands.append((s * r, jt * r, g, e))
-        fastest = min(c[0] for c in cands)
+        size, batch = served_size(p), max(1, p.batch)
+        base = self.planner.candidates(p.kind, size, batch, tuple(gpus), tuple(emcs))
+        measured = {(g, e): v for (k, g, e), v in state.point_log.items() if k == p.kind}
+        glob = sum(measured.values()) / len(measured) if measured else 0.0
+        # measured time scales the energy too: the rails burn for as long as the step runs
+        cands = [(s * r, jt * r, g, e) for s, jt, g, e in base
+                 for r in (math.exp(measured.get((g, e), glob)),)]
+        fastest = min(cands)
         lat = profile.latency
         slack, absolute = (lat.ttft_slack, lat.ttft_ms) if p.kind == "prefill" else (lat.tpot_slack, lat.tpot_ms)
-        limit = fastest * (1 + slack)
+        limit = fastest[0] * (1 + slack)
         if absolute > 0:
-            limit = max(fastest, min(limit, absolute / 1000.0))
+            limit = max(fastest[0], min(limit, absolute / 1000.0))
         ok = [c for c in cands if c[0] <= limit * (1 + 1e-9)]
-        s, _, g, e = min(ok, key=lambda c: (c[1], c[0]))
-        return g, e, s
+        best = min(ok, key=lambda c: (c[1], c[0]))
+        last = state.chosen.get(p.kind)
+        keep = next((c for c in ok if (c[2], c[3]) == last), None)
+        if keep is not None and keep[1] <= best[1] * math.exp(HYSTERESIS_LOG):
+            best = keep         # hysteresis: measurement noise of a few % does not move the clocks
+        tag = ""
+        if len(measured) == 1 and abs(glob) > AGREE_LOG and (fastest[2], fastest[3]) not in measured:
+            # one point measured and the model is off: is it off everywhere, or only there? The
+            # fastest point decides the latency limit, so it is the one worth a step to learn
+            best, tag = fastest, " (probe)"
+        elif measured and (best[2], best[3]) not in measured:
+            if len(measured) > EXPLORE_BUDGET:
+                # exploration spent: back to the best point measured (the fastest measured if none fits)
+                known = [c for c in cands if (c[2], c[3]) in measured]
+                fits = [c for c in known if c[0] <= limit * (1 + 1e-9)]
+                best = min(fits, key=lambda c: (c[1], c[0])) if fits else min(known)
+            else:
+                tag = " (explore)"
+        return best[2], best[3], best[0], tag
 
-    def _busy_decision(self, p: PhaseIn, profile: Profile, level: int,
-                       ratios: Mapping[tuple[object, ...], float]) -> Decision:
+    def _busy_decision(self, p: PhaseIn, profile: Profile, level: int, state: DvfsState) -> Decision:
         t = self.tables
         b = self.bounds(profile, p.kind)
         top_i = len(t.gpu_hz) - 1
         steps = level if p.kind == "prefill" else max(0, level - PREFILL_ONLY_LEVELS)
         gpu_cap = t.gpu_hz[max(0, top_i - steps)]
-        predicted = None
+        predicted, tag = None, ""
         if b.gpu_auto or b.emc is None:
             if self.planner is not None:
-                g, e, predicted = self._auto(p, b, gpu_cap, profile, ratios)
+                g, e, predicted, tag = self._auto(p, b, gpu_cap, profile, state)
                 lo, hi = g, g
             else:   # no model to plan with: the textbook split (decode GPU-low/EMC-high, prefill GPU-high)
                 frac = 1.0 if p.kind == "prefill" else 0.45
                 g = min(snap(t.gpu_hz, frac * t.gpu_hz[-1], up=False), b.gpu_hi, gpu_cap)
                 lo = hi = max(min(g, b.gpu_hi), min(b.gpu_lo, b.gpu_hi))
                 e = b.emc if b.emc is not None else t.emc_top
-            reason = "auto"
+            reason = "auto" + tag
         else:
             lo, hi, e = b.gpu_lo, b.gpu_hi, b.emc
             reason = "profile"
@@ -268,28 +310,25 @@ class DvfsController:
             reason += f", thermal level {level}"
         return Decision(p.kind, lo, hi, e, b.cpu_max, None, level, False, reason, predicted_s=predicted)
 
-    def _learn(self, state: DvfsState, steps: tuple[StepSample, ...]) -> Mapping[tuple[object, ...], float]:
+    def _learn(self, state: DvfsState, steps: tuple[StepSample, ...]) -> Mapping[tuple[str, int, int], float]:
         if not steps or self.planner is None:
-            return state.ratios
-        r = dict(state.ratios)
+            return state.point_log
+        r = dict(state.point_log)
         for s in steps:
             if s.phase.kind not in ("prefill", "decode") or s.seconds <= 0:
                 continue
-            pred, _ = self.planner.predict(s.phase.kind, size_bucket(s.phase), max(1, s.phase.batch),
-                                           s.gpu_hz, s.emc_hz)
-            # a measured step of a size other than its bucket's is compared with the bucket's time
-            # scaled by size (prefill time is ~linear in tokens within a power-of-two bucket)
-            if s.phase.kind == "prefill":
-                pred *= max(1, s.phase.n_tokens) / size_bucket(s.phase)
-            ratio = s.seconds / pred
+            # compared with the model at the size actually served (the step's own tokens / context)
+            size = s.phase.n_tokens if s.phase.kind == "prefill" else s.phase.context
+            pred, _ = self.planner.predict(s.phase.kind, max(1, size), max(1, s.phase.batch), s.gpu_hz, s.emc_hz)
+            x = math.log(s.seconds / pred)
             key = (s.phase.kind, s.gpu_hz, s.emc_hz)
             old = r.get(key)
-            r[key] = ratio if old is None else old + EWMA_ALPHA * (ratio - old)
+            r[key] = x if old is None else old + EWMA_ALPHA * (x - old)
         return MappingProxyType(r)
 
     def decide(self, readings: Readings, phase: PhaseIn, profile: Profile, state: DvfsState,
                now: float) -> tuple[Decision, DvfsState]:
-        ratios = self._learn(state, readings.steps)
+        learned = self._learn(state, readings.steps)
         therm, verdict = state.thermal, state.verdict
         if readings.zones is not None:
             verdict, therm = thermal_step(readings.zones, profile.thermal, profile.fan, readings.fan_ours,
@@ -304,10 +343,10 @@ class DvfsController:
                                                 or state.last.phase == "idle"))
         if fast:
             assert state.last is not None
-            return state.last, replace(state, ratios=ratios)
+            return state.last, replace(state, point_log=learned)
         fan = verdict.fan_pwm if verdict is not None else None
         msg = verdict.message if verdict is not None else None
-        new = replace(state, ratios=ratios, thermal=therm, verdict=verdict, last_key=key, decided_s=now)
+        new = replace(state, point_log=learned, thermal=therm, verdict=verdict, last_key=key, decided_s=now)
         if critical:
             g0, g1, e, c = self.floor()
             where = (f"{verdict.hottest} at {verdict.hottest_c:.1f} °C" if verdict is not None
@@ -315,7 +354,7 @@ class DvfsController:
             d = Decision("critical", g0, g1, e, c, fan, level, True, f"critical: {where}", message=msg)
             return d, replace(new, last=d, idle_since=None if busy_kind else state.idle_since)
         if busy_kind:
-            plain = self._busy_decision(phase, profile, level, ratios)
+            plain = self._busy_decision(phase, profile, level, new)
             other, switched, mix_until = state.other, state.switched_s, state.mix_until
             if state.busy is not None and state.busy.phase != phase.kind:
                 if now - state.switched_s < profile.timing.dwell_s:
@@ -326,7 +365,10 @@ class DvfsController:
                 d = _elementwise_max(plain, other, f"{other.phase}/{phase.kind} alternating faster than "
                                                    f"dwell {profile.timing.dwell_s} s")
             d = replace(d, fan_pwm=fan, message=msg, wake_at=now + RECHECK_S)
-            return d, replace(new, last=d, busy=plain, other=other, switched_s=switched,
+            chosen = state.chosen
+            if plain.reason.startswith("auto") and plain.predicted_s is not None and "(" not in plain.reason:
+                chosen = MappingProxyType({**state.chosen, phase.kind: (plain.gpu_max_hz, plain.emc_hz)})
+            return d, replace(new, last=d, busy=plain, other=other, switched_s=switched, chosen=chosen,
                               mix_until=mix_until, idle_since=None)
         # idle
         idle_since = state.idle_since if state.idle_since is not None else now

@@ -209,6 +209,9 @@ def _cpus(t: _Tree, spec: BoardSpec, paths: TwinPaths) -> None:
         for cpu in cluster:
             t.write(f"{c}/cpu{cpu}/online", "1" if cpu < on else "0")
             t.link(f"{c}/cpu{cpu}/cpufreq", p)
+            for state, name in (("state0", "WFI"), ("state1", "c7")):   # `jetson_clocks --show`: IdleStates
+                t.write(f"{c}/cpu{cpu}/cpuidle/{state}/name", name)
+                t.write(f"{c}/cpu{cpu}/cpuidle/{state}/disable", "0")
 
 
 def _thermal(t: _Tree, spec: BoardSpec, paths: TwinPaths, ambient_c: float) -> None:

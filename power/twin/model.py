@@ -30,6 +30,8 @@ from power.physics.equations import (IDLE, PHASES, Workload, FAN_POLL_S, PHASE_C
 
 log = logging.getLogger(__name__)
 
+# cpuidle's deepest state (c7 on Orin; `jetson_clocks --show` prints `IdleStates: WFI=1 c7=1`, 0 after it runs)
+CPUIDLE_DISABLE = "cpuidle/state1/disable"
 RAILGATE_DELAY_S = 0.5          # estimate: nvgpu rail-gates an idle GPU after ~500 ms
 THERMAL_POLL_S = 1.0            # polling-delay-passive = 1000 ms in the upstream T234 zones
 
@@ -53,6 +55,7 @@ class TwinLimits:
     tpc_pg_mask: int
     railgate: bool
     fan_pwm: int                    # what pwm1 holds (ours when the fan daemon is off)
+    cpu_idle_states: bool = True    # cpu0's deepest idle state enabled (jetson_clocks disables them)
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,8 @@ class Twin:
             emc_min_hz=_int(r, f"{p.emc}/min_rate", s.emc_hz[0]), emc_max_hz=emc_max,
             cpu_min_khz=tuple(mins), cpu_max_khz=tuple(maxs), cpu_governor=tuple(govs),
             cpu_online=tuple(online), tpc_pg_mask=_int(r, f"{p.gpu0}/tpc_pg_mask", 0),
-            railgate=_int(r, f"{p.gpu0}/railgate_enable", 1) == 1, fan_pwm=max(0, min(255, fan)))
+            railgate=_int(r, f"{p.gpu0}/railgate_enable", 1) == 1, fan_pwm=max(0, min(255, fan)),
+            cpu_idle_states=_int(r, f"{p.cpu}/cpu0/{CPUIDLE_DISABLE}", 0) == 0)
         self.limits = lim
         return lim
 
@@ -220,7 +224,7 @@ class Twin:
                                     cpu_hi[i]))
         gated = lim.railgate and self._rt.gpu_idle_s >= RAILGATE_DELAY_S
         return Clocks(gpu, emc, active_tpcs(s, lim.tpc_pg_mask), tuple(cpu), lim.cpu_online,
-                      gpu_powered=not gated)
+                      gpu_powered=not gated, cpu_idle_states=lim.cpu_idle_states)
 
     def step(self, dt_s: float, workload: Workload = IDLE) -> TwinState:
         """Advance the model by ``dt_s`` seconds of virtual time, in memory only."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from power.hw import sysfs
 from power.hw.backends import SysfsBoard
@@ -51,7 +52,14 @@ class TwinRunner:
             applied, skipped = _set_mode(board, board.nvpmodel.conf().mode(int(cmd[2]) if cmd[2].isdigit() else cmd[2]), tool)
             return "".join(f"applied {a}\n" for a in applied) + "".join(f"skipped {s}\n" for s in skipped)
         if cmd in (["jetson_clocks"], ["jetson_clocks", "--fan"]):
+            idle = _idle_state_files(self.root, board)
+            tool = writer.for_tool({**_tool_files(board), **{f: "CPU idle state" for f in idle}})
             _pin(board, tool, fan=cmd[-1] == "--fan")
+            with tool.transaction():
+                # jetson_clocks also disables every online core's idle states (captured `jetson_clocks
+                # --show`: `IdleStates: WFI=1 c7=1` before, `WFI=0 c7=0` after; ORIN.md)
+                for f in idle:
+                    tool.write(f, "1")
             return ""
         raise ToolError(f"`{' '.join(cmd)}`: the twin does not emulate this command")
 
@@ -67,6 +75,8 @@ def _tool_files(board: SysfsBoard) -> dict[str, str]:
            STATUS: "nvpmodel status (pmode:NNNN)"}
     if board.info.gpu.tpc_pg_mask:
         out[board.info.gpu.tpc_pg_mask] = "GPU TPC power-gating mask"
+    if board.info.gpu.railgate:
+        out[board.info.gpu.railgate] = "GPU rail-gating (jetson_clocks turns it off)"
     return out
 
 
@@ -151,6 +161,8 @@ def _pin(board: SysfsBoard, writer: ClockWriter, *, fan: bool) -> None:
             top = board.gpu.read().max_hz
             if top:
                 board.gpu.set_range(writer, top, top)
+            if board.info.gpu.railgate:     # NVIDIA's jetson_clocks: `echo 0 > ${GPU_RAIL_GATE}`
+                writer.write(board.info.gpu.railgate, "0")
         if board.emc.available and board.emc.info.locked:
             e = board.emc.read()
             top = e.max_hz
@@ -160,6 +172,18 @@ def _pin(board: SysfsBoard, writer: ClockWriter, *, fan: bool) -> None:
                 board.emc.lock(writer, top)
         if fan and board.fan.available:
             board.fan.set_pwm(writer, PWM_MAX)
+
+
+def _idle_state_files(root: str | os.PathLike[str], board: SysfsBoard) -> list[str]:
+    """The ``cpuidle/stateN/disable`` files of the online cores that the tree has."""
+    out = []
+    for cl in board.cpu.read():
+        for c in cl.online:
+            for state in ("state0", "state1"):
+                rel = f"sys/devices/system/cpu/cpu{c}/cpuidle/{state}/disable"   # the same on every L4T
+                if (Path(root) / rel).is_file():
+                    out.append("/" + rel)
+    return out
 
 
 def _show(board: SysfsBoard) -> JetsonClocksShow:

@@ -1,0 +1,223 @@
+"""One policy of the energy benchmark on one twin tree, in virtual time: the twin, the policy (a
+baseline written like nvpmodel / jetson_clocks would, or the real controller behind
+:class:`power.applier.PowerLoop`) and the accounting. An engine drives it (power.bench.simple_driver,
+or agent.benchpower's driver over the service's real Scheduler) through four calls: ``event`` (a phase
+event), ``step`` (run one prefill or decode step), ``idle_until`` and ``result``.
+
+Time of a step: the step's work progresses at the rate the cost model (``power.physics.costmodel``) gives
+for the clocks in force, integrated over the clock changes within the step (a governor ramps during
+it), in chunks of at most ``CHUNK_S``. Every clock change, the controller's or a stock governor's, takes
+``SETTLE_S`` to take effect (ORIN.md: CPU ~1 ms, GPU ~5 ms, EMC ~8 ms after the write; the switch
+itself stalls < 100 µs): the first ``SETTLE_S`` after a change still run at the old clocks' rate.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from power.applier import PowerLoop, read_zone_samples
+from power.control import open_session
+from power.hw.backends import open_board
+from power.physics.boards import board_for
+from power.physics.costmodel import OperatingPoint, StepCost, decode_step, model_shape, prefill_step
+from power.policy.dvfs import PhaseIn
+from power.policy.profiles import Profile
+from power.policy.thermal import ZoneSample
+from power.twin import IDLE, Twin, Workload, create_twin
+
+SETTLE_S = 0.008            # a new EMC rate takes ~8 ms, GPU ~5 ms (ORIN.md, Orin NX/Nano measurement)
+SWITCH_STALL_S = 100e-6     # the switch itself stalls the work < 100 µs (same source)
+CHUNK_S = 0.05              # step integration: at most one podgov sample period per chunk
+SAMPLE_S = 0.5              # timeline resolution for the plot
+TRIP_C = 99.0               # fallback passive trip when the tree has none (ORIN.md)
+BASELINES = ("maxn+jetson_clocks", "stock-maxn", "stock-default")
+
+
+@dataclass
+class Tally:
+    """What the engine saw: per-request TTFT and time per output token, and tokens produced."""
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _zone_key(name: str) -> str:
+    """``cpu``, ``cpu-thermal`` (r36) and ``CPU-therm`` (r35) are one zone."""
+    return name.lower().removesuffix("-thermal").removesuffix("-therm")
+
+
+class PolicyRun:
+    """One policy on one twin tree (made fresh under ``root``)."""
+
+    def __init__(self, board: str, l4t: str, shape: str, precision: str, policy: str, root: Path, *,
+                 ambient_c: float = 25.0, fan: str = "daemon", profile: Profile | None = None) -> None:
+        self.policy, self.precision = policy, precision
+        self.spec = board_for(board, l4t)
+        self.shape = model_shape(shape)
+        create_twin(root, board, l4t)
+        run_dir = root / "run" / "orin-agent"
+        self.loop: PowerLoop | None = None
+        if policy in BASELINES:
+            self.board = open_board(root)
+            self.writer = self.board.writer(run_dir)
+            if policy != "stock-default":
+                self.board.set_mode("MAXN", self.writer)
+            if policy == "maxn+jetson_clocks":
+                open_board(root).set_jetson_clocks(self.writer)     # on the rediscovered MAXN tree
+        else:
+            assert profile is not None, "a controller policy needs its profile"
+            # the twin "reboots" for free: every policy runs at its profile's mode, as MAXN does above
+            session = open_session(root, run_dir, profile, shape, precision=precision,
+                                   fan_ours=fan == "ours", spec=self.spec, zones=self._zones,
+                                   allow_reboot_modes=True)
+            self.board, self.writer, self.loop = session.board, session.writer, session.loop
+        self.twin = Twin(root, ambient_c=ambient_c, fan_daemon=fan == "daemon")
+        self.trip_c = min((p for p, _, _ in self.twin.trips), default=TRIP_C * 1000) / 1000.0
+        self._costs: dict[tuple[object, ...], StepCost] = {}
+        self.t = 0.0
+        self.switch_wall: list[float] = []          # decide + writes of a switch
+        self.sense_wall: list[float] = []           # the same when the thermal zones were read too
+        self.decode_steps: list[float] = []
+        self.energy = {"prefill": 0.0, "decode": 0.0, "idle": 0.0}
+        self.seconds = {"prefill": 0.0, "decode": 0.0, "idle": 0.0}
+        self.above_trip_s = self.throttled_s = self.peak_w = self.max_c = 0.0
+        self.tl: dict[str, list[float]] = {k: [] for k in ("t", "phase", "gpu_mhz", "emc_mhz", "power_w", "temp_c")}
+        self._next_sample = 0.0
+        self._zone_meta: tuple[ZoneSample, ...] | None = None
+        self.sensor_read_s: float | None = None
+
+    def _zones(self) -> tuple[ZoneSample, ...]:
+        """The controller's sensor read. The zones' names and trip points are read through the board
+        layer once (``measure_sensor_read``); the temperatures come from the twin's state, as the files
+        would hold them (m°C): reading ~40 files through sysfs once a virtual second would make the
+        hour-long trace take minutes. What a real read costs is measured apart and reported."""
+        if self._zone_meta is None:
+            self.measure_sensor_read()
+        assert self._zone_meta is not None
+        temps = {_zone_key(k): v for k, v in self.twin.state.temps_c.items()}
+        return tuple(ZoneSample(z.name, round(temps[_zone_key(z.name)] * 1000) / 1000, z.trip_c)
+                     for z in self._zone_meta)
+
+    def measure_sensor_read(self, n: int = 5) -> float:
+        """Median wall time of reading every thermal zone (temperature and trips) through the board
+        layer, as the service's controller does once a second; keeps the zones' names and trips."""
+        self.twin.flush()
+        walls = []
+        for _ in range(n):
+            w0 = time.perf_counter()
+            self._zone_meta = read_zone_samples(self.board)
+            walls.append(time.perf_counter() - w0)
+        self.sensor_read_s = pct(walls, 0.5)
+        return self.sensor_read_s
+
+    # -- the engine's calls
+    def event(self, p: PhaseIn) -> None:
+        """A phase event: the controller decides (and writes); new limits take effect from now on."""
+        if self.loop is None:
+            return
+        before = self.loop.stats.switches
+        w0 = time.perf_counter()
+        self.loop.on_event(p, self.t)
+        wall = time.perf_counter() - w0
+        if self.loop.stats.switches != before:
+            # the journal's first record of each file (fsync) is not part of a switch's cost; a switch
+            # that read the zones too is counted apart (with the real read's measured cost added)
+            if self.loop.stats.switches > 6:
+                if self.loop.sensed_at == self.t:
+                    self.sense_wall.append(wall + (self.sensor_read_s or 0.0))
+                else:
+                    self.switch_wall.append(wall)
+            self.twin.read_limits()
+            self._run_for(SWITCH_STALL_S, None if p.kind != "idle" else IDLE, p.kind)
+
+    def step(self, kind: str, size: int, batch: int = 1, context: int = 0) -> float:
+        """Run one step; returns its duration. Work progresses at the rate of the clocks in force."""
+        t0, done = self.t, 0.0
+        prev = self.twin.state.clocks
+        while done < 1.0 - 1e-9:
+            cost = self._cost(kind, prev.gpu_hz, prev.emc_hz, prev.tpcs, size, batch, context)
+            dt = min(CHUNK_S, (1.0 - done) * cost.seconds)
+            self._run_for(dt, cost.workload(self.spec, OperatingPoint(prev.gpu_hz, prev.emc_hz, prev.tpcs)), kind)
+            now = self.twin.state.clocks
+            if (now.gpu_hz, now.emc_hz, now.tpcs) == (prev.gpu_hz, prev.emc_hz, prev.tpcs):
+                done += dt / cost.seconds
+            else:       # the change takes SETTLE_S: until then the old clocks' rate
+                new = self._cost(kind, now.gpu_hz, now.emc_hz, now.tpcs, size, batch, context)
+                old_part = min(dt, SETTLE_S)
+                done += old_part / cost.seconds + (dt - old_part) / new.seconds
+            prev = now
+        if kind == "decode":
+            self.decode_steps.append(self.t - t0)
+        return self.t - t0
+
+    def idle_until(self, until: float) -> None:
+        """Idle until ``until``, waking the controller when it asks."""
+        while self.t < until - 1e-9:
+            nxt = until
+            if self.loop is not None and (w := self.loop.next_wake()) is not None and w > self.t:
+                nxt = min(nxt, w)
+            self._run_for(nxt - self.t, IDLE, "idle")
+            if self.loop is not None and self.t >= (self.loop.next_wake() or float("inf")) - 1e-9:
+                before = self.loop.stats.switches
+                self.loop.tick(self.t)
+                if self.loop.stats.switches != before:
+                    self.twin.read_limits()
+
+    # -- internals
+    def _run_for(self, dt: float, workload: Workload | None, phase: str) -> None:
+        if dt <= 0:
+            return
+        if workload is None:    # a switch in a busy phase: the GPU is busy at the old clocks
+            c = self.twin.state.clocks
+            workload = self._cost(phase, c.gpu_hz, c.emc_hz, c.tpcs, 512, 1, 0).workload(
+                self.spec, OperatingPoint(c.gpu_hz, c.emc_hz, c.tpcs))
+        e0 = self.twin.state.energy_j
+        self.twin.advance(dt, workload, max_dt_s=0.5)
+        st = self.twin.state
+        self.t += dt
+        self.energy[phase] += st.energy_j - e0
+        self.seconds[phase] += dt
+        self.peak_w = max(self.peak_w, st.power.board_w)
+        self.max_c = max(self.max_c, st.max_temp_c)
+        if st.max_temp_c >= self.trip_c:
+            self.above_trip_s += dt
+        if st.throttle_steps:
+            self.throttled_s += dt
+        if self.t >= self._next_sample:
+            self._next_sample = self.t + SAMPLE_S
+            for k, v in (("t", self.t), ("phase", {"prefill": 0, "decode": 1, "idle": 2}[phase]),
+                         ("gpu_mhz", st.clocks.gpu_hz / 1e6 if st.clocks.gpu_powered else 0.0),
+                         ("emc_mhz", st.clocks.emc_hz / 1e6), ("power_w", st.power.board_w),
+                         ("temp_c", st.max_temp_c)):
+                self.tl[k].append(float(v))
+
+    def _cost(self, kind: str, gpu: int, emc: int, tpcs: int, size: int, batch: int, context: int) -> StepCost:
+        size = max(16, (size + 15) // 16 * 16)
+        context = context // 64 * 64
+        key = (kind, gpu, emc, tpcs, size, batch, context)
+        c = self._costs.get(key)
+        if c is None:
+            op = OperatingPoint(gpu, emc, tpcs)
+            c = (prefill_step(self.spec, self.shape, self.precision, op, size, context) if kind == "prefill"
+                 else decode_step(self.spec, self.shape, self.precision, op, size, batch))
+            self._costs[key] = c
+        return c
+
+    def close(self) -> None:
+        """Put the twin tree back (journal restore): the same path as a service stop."""
+        if self.writer.journal is not None:
+            try:
+                self.writer.journal.restore()
+            finally:
+                self.writer.journal.close()

@@ -1,0 +1,92 @@
+"""One operating point of the twin, predicted: tok/s, step time, rail watts and J/token for a board,
+a model shape, a precision and clocks (or a power mode's caps). ``orin-agent twin predict`` prints it,
+so anyone can hold the twin against a measurement (docs/TWIN_VALIDATION.md).
+
+Pure arithmetic over ``power.physics.costmodel`` (step time) and ``power.physics.equations.power``
+(rails); no I/O. Clocks not given are the power mode's caps (what ``jetson_clocks`` pins there);
+clocks given are snapped to the nearest entry of the board's table and capped by the mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from power.physics.boards import BoardSpec, active_tpcs, board_for
+from power.physics.costmodel import PRECISIONS, OperatingPoint, decode_step, model_shape, prefill_step
+
+
+@dataclass(frozen=True)
+class PointQuery:
+    board: str = "agx-orin-64gb"
+    l4t: str = "r36"
+    shape: str = "llama-3-8b"
+    precision: str = "int4"
+    phase: str = "decode"           # decode: one token per sequence per step; prefill: ``tokens`` in one step
+    tokens: int = 512               # decode: context length; prefill: prompt tokens
+    batch: int = 1
+    nvpmodel: str | None = None     # mode name or id; None = the mode without GPU/EMC caps
+    gpu_mhz: float | None = None
+    emc_mhz: float | None = None
+
+
+@dataclass(frozen=True)
+class PointPrediction:
+    board: str
+    shape: str
+    precision: str
+    phase: str
+    mode: str
+    gpu_mhz: float
+    emc_mhz: float
+    tpcs: int
+    tokens: int
+    batch: int
+    step_ms: float
+    tokens_per_s: float             # decode: batch / step; prefill: prompt tokens / step
+    bound: str
+    board_w: float
+    rails_w: dict[str, float]
+    joules_per_token: float
+
+
+def _mode(spec: BoardSpec, name: str | None) -> int:
+    if name is None:        # the mode without GPU/EMC caps (MAXN, MAXN_SUPER; the original Nano's 15W)
+        return next((m.id for m in spec.modes if m.gpu_max_hz is None and m.emc_cap_hz is None), 0)
+    for m in spec.modes:
+        if name == str(m.id) or name.upper() == m.name.upper():
+            return m.id
+    raise ValueError(f"{spec.name} has no power mode {name!r}; modes: "
+                     f"{', '.join(f'{m.id} {m.name}' for m in spec.modes)}")
+
+
+def _nearest(table: tuple[int, ...], hz: float) -> int:
+    """The table entry nearest a requested clock (1300 MHz means the 1300.5 MHz entry)."""
+    return min(table, key=lambda f: abs(f - hz))
+
+
+def predict_point(q: PointQuery) -> PointPrediction:
+    """The twin's prediction for one operating point (ValueError on an unknown name or a bad size)."""
+    try:
+        spec = board_for(q.board, q.l4t)
+        shape = model_shape(q.shape)
+    except KeyError as exc:
+        raise ValueError(str(exc.args[0])) from None
+    if q.precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {q.precision!r}; allowed: {', '.join(PRECISIONS)}")
+    if q.phase not in ("decode", "prefill"):
+        raise ValueError(f"unknown phase {q.phase!r}; allowed: decode, prefill")
+    if q.tokens < 1 or q.batch < 1:
+        raise ValueError(f"tokens and batch must be >= 1 (got {q.tokens}, {q.batch})")
+    mode_id = _mode(spec, q.nvpmodel)
+    top = OperatingPoint.of_mode(spec, mode_id)
+    gpu = top.gpu_hz if q.gpu_mhz is None else min(top.gpu_hz, _nearest(spec.gpu_hz, q.gpu_mhz * 1e6))
+    emc = top.emc_hz if q.emc_mhz is None else min(top.emc_hz, _nearest(spec.emc_hz, q.emc_mhz * 1e6))
+    op = OperatingPoint(gpu, emc, active_tpcs(spec, spec.mode(mode_id).tpc_pg_mask), top.cpu_khz)
+    if q.phase == "decode":
+        c = decode_step(spec, shape, q.precision, op, q.tokens, q.batch)
+        produced = q.batch
+    else:
+        c = prefill_step(spec, shape, q.precision, op, q.tokens)
+        produced = q.tokens
+    return PointPrediction(spec.name, q.shape, q.precision, q.phase, spec.mode(mode_id).name, gpu / 1e6,
+                           emc / 1e6, op.tpcs, q.tokens, q.batch, c.seconds * 1e3, produced / c.seconds,
+                           c.bound, c.power_w, dict(c.rails_w), c.energy_j / produced)
