@@ -69,7 +69,7 @@ def test_full_smoke_passes_on_a_twin(full: tuple[Path, SmokeReport, dict[str, by
     gen = rep.result("generation").data
     assert gen["tokens"] == 8 and gen["ttft_s"] > 0 and gen["decode_tok_s"] > 0
     assert rep.result("energy").data["joules_per_token"] > 0 and "simulated" in rep.result("energy").detail
-    assert rep.result("controller").data["prefill"] != rep.result("controller").data["decode"]
+    assert rep.result("controller").data["gpu_max_in_force"]  # the decode decision read back from the board
     assert tree_files(root) == before
 
 
@@ -128,7 +128,9 @@ def test_no_debugfs_skips_the_emc_with_the_reason_and_passes(tmp_path: Path) -> 
     assert "EMC clock" in rep.result("interfaces").detail
 
 
-def test_no_nvpmodel_conf_fails_the_controller_by_name(tmp_path: Path, tiny_checkpoint: Path) -> None:
+def test_no_nvpmodel_conf_is_named_and_the_controller_still_runs(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    """In a container without /etc/nvpmodel.conf the profile's mode is skipped with a warning and the
+    clocks are still controlled: smoke names the missing file and passes."""
     root = _twin(tmp_path)
     (root / "etc/nvpmodel.conf").unlink()
     before = tree_files(root)
@@ -136,7 +138,7 @@ def test_no_nvpmodel_conf_fails_the_controller_by_name(tmp_path: Path, tiny_chec
                     only=BOARD_CHECKS | {"generation", "controller"})
     ctl = rep.result("controller")
     assert "nvpmodel.conf" in rep.result("interfaces").detail
-    assert not rep.ok and ctl.status == "fail" and "nvpmodel.conf is missing" in ctl.detail
+    assert rep.ok and ctl.status == "pass", ctl.detail
     assert rep.result("generation").status == "pass" and tree_files(root) == before
 
 

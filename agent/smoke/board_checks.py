@@ -197,9 +197,10 @@ def _emc_table(ctx: SmokeContext) -> tuple[int, ...]:
 
 def check_emc_clock(ctx: SmokeContext) -> Outcome:
     b = _board(ctx)
-    if not b.emc.writable():
-        return skipped("no EMC clock files: bpmp debugfs (/sys/kernel/debug/bpmp/debug/clk/emc) is missing "
-                       "(mount debugfs: sudo mount -t debugfs none /sys/kernel/debug)")
+    if not b.emc.info.pinnable:
+        capped = " (the agent caps it through nvpmodel's clk_cap instead)" if b.emc.info.control_cap else ""
+        return skipped("no EMC clock files: bpmp debugfs (/sys/kernel/debug/bpmp/debug/clk/emc) is missing"
+                       f"{capped} (mount debugfs: sudo mount -t debugfs none /sys/kernel/debug)")
     r = b.emc.read()
     table = tuple(f for f in _emc_table(ctx) if (r.min_hz or 0) <= f <= (r.max_hz or f) and f <= (r.cap_hz or f))
     if not table:
