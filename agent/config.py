@@ -2,8 +2,8 @@
 a frozen `ServiceConfig`; command-line flags override the file. Every error names the file and key.
 
     [model]   dir, backend ("torch" | "ort"), slices ("0:4,4:8"), max_seq, device
-    [server]  host, port, token, token_file, max_body_bytes
-    [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, profile, power_control
+    [server]  host, port, token, token_file, max_body_bytes, max_in_flight, keep_alive_s, header_timeout_s
+    [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, lock_dir, profile, power_control
     [limits]  max_batch, max_queue, max_prompt_tokens, max_output_tokens, default_max_tokens,
               shutdown_grace_s
     [log]     level
@@ -44,8 +44,12 @@ class ServiceConfig:
     port: int = 8000
     token: str | None = None
     max_body_bytes: int = 1 << 20
+    max_in_flight: int = 0  # HTTP requests answered at once (more get 503); 0 = 2 * max_queue + 32, at least 64
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    header_timeout_s: float = 10.0  # a connection whose request headers are not in by then is closed
     root: str | None = None  # None: "/" on an Orin, else a fresh twin
     run_dir: str = "/run/orin-agent"
+    lock_dir: str | None = None  # one instance per board root; None: <run_dir's parent>/orin-agent/locks
     profile: str = "balanced"
     power_control: bool = True  # run power.controller (phase-aware DVFS + thermal) when it can open the board
     max_batch: int = 8
@@ -63,6 +67,11 @@ class ServiceConfig:
         cfg = dataclasses.replace(self, **given)
         cfg.validate()
         return cfg
+
+    @property
+    def request_limit(self) -> int:
+        """HTTP requests answered at once (the guard answers 503 past it)."""
+        return self.max_in_flight or max(64, self.max_queue * 2 + 32)
 
     def validate(self) -> None:
         src = self.source
@@ -82,6 +91,11 @@ class ServiceConfig:
             raise bad("server.host", "must be an address (127.0.0.1 keeps the service local)", self.host)
         if self.max_body_bytes < 1024:
             raise bad("server.max_body_bytes", "must be >= 1024", self.max_body_bytes)
+        if self.max_in_flight < 0:
+            raise bad("server.max_in_flight", "must be >= 0 (0 = from limits.max_queue)", self.max_in_flight)
+        for key, t in (("server.keep_alive_s", self.keep_alive_s), ("server.header_timeout_s", self.header_timeout_s)):
+            if not 0 < t <= 3600:
+                raise bad(key, "must be in (0, 3600] seconds", t)
         for key, v, lo in (("limits.max_batch", self.max_batch, 1), ("limits.max_queue", self.max_queue, 0),
                            ("limits.max_output_tokens", self.max_output_tokens, 1),
                            ("limits.default_max_tokens", self.default_max_tokens, 1)):
@@ -111,8 +125,12 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("server", "token"): ("token", (str,)),
     ("server", "token_file"): ("token", (str,)),
     ("server", "max_body_bytes"): ("max_body_bytes", (int,)),
+    ("server", "max_in_flight"): ("max_in_flight", (int,)),
+    ("server", "keep_alive_s"): ("keep_alive_s", (int, float)),
+    ("server", "header_timeout_s"): ("header_timeout_s", (int, float)),
     ("board", "root"): ("root", (str,)),
     ("board", "run_dir"): ("run_dir", (str,)),
+    ("board", "lock_dir"): ("lock_dir", (str,)),
     ("board", "profile"): ("profile", (str,)),
     ("board", "power_control"): ("power_control", (bool,)),
     ("limits", "max_batch"): ("max_batch", (int,)),
@@ -158,7 +176,7 @@ def config_from_mapping(doc: Mapping[str, Any], source: str) -> ServiceConfig:
                 if value:
                     values["token"] = read_token_file(value, f"{source}: server.token_file")
                 continue
-            if field_name in ("slices", "root", "token") and value == "":
+            if field_name in ("slices", "root", "token", "lock_dir") and value == "":
                 continue  # "" = unset
             values[field_name] = Path(value) if field_name == "model_dir" else value
     cfg = ServiceConfig(**values, source=source)

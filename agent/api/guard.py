@@ -1,4 +1,5 @@
-"""The HTTP guard in front of every route: the bearer token (on every path but /health), the
+"""The HTTP guard in front of every route: the limit on requests in flight (JSON 503 with
+Retry-After; /health and /ready never count), the bearer token (on every path but /health), the
 request-body size limit (by Content-Length and while the body streams in), and the per-endpoint
 status counts for /metrics. Plain ASGI middleware, so it also guards what FastAPI would 404.
 """
@@ -13,6 +14,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from agent.api.openai import error_body
 
 OPEN_PATHS = {"/health"}
+UNCOUNTED_PATHS = {"/health", "/ready"}  # cheap probes: answered even when the request limit is reached
+BUSY_RETRY_AFTER_S = 1
 KNOWN_PATHS = {"/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
 
 
@@ -22,8 +25,10 @@ class BodyTooLarge(Exception):
 
 class GuardMiddleware:
     def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int,
-                 on_http: Callable[[str, int], None]) -> None:
+                 on_http: Callable[[str, int], None], max_in_flight: int = 0) -> None:
         self.app, self.token, self.max_body_bytes, self.on_http = app, token, max_body_bytes, on_http
+        self.max_in_flight = max_in_flight  # 0: no limit
+        self.in_flight = 0  # requests being answered (the event loop's thread only)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -38,7 +43,15 @@ class GuardMiddleware:
                 status["code"] = message["status"]
             await send(message)
 
+        counted = path not in UNCOUNTED_PATHS
+        if counted:
+            self.in_flight += 1
         try:
+            if counted and self.max_in_flight and self.in_flight > self.max_in_flight:
+                await _json(counting_send, 503, error_body(f"the service is answering {self.max_in_flight} "
+                                                           "requests; retry shortly", "server_error"),
+                            {"retry-after": str(BUSY_RETRY_AFTER_S)})
+                return
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
             if self.token and path not in OPEN_PATHS:
                 given = headers.get("authorization", "")
@@ -69,6 +82,8 @@ class GuardMiddleware:
 
             await self.app(scope, limited_receive, counting_send)
         finally:
+            if counted:
+                self.in_flight -= 1
             self.on_http(endpoint, status["code"])
 
 

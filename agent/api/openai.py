@@ -13,7 +13,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Protocol, Union
+from typing import Any, Iterable, Literal, Optional, Protocol, Union
 
 import jinja2
 import jinja2.sandbox
@@ -102,6 +102,56 @@ class Limits:
     default_max_tokens: int
     max_stop_strings: int = 8
     max_stop_chars: int = 256
+    max_prompt_chars: int = 0  # a text longer than this cannot fit max_prompt_tokens (0 = no check)
+
+
+def prompt_char_limit(vocab: Iterable[str], max_prompt_tokens: int) -> int:
+    """The most characters a prompt of `max_prompt_tokens` tokens can have: no token stands for more
+    characters than its vocabulary string has (byte-level and sentencepiece pieces decode to at most
+    as many characters), so a longer text is refused before it is tokenised. Twice that, for
+    normalizers that drop characters."""
+    longest = max((len(t) for t in vocab), default=1)
+    return 2 * max(1, longest) * max_prompt_tokens
+
+
+# Integers past this many digits are not numbers any field takes (Python refuses to parse more than
+# 4300 digits with a ValueError that names no field); they parse as `_HugeInt` and fail validation.
+MAX_INT_DIGITS = 40
+
+
+class _HugeInt:
+    """A JSON integer with more than MAX_INT_DIGITS digits: no field accepts it."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: str) -> None:
+        self.digits = digits
+
+
+def _parse_int(text: str) -> int | _HugeInt:
+    return _HugeInt(text) if len(text.lstrip("-")) > MAX_INT_DIGITS else int(text)
+
+
+def _bad_string(value: Any, where: str) -> str | None:
+    """The path of the first string (or key) in `value` that is not encodable text (a lone surrogate
+    such as "\\ud800", which JSON allows and a tokenizer cannot take), or None."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return at or "body"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                key_at = f"{at}.{k}" if at else str(k)
+                if _bad_string(k, key_at) is not None:
+                    return at or "body"
+                stack.append((item, key_at))
+        elif isinstance(v, list):
+            stack.extend((item, f"{at}.{i}" if at else str(i)) for i, item in enumerate(v))
+    return None
 
 
 @dataclass(frozen=True)
@@ -122,12 +172,16 @@ def decode_json(raw: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise BadRequest(f"the request body is not valid UTF-8 (byte {exc.start})") from None
     try:
-        return json.loads(text)
+        data = json.loads(text, parse_int=_parse_int)
     except json.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} "
                          f"column {exc.colno}") from None
     except RecursionError:
         raise BadRequest("the request body is nested too deeply") from None
+    bad = _bad_string(data, "")
+    if bad is not None:
+        raise BadRequest(f"{bad}: not valid Unicode text (a lone surrogate such as \\ud800)", bad)
+    return data
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -171,6 +225,12 @@ def render_chat(template: str | None, messages: list[Message], eos_token: str = 
         raise BadRequest(f"cannot apply the chat template: {exc}", "messages") from None
 
 
+def _check_chars(text: str, limits: Limits, param: str) -> None:
+    if limits.max_prompt_chars and len(text) > limits.max_prompt_chars:
+        raise BadRequest(f"{param}: {len(text)} characters cannot fit in {limits.max_prompt_tokens} tokens "
+                         f"(this service's prompt limit); shorten it", param)
+
+
 def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: PromptTokenizer, limits: Limits,
                   chat_template: str | None = None, eos_token: str = "") -> ParsedRequest:
     data = decode_json(raw)
@@ -210,6 +270,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
                 raise BadRequest("prompt: one prompt per request (a list of one string at most)", "prompt")
             p = p[0]
         if isinstance(p, str):
+            _check_chars(p, limits, "prompt")
             text, ids = p, tokenizer.encode(p) if p else []
         else:
             ids = list(p)
@@ -217,6 +278,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
                 raise BadRequest(f"prompt: token ids must be in [0, {tokenizer.vocab_size})", "prompt")
             text = ""
     else:
+        _check_chars("".join(m.text() for m in body.messages), limits, "messages")  # type: ignore[attr-defined]
         text = render_chat(chat_template, body.messages, eos_token)  # type: ignore[attr-defined]
         ids = tokenizer.encode(text)
     check_prompt(ids, limits.context, limits.max_prompt_tokens, "prompt" if kind == "completion" else "messages")

@@ -38,11 +38,20 @@ class ApiState:
     chat_template: str | None = None
     eos_token: str = ""
     ready: Callable[[], tuple[bool, str]] = field(default=lambda: (True, "ready"))
+    max_in_flight: int = 0  # HTTP requests answered at once; 0 = no limit
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param), status_code=status, headers=headers)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so the next message is that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def create_app(state: ApiState) -> FastAPI:
@@ -97,7 +106,9 @@ def create_app(state: ApiState) -> FastAPI:
 
     async def _generate(kind: str, request: Request) -> Response:
         raw = await request.body()
-        p = parse_request(kind, raw, state.tokenizer, state.limits, state.chat_template, state.eos_token)  # type: ignore[arg-type]
+        # Parsing tokenises: off the event loop, so a long prompt never stalls other streams or /health.
+        p = await asyncio.to_thread(parse_request, kind, raw, state.tokenizer, state.limits,  # type: ignore[arg-type]
+                                    state.chat_template, state.eos_token)
         if p.model and p.model != state.model_name:
             return _error(404, f"model {p.model!r} is not served here; GET /v1/models lists {state.model_name!r}",
                           "not_found_error", "model")
@@ -120,24 +131,29 @@ def create_app(state: ApiState) -> FastAPI:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         parts: list[str] = []
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
-                try:
-                    ev = await asyncio.wait_for(q.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        state.engine.cancel(rid)
-                        return Response(status_code=499)
-                    continue
+                get = asyncio.ensure_future(q.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():  # the client went away: free its cache row now, not at max_tokens
+                    get.cancel()
+                    state.engine.cancel(rid)
+                    return Response(status_code=499)
+                ev = get.result()
                 if isinstance(ev, Delta):
                     parts.append(ev.text)
                 elif isinstance(ev, Finished):
                     if ev.reason == "error":
                         return _error(500, ev.message or "generation failed", "server_error")
+                    if ev.reason == "shutdown":
+                        return _error(503, ev.message, "server_error", headers={"Retry-After": "5"})
                     return JSONResponse(completion_response(rid, model, kind, "".join(parts), ev.reason, ev.usage))
         except asyncio.CancelledError:
             state.engine.cancel(rid)
             raise
+        finally:
+            gone.cancel()
 
     async def _stream(rid: str, kind: str, model: str, q: asyncio.Queue[object],
                       include_usage: bool) -> AsyncIterator[str]:
@@ -152,8 +168,8 @@ def create_app(state: ApiState) -> FastAPI:
                     yield stream_chunk(rid, model, kind, created, text=ev.text)
                 elif isinstance(ev, Finished):
                     done = True
-                    if ev.reason == "error":
-                        yield f"data: {json.dumps(error_body(ev.message, 'server_error'))}\n\n"
+                    if ev.reason in ("error", "shutdown"):
+                        yield f"data: {json.dumps(error_body(ev.message or 'generation failed', 'server_error'))}\n\n"
                     else:
                         reason = ev.reason if ev.reason in ("stop", "length") else "stop"
                         yield stream_chunk(rid, model, kind, created, reason=reason,
@@ -166,4 +182,5 @@ def create_app(state: ApiState) -> FastAPI:
             if not done:  # the client went away (or the server is stopping): free the cache slot
                 state.engine.cancel(rid)
 
-    return GuardMiddleware(app, state.token, state.max_body_bytes, state.metrics.on_http)  # type: ignore[return-value]
+    return GuardMiddleware(app, state.token, state.max_body_bytes, state.metrics.on_http,
+                           state.max_in_flight)  # type: ignore[return-value]

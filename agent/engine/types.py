@@ -162,7 +162,7 @@ class Delta:
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str  # "stop", "length", "cancelled", "error"
+    reason: str  # "stop", "length", "cancelled", "error", "shutdown" (ended by the service's stop)
     usage: Usage
     message: str = ""
     token_ids: tuple[int, ...] = ()  # the completion's tokens (EOS not included)
