@@ -358,11 +358,17 @@ class Journal:
         self.close()
 
 
-def restore_run_dir(run_dir: str | os.PathLike[str], root: str | os.PathLike[str],
+def restore_run_dir(run_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None = None,
                     io: BoardIO | None = None) -> RestoreReport:
-    """``orin-agent power restore``: take the lock, restore the journal if any, release."""
+    """``orin-agent power restore``: take the lock, restore the journal if any, release. ``root=None``
+    restores under the root the journal itself recorded (what ExecStopPost wants after a kill)."""
     if not (Path(run_dir) / JOURNAL_NAME).exists():
         return RestoreReport((), ())
+    if root is None:
+        found = read_journal(run_dir)
+        if found is None:
+            return RestoreReport((), ())
+        root = found[0]
     journal = Journal(run_dir, root, recover=False, io=io)
     try:
         return journal.restore()
