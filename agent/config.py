@@ -2,7 +2,8 @@
 a frozen `ServiceConfig`; command-line flags override the file. Every error names the file and key.
 
     [model]   dir, backend ("torch" | "ort"), slices ("0:4,4:8"), max_seq, device
-    [server]  host, port, token, token_file, max_body_bytes, max_in_flight, keep_alive_s, header_timeout_s
+    [server]  host, port, token, token_file, allowed_hosts, max_body_bytes, max_in_flight, keep_alive_s,
+              header_timeout_s
     [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, lock_dir, profile, power_control
     [limits]  max_batch, max_queue, max_prompt_tokens, max_output_tokens, default_max_tokens,
               shutdown_grace_s
@@ -11,6 +12,7 @@ a frozen `ServiceConfig`; command-line flags override the file. Every error name
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import sys
 from dataclasses import dataclass
@@ -28,6 +30,13 @@ DEFAULT_CONFIG_PATH = Path("/etc/orin-agent/agent.toml")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
 class ConfigError(ValueError):
     """A bad configuration; the message names the file and the key."""
 
@@ -43,6 +52,7 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     token: str | None = None
+    allowed_hosts: tuple[str, ...] = ()  # Host header names accepted; () = the loopback names on a loopback bind
     max_body_bytes: int = 1 << 20
     max_in_flight: int = 0  # HTTP requests answered at once (more get 503); 0 = 2 * max_queue + 32, at least 64
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
@@ -69,6 +79,15 @@ class ServiceConfig:
         return cfg
 
     @property
+    def host_names(self) -> tuple[str, ...]:
+        """The Host header names the guard accepts (without port); () = any (a non-loopback bind with a token)."""
+        if self.allowed_hosts:
+            return tuple(h.lower() for h in self.allowed_hosts)
+        if is_loopback(self.host):
+            return tuple(dict.fromkeys(("localhost", "127.0.0.1", "::1", self.host.lower())))
+        return ()
+
+    @property
     def request_limit(self) -> int:
         """HTTP requests answered at once (the guard answers 503 past it)."""
         return self.max_in_flight or max(64, self.max_queue * 2 + 32)
@@ -89,6 +108,11 @@ class ServiceConfig:
             raise bad("server.port", "must be in 0..65535 (0 = any free port)", self.port)
         if not self.host:
             raise bad("server.host", "must be an address (127.0.0.1 keeps the service local)", self.host)
+        if not is_loopback(self.host) and not self.token:
+            raise bad("server.host", "a non-loopback address needs a bearer token (server.token_file); "
+                      "without one any host on the network could drive the API", self.host)
+        if any(not h or "/" in h for h in self.allowed_hosts):
+            raise bad("server.allowed_hosts", "must be host names (no scheme, no path)", list(self.allowed_hosts))
         if self.max_body_bytes < 1024:
             raise bad("server.max_body_bytes", "must be >= 1024", self.max_body_bytes)
         if self.max_in_flight < 0:
@@ -124,6 +148,7 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("server", "port"): ("port", (int,)),
     ("server", "token"): ("token", (str,)),
     ("server", "token_file"): ("token", (str,)),
+    ("server", "allowed_hosts"): ("allowed_hosts", (list,)),
     ("server", "max_body_bytes"): ("max_body_bytes", (int,)),
     ("server", "max_in_flight"): ("max_in_flight", (int,)),
     ("server", "keep_alive_s"): ("keep_alive_s", (int, float)),
@@ -178,6 +203,10 @@ def config_from_mapping(doc: Mapping[str, Any], source: str) -> ServiceConfig:
                 continue
             if field_name in ("slices", "root", "token", "lock_dir") and value == "":
                 continue  # "" = unset
+            if field_name == "allowed_hosts":
+                if not all(isinstance(h, str) for h in value):
+                    raise ConfigError(f"{source}: {section}.{key}: must be a list of strings, got {value!r}")
+                value = tuple(value)
             values[field_name] = Path(value) if field_name == "model_dir" else value
     cfg = ServiceConfig(**values, source=source)
     cfg.validate()

@@ -39,6 +39,7 @@ class ApiState:
     eos_token: str = ""
     ready: Callable[[], tuple[bool, str]] = field(default=lambda: (True, "ready"))
     max_in_flight: int = 0  # HTTP requests answered at once; 0 = no limit
+    host_names: tuple[str, ...] = ()  # Host header names accepted; () = any
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -183,4 +184,4 @@ def create_app(state: ApiState) -> FastAPI:
                 state.engine.cancel(rid)
 
     return GuardMiddleware(app, state.token, state.max_body_bytes, state.metrics.on_http,
-                           state.max_in_flight)  # type: ignore[return-value]
+                           state.max_in_flight, state.host_names)  # type: ignore[return-value]
