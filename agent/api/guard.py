@@ -68,7 +68,8 @@ class GuardMiddleware:
                 scheme, _, value = given.partition(" ")
                 if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
                     await _json(counting_send, 401, error_body("missing or wrong bearer token (Authorization: "
-                                                               "Bearer <token>)", "authentication_error"),
+                                                               "Bearer <token>)", "authentication_error",
+                                                               None, "invalid_api_key"),
                                 {"www-authenticate": "Bearer"})
                     return
             if scope.get("method") == "POST" and path in JSON_PATHS:

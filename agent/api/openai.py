@@ -62,6 +62,17 @@ class _Base(BaseModel):
     priority: Optional[Literal["interactive", "background"]] = None
     ignore_eos: Optional[StrictBool] = False
     user: Optional[StrictStr] = None
+    logit_bias: Optional[dict[str, Number]] = None
+    # Accepted by OpenAI's API, not by this service: refused with 400 unless given as their no-op value.
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
+    logprobs: Optional[Union[StrictBool, StrictInt]] = None
+    top_logprobs: Optional[StrictInt] = None
+    suffix: Optional[StrictStr] = None
+    best_of: Optional[StrictInt] = None
 
 
 class CompletionBody(_Base):
@@ -225,10 +236,54 @@ def render_chat(template: str | None, messages: list[Message], eos_token: str = 
         raise BadRequest(f"cannot apply the chat template: {exc}", "messages") from None
 
 
+def _unsupported(name: str, what: str) -> BadRequest:
+    e = BadRequest(f"{name} is not supported by this service ({what})", name)
+    e.code = "unsupported_parameter"
+    return e
+
+
+def _refuse_unsupported(body: "_Base") -> None:
+    """OpenAI's fields this service cannot honour: a 400 naming the field, never a silent ignore."""
+    if body.tools or body.functions:
+        raise _unsupported("tools" if body.tools else "functions", "no tool calling")
+    if body.tool_choice not in (None, "none") or body.function_call not in (None, "none"):
+        raise _unsupported("tool_choice" if body.tool_choice not in (None, "none") else "function_call",
+                           "no tool calling")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise _unsupported("response_format", "text only; no JSON mode or schemas")
+    if body.logprobs not in (None, False, 0) or body.top_logprobs not in (None, 0):
+        raise _unsupported("logprobs" if body.logprobs not in (None, False, 0) else "top_logprobs",
+                           "token log-probabilities are not returned")
+    if body.suffix:
+        raise _unsupported("suffix", "no insertion")
+    if body.best_of not in (None, 1):
+        raise _unsupported("best_of", "one candidate per request")
+    if getattr(body, "echo", False):
+        raise _unsupported("echo", "the prompt is not echoed")
+
+
+# OpenAI's API reference: logit_bias values are in [-100, 100].
+LOGIT_BIAS_RANGE = 100.0
+
+
+def _logit_bias(bias: dict[str, Any] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise BadRequest(f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
+        v = float(value)
+        if not math.isfinite(v) or abs(v) > LOGIT_BIAS_RANGE:
+            raise BadRequest(f"logit_bias: values must be in [-100, 100], got {value!r}", "logit_bias")
+        out.append((int(key), v))
+    if len(out) > 300:  # OpenAI's own cap on the map's size
+        raise BadRequest("logit_bias: at most 300 entries", "logit_bias")
+    return tuple(out)
+
+
 def _check_chars(text: str, limits: Limits, param: str) -> None:
     if limits.max_prompt_chars and len(text) > limits.max_prompt_chars:
         raise BadRequest(f"{param}: {len(text)} characters cannot fit in {limits.max_prompt_tokens} tokens "
-                         f"(this service's prompt limit); shorten it", param)
+                         f"(this service's prompt limit); shorten it", param, "context_length_exceeded")
 
 
 def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: PromptTokenizer, limits: Limits,
@@ -242,6 +297,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
         raise BadRequest(*_validation_message(exc)) from None
     if body.n not in (None, 1):
         raise BadRequest("n must be 1 (one choice per request)", "n")
+    _refuse_unsupported(body)
     for name in ("frequency_penalty", "presence_penalty"):
         v = getattr(body, name)
         if v not in (None, 0, 0.0):
@@ -260,7 +316,8 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
         max_tokens=max_tokens, temperature=_temperature(body.temperature),
         top_k=0 if body.top_k is None else body.top_k, top_p=_finite("top_p", body.top_p, 1e-9, 1.0, 1.0),
         repetition_penalty=_finite("repetition_penalty", body.repetition_penalty, 1e-3, 10.0, 1.0),
-        seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos))
+        seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos),
+        logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size))
     include_usage = bool(body.stream_options and body.stream_options.get("include_usage") is True)
 
     if isinstance(body, CompletionBody):

@@ -43,8 +43,8 @@ class ApiState:
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param), status_code=status, headers=headers)
+           headers: dict[str, str] | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 async def _disconnected(request: Request) -> None:
@@ -61,7 +61,7 @@ def create_app(state: ApiState) -> FastAPI:
 
     @app.exception_handler(InvalidRequest)
     async def _bad(_: Request, exc: InvalidRequest) -> JSONResponse:
-        return _error(400, str(exc), param=exc.param)
+        return _error(400, str(exc), param=exc.param, code=exc.code)
 
     @app.exception_handler(BodyTooLarge)
     async def _large(_: Request, exc: BodyTooLarge) -> JSONResponse:
@@ -70,14 +70,14 @@ def create_app(state: ApiState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
-                      "invalid_request_error")
+                      "invalid_request_error", headers=dict(exc.headers or {}))  # 405 keeps its Allow
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")  # the traceback goes to the log, never to the client
         return _error(500, f"internal error ({type(exc).__name__}); see the service log", "server_error")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         alive = state.engine.alive
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
@@ -110,9 +110,9 @@ def create_app(state: ApiState) -> FastAPI:
         # Parsing tokenises: off the event loop, so a long prompt never stalls other streams or /health.
         p = await asyncio.to_thread(parse_request, kind, raw, state.tokenizer, state.limits,  # type: ignore[arg-type]
                                     state.chat_template, state.eos_token)
-        if p.model and p.model != state.model_name:
+        if p.model is not None and p.model != state.model_name:
             return _error(404, f"model {p.model!r} is not served here; GET /v1/models lists {state.model_name!r}",
-                          "not_found_error", "model")
+                          "not_found_error", "model", code="model_not_found")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[object] = asyncio.Queue()
 
@@ -123,7 +123,8 @@ def create_app(state: ApiState) -> FastAPI:
         try:
             state.engine.submit(p.prompt_ids, p.sampling, sink, priority=p.priority, req_id=rid)
         except QueueFull as exc:
-            return _error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(exc.retry_after_s)})
+            return _error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(exc.retry_after_s)},
+                          code="rate_limit_exceeded")
         except EngineStopped as exc:
             return _error(503, str(exc), "server_error", headers={"Retry-After": "5"})
         model = state.model_name
