@@ -86,6 +86,15 @@ def test_non_loopback_bind_needs_a_token() -> None:
         ServiceConfig(host="0.0.0.0").validate()
     ServiceConfig(host="0.0.0.0", token="t").validate()
     ServiceConfig(host="::1").validate()
+    from agent.config import config_from_mapping
+
+    cfg = config_from_mapping({"server": {"allowed_hosts": ["Orin.local"], "header_timeout_s": 2,
+                                          "max_in_flight": 9}, "board": {"lock_dir": "/tmp/x"}}, "t.toml")
+    assert cfg.host_names == ("orin.local",) and cfg.request_limit == 9 and cfg.lock_dir == "/tmp/x"
+    with pytest.raises(ConfigError, match="allowed_hosts"):
+        config_from_mapping({"server": {"allowed_hosts": [1]}}, "t.toml")
+    with pytest.raises(ConfigError, match="header_timeout_s"):
+        config_from_mapping({"server": {"header_timeout_s": 0}}, "t.toml")
 
 
 def _install(tmp: Path, bin_path: str, *args: str) -> subprocess.CompletedProcess:
@@ -152,3 +161,10 @@ def test_the_unit_is_least_privilege_and_still_works_on_a_board() -> None:
         finally:
             unit.unlink()
         assert r.returncode == 0, r.stderr
+
+
+def test_openapi_json_is_published_behind_the_token(client: httpx.Client, svc) -> None:
+    assert httpx.get(f"{svc.url}/openapi.json").status_code == 401
+    doc = client.get("/openapi.json").json()
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "prompt" in body["properties"] and "Message" in doc["components"]["schemas"]

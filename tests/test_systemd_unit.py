@@ -177,7 +177,8 @@ def test_a_stream_cut_by_the_stop_ends_cleanly(boot: Boot) -> None:
 
 
 def test_systemd_analyze_security_exposure_is_no_worse_than_recorded(boot: Boot) -> None:
-    """`systemd-analyze security` inside the container (systemd 252); docs/ON_DEVICE.md records 4.6."""
+    """`systemd-analyze security` inside the container (systemd 252); docs/ON_DEVICE.md records the score
+    (4.6 before the least-privilege unit; `--offline=yes` on the bare unit file: 4.8 then, 3.4 now)."""
     m = re.search(r"Overall exposure level for orin-agent\.service: ([0-9.]+)", boot.results["security"])
     assert m, boot.results["security"][-500:]
-    assert float(m.group(1)) <= 4.6
+    assert float(m.group(1)) <= 4.0, m.group(1)

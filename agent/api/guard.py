@@ -18,7 +18,8 @@ OPEN_PATHS = {"/health"}
 JSON_PATHS = {"/v1/completions", "/v1/chat/completions"}
 UNCOUNTED_PATHS = {"/health", "/ready"}  # cheap probes: answered even when the request limit is reached
 BUSY_RETRY_AFTER_S = 1
-KNOWN_PATHS = {"/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+KNOWN_PATHS = {"/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+               "/openapi.json"}
 
 
 class BodyTooLarge(Exception):

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from pydantic import BaseModel
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.api.guard import BodyTooLarge, GuardMiddleware
-from agent.api.openai import Limits, PromptTokenizer, completion_response, error_body, parse_request, stream_chunk
+from agent.api.openai import ChatBody, CompletionBody, Limits, PromptTokenizer, completion_response, error_body, parse_request, stream_chunk
 from agent.engine.loop import EngineLoop
 from agent.engine.types import Delta, EngineStopped, Finished, InvalidRequest, QueueFull, next_request_id
 from agent.metrics import ServiceMetrics
@@ -47,6 +48,17 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
+def body_schema(model: type[BaseModel]) -> dict[str, object]:
+    """The request body's JSON schema for /openapi.json (the handlers read the raw body themselves)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    _BODY_DEFS.update(defs)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+_BODY_DEFS: dict[str, object] = {}  # the body models' nested schemas, for /openapi.json's components
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body has been read, so the next message is that)."""
     while True:
@@ -56,7 +68,8 @@ async def _disconnected(request: Request) -> None:
 
 
 def create_app(state: ApiState) -> FastAPI:
-    app = FastAPI(title="orin-agent", docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json is behind the token like everything but /health (clients and schemathesis use it).
+    app = FastAPI(title="orin-agent", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.api = state
 
     @app.exception_handler(InvalidRequest)
@@ -77,7 +90,8 @@ def create_app(state: ApiState) -> FastAPI:
         log.exception("internal error")  # the traceback goes to the log, never to the client
         return _error(500, f"internal error ({type(exc).__name__}); see the service log", "server_error")
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.head("/health", include_in_schema=False)
+    @app.get("/health")
     async def health() -> JSONResponse:
         alive = state.engine.alive
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
@@ -97,11 +111,11 @@ def create_app(state: ApiState) -> FastAPI:
             {"id": state.model_name, "object": "model", "created": 0, "owned_by": "orin-agent",
              "max_model_len": state.engine.max_seq}]})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionBody))
     async def completions(request: Request) -> Response:
         return await _generate("completion", request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatBody))
     async def chat_completions(request: Request) -> Response:
         return await _generate("chat", request)
 
@@ -184,5 +198,13 @@ def create_app(state: ApiState) -> FastAPI:
             if not done:  # the client went away (or the server is stopping): free the cache slot
                 state.engine.cancel(rid)
 
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, object]:
+        doc = base_openapi()
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(_BODY_DEFS)  # type: ignore[union-attr]
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return GuardMiddleware(app, state.token, state.max_body_bytes, state.metrics.on_http,
                            state.max_in_flight, state.host_names)  # type: ignore[return-value]
