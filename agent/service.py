@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -175,7 +176,7 @@ class Service:
             return 0
         return self.serve_forever()
 
-    def _on_signal(self, sig: int, frame: Any) -> None:
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         # Runs between bytecodes on the main thread: only flags; the start-up checks them.
         self._stop_requested = True
         if self.server is not None and not self.server.should_exit:

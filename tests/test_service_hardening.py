@@ -150,13 +150,13 @@ def test_tokenising_does_not_block_the_event_loop(svc, client: httpx.Client) -> 
         assert httpx.get(f"{svc.url}/health", timeout=5).status_code == 200
         waited = time.monotonic() - t0
         t.join(30)
-        assert waited < 0.7, f"/health waited {waited:.2f} s behind a tokenisation"
+        assert waited < 1.0, f"/health waited {waited:.2f} s behind a tokenisation"
     finally:
         api.tokenizer = real
 
 
 def test_non_streaming_requests_are_cancelled_when_the_client_goes(svc, client: httpx.Client) -> None:
-    svc.listener.delay_s = 0.05  # 64 tokens would take > 3 s
+    svc.listener.delay_s = 0.08  # 64 tokens would take > 5 s
     body = {"prompt": "def f():", "max_tokens": 64, "ignore_eos": True}
 
     def go() -> None:
@@ -169,7 +169,7 @@ def test_non_streaming_requests_are_cancelled_when_the_client_goes(svc, client: 
         t.start()
     for t in threads:
         t.join(10)
-    while svc.engine.in_flight and time.monotonic() - t0 < 1.5:
+    while svc.engine.in_flight and time.monotonic() - t0 < 2.5:
         time.sleep(0.02)
     assert svc.engine.in_flight == 0, f"{svc.engine.in_flight} request(s) kept decoding after their clients left"
     svc.listener.delay_s = 0.0

@@ -12,6 +12,7 @@ from typing import Any
 
 import h11
 import uvicorn
+from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
@@ -62,7 +63,7 @@ def protocol_class(header_timeout_s: float) -> type[TimedH11Protocol]:
     return type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout_s": header_timeout_s})
 
 
-def server_config(app: Any, *, keep_alive_s: float, header_timeout_s: float, graceful_s: float) -> uvicorn.Config:
+def server_config(app: ASGIApp, *, keep_alive_s: float, header_timeout_s: float, graceful_s: float) -> uvicorn.Config:
     """uvicorn's config for the service: no access log, no lifespan, our protocol, no connection cap."""
     return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                           http=protocol_class(header_timeout_s),  # type: ignore[arg-type]
