@@ -73,13 +73,6 @@ class GuardMiddleware:
                                                                None, "invalid_api_key"),
                                 {"www-authenticate": "Bearer"})
                     return
-            if scope.get("method") == "POST" and path in JSON_PATHS:
-                media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-                if media != "application/json":
-                    await _json(counting_send, 415, error_body(
-                        f"Content-Type must be application/json, got {media or 'none'!r}", "invalid_request_error",
-                        None, "unsupported_media_type"))
-                    return
             length = headers.get("content-length")
             if length is not None:
                 if not length.isdigit():
@@ -87,6 +80,13 @@ class GuardMiddleware:
                     return
                 if int(length) > self.max_body_bytes:
                     await _json(counting_send, 413, error_body(f"the request body is over {self.max_body_bytes} bytes"))
+                    return
+            if scope.get("method") == "POST" and path in JSON_PATHS:
+                media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+                if media != "application/json":
+                    await _json(counting_send, 415, error_body(
+                        f"Content-Type must be application/json, got {media or 'none'!r}", "invalid_request_error",
+                        None, "unsupported_media_type"))
                     return
             seen = 0
 
