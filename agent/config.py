@@ -2,8 +2,9 @@
 a frozen `ServiceConfig`; command-line flags override the file. Every error names the file and key.
 
     [model]   dir, backend ("torch" | "ort" | "trt"), slices ("0:4,4:8"), max_seq, device
-    [server]  host, port, token, token_file, max_body_bytes
-    [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, profile, power_control
+    [server]  host, port, token, token_file, allowed_hosts, max_body_bytes, max_in_flight, keep_alive_s,
+              header_timeout_s
+    [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, lock_dir, profile, power_control
     [limits]  max_batch, max_queue, max_prompt_tokens, max_output_tokens, default_max_tokens,
               shutdown_grace_s
     [log]     level
@@ -12,6 +13,7 @@ a frozen `ServiceConfig`; command-line flags override the file. Every error name
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import sys
 from dataclasses import dataclass
@@ -29,6 +31,13 @@ DEFAULT_CONFIG_PATH = Path("/etc/orin-agent/agent.toml")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
 class ConfigError(ValueError):
     """A bad configuration; the message names the file and the key."""
 
@@ -44,9 +53,14 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     token: str | None = None
+    allowed_hosts: tuple[str, ...] = ()  # Host header names accepted; () = the loopback names on a loopback bind
     max_body_bytes: int = 1 << 20
+    max_in_flight: int = 0  # HTTP requests answered at once (more get 503); 0 = 2 * max_queue + 32, at least 64
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    header_timeout_s: float = 10.0  # a connection whose request headers are not in by then is closed
     root: str | None = None  # None: "/" on an Orin, else a fresh twin
     run_dir: str = "/run/orin-agent"
+    lock_dir: str | None = None  # one instance per board root; None: <run_dir's parent>/orin-agent/locks
     profile: str = "balanced"
     power_control: bool = True  # run power.controller (phase-aware DVFS + thermal) when it can open the board
     max_batch: int = 8
@@ -70,6 +84,20 @@ class ServiceConfig:
         cfg.validate()
         return cfg
 
+    @property
+    def host_names(self) -> tuple[str, ...]:
+        """The Host header names the guard accepts (without port); () = any (a non-loopback bind with a token)."""
+        if self.allowed_hosts:
+            return tuple(h.lower() for h in self.allowed_hosts)
+        if is_loopback(self.host):
+            return tuple(dict.fromkeys(("localhost", "127.0.0.1", "::1", self.host.lower())))
+        return ()
+
+    @property
+    def request_limit(self) -> int:
+        """HTTP requests answered at once (the guard answers 503 past it)."""
+        return self.max_in_flight or max(64, self.max_queue * 2 + 32)
+
     def validate(self) -> None:
         src = self.source
 
@@ -86,8 +114,18 @@ class ServiceConfig:
             raise bad("server.port", "must be in 0..65535 (0 = any free port)", self.port)
         if not self.host:
             raise bad("server.host", "must be an address (127.0.0.1 keeps the service local)", self.host)
+        if not is_loopback(self.host) and not self.token:
+            raise bad("server.host", "a non-loopback address needs a bearer token (server.token_file); "
+                      "without one any host on the network could drive the API", self.host)
+        if any(not h or "/" in h for h in self.allowed_hosts):
+            raise bad("server.allowed_hosts", "must be host names (no scheme, no path)", list(self.allowed_hosts))
         if self.max_body_bytes < 1024:
             raise bad("server.max_body_bytes", "must be >= 1024", self.max_body_bytes)
+        if self.max_in_flight < 0:
+            raise bad("server.max_in_flight", "must be >= 0 (0 = from limits.max_queue)", self.max_in_flight)
+        for key, t in (("server.keep_alive_s", self.keep_alive_s), ("server.header_timeout_s", self.header_timeout_s)):
+            if not 0 < t <= 3600:
+                raise bad(key, "must be in (0, 3600] seconds", t)
         for key, v, lo in (("limits.max_batch", self.max_batch, 1), ("limits.max_queue", self.max_queue, 0),
                            ("limits.max_output_tokens", self.max_output_tokens, 1),
                            ("limits.default_max_tokens", self.default_max_tokens, 1)):
@@ -119,9 +157,14 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("server", "port"): ("port", (int,)),
     ("server", "token"): ("token", (str,)),
     ("server", "token_file"): ("token", (str,)),
+    ("server", "allowed_hosts"): ("allowed_hosts", (list,)),
     ("server", "max_body_bytes"): ("max_body_bytes", (int,)),
+    ("server", "max_in_flight"): ("max_in_flight", (int,)),
+    ("server", "keep_alive_s"): ("keep_alive_s", (int, float)),
+    ("server", "header_timeout_s"): ("header_timeout_s", (int, float)),
     ("board", "root"): ("root", (str,)),
     ("board", "run_dir"): ("run_dir", (str,)),
+    ("board", "lock_dir"): ("lock_dir", (str,)),
     ("board", "profile"): ("profile", (str,)),
     ("board", "power_control"): ("power_control", (bool,)),
     ("limits", "max_batch"): ("max_batch", (int,)),
@@ -169,8 +212,12 @@ def config_from_mapping(doc: Mapping[str, Any], source: str) -> ServiceConfig:
                 if value:
                     values["token"] = read_token_file(value, f"{source}: server.token_file")
                 continue
-            if field_name in ("slices", "root", "token") and value == "":
+            if field_name in ("slices", "root", "token", "lock_dir") and value == "":
                 continue  # "" = unset
+            if field_name == "allowed_hosts":
+                if not all(isinstance(h, str) for h in value):
+                    raise ConfigError(f"{source}: {section}.{key}: must be a list of strings, got {value!r}")
+                value = tuple(value)
             values[field_name] = Path(value) if field_name == "model_dir" else value
     cfg = ServiceConfig(**values, source=source)
     cfg.validate()

@@ -8,21 +8,25 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
 import uvicorn
 
-from agent.api.openai import Limits
+from agent.api.openai import Limits, prompt_char_limit
 from agent.api.routes import ApiState, create_app
+from agent.api.server import server_config
 from agent.board import BoardReader, EnergyMeter, TwinDriver, is_orin, make_twin_root, recover_board, restore_board
 from power.controller import PowerController
+from power.hw.rootlock import RootLock, default_lock_dir
 from power.physics.costmodel import shape_of
 from agent.config import ServiceConfig
 from agent.engine.core import EngineCore
@@ -36,6 +40,10 @@ from partition.runners.chain import Chain
 from partition.tokenizer import Tokenizer
 
 log = logging.getLogger("orin_agent.service")
+
+# uvicorn's own cut (cancelling handler tasks) comes this long after our grace period, by which time
+# the engine has ended every request itself and each client got a final 503 / SSE error event.
+GRACE_BACKSTOP_S = 5.0
 
 SYSLOG_PREFIX = {logging.DEBUG: "<7>", logging.INFO: "<6>", logging.WARNING: "<4>", logging.ERROR: "<3>",
                  logging.CRITICAL: "<2>"}
@@ -90,6 +98,11 @@ class BoardSetup:
     run_dir: str | None
     twin: TwinDriver | None
     temp_dir: Path | None  # a twin made here, removed on stop
+    lock: RootLock | None = None  # this process's hold on the board root
+
+
+def board_lock_dir(cfg: ServiceConfig, run_dir: str) -> str:
+    return cfg.lock_dir or str(default_lock_dir(run_dir))
 
 
 def setup_board(cfg: ServiceConfig) -> BoardSetup:
@@ -108,9 +121,19 @@ def setup_board(cfg: ServiceConfig) -> BoardSetup:
             twin = TwinDriver(Path(root))
         except (OSError, ValueError, KeyError) as exc:
             log.warning("%s looks like a twin but its model cannot run (%s): readings stay static", root, exc)
+    lock = None
     if root is not None and run_dir is not None:
-        recover_board(run_dir, root)  # a crashed run's changes are put back before anything else
-    return BoardSetup(root, run_dir, twin, temp)
+        lock = RootLock(root, board_lock_dir(cfg, run_dir))  # one instance per board root, before any write
+        try:
+            recover_board(run_dir, root)  # a crashed run's changes are put back before anything else
+        except BaseException:
+            lock.close()
+            raise
+    return BoardSetup(root, run_dir, twin, temp, lock)
+
+
+class StopRequested(Exception):
+    """SIGTERM / SIGINT arrived while the service was still starting."""
 
 
 class Service:
@@ -125,6 +148,8 @@ class Service:
         self.sock: socket.socket | None = None
         self._stopped = False
         self._loaded = False
+        self._grace_timer: threading.Timer | None = None
+        self._stop_requested = False
         self.controller: Any = None
 
     @property
@@ -137,10 +162,35 @@ class Service:
         host = self.cfg.host if self.cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
         return f"http://{host}:{self.port}"
 
+    def run(self) -> int:
+        """Foreground under systemd: SIGTERM / SIGINT are handled from before the first board write (a
+        stop while starting finishes the start-up, then stops cleanly and restores the board), then
+        load and serve. Returns the exit status, 0 after a clean stop."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        try:
+            self.load()
+        except StopRequested:
+            log.info("stop requested while starting")
+            self.shutdown()
+            return 0
+        return self.serve_forever()
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        # Runs between bytecodes on the main thread: only flags; the start-up checks them.
+        self._stop_requested = True
+        if self.server is not None and not self.server.should_exit:
+            self.server.handle_exit(sig, frame)
+
+    def _check_stop(self) -> None:
+        if self._stop_requested:
+            raise StopRequested()
+
     def load(self) -> None:
         """Board first (crash recovery), then model and engine, then the listening socket."""
         cfg = self.cfg
         self.board = setup_board(cfg)
+        self._check_stop()
         reader = BoardReader(self.board.root) if self.board.root else None
         meter = EnergyMeter(reader) if reader is not None and reader.has_power else None
         if reader is not None and meter is None:
@@ -162,11 +212,13 @@ class Service:
                           metrics=metrics)
         self.engine = EngineLoop(core, max_queue=cfg.max_queue, on_tick=self.notifier.watchdog)
         max_prompt = min(cfg.max_prompt_tokens or chain.max_seq - 1, chain.max_seq - 1)
-        limits = Limits(chain.max_seq, max_prompt, cfg.max_output_tokens, cfg.default_max_tokens)
+        limits = Limits(chain.max_seq, max_prompt, cfg.max_output_tokens, cfg.default_max_tokens,
+                        max_prompt_chars=prompt_char_limit(tokenizer.tk.get_vocab(), max_prompt))
         eos = next(iter(sorted(tokenizer.eos_ids)), None)
         eos_token = tokenizer.tk.id_to_token(eos) if eos is not None else ""
         state = ApiState(self.engine, tokenizer, cfg.model_dir.name, limits, metrics, cfg.token,
-                         cfg.max_body_bytes, tokenizer.chat_template, eos_token or "", self._ready)
+                         cfg.max_body_bytes, tokenizer.chat_template, eos_token or "", self._ready,
+                         max_in_flight=cfg.request_limit, host_names=cfg.host_names)
         self.app = create_app(state)
         self.sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -178,6 +230,7 @@ class Service:
         if self.controller is not None:
             self.controller.start()
         self._loaded = True
+        self._check_stop()
 
     def _open_controller(self) -> Any:
         """power.controller on the board (or twin), or None: the service then runs at the board's own
@@ -207,9 +260,9 @@ class Service:
         return True, "ready"
 
     def _make_server(self) -> uvicorn.Server:
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=max(1, int(self.cfg.shutdown_grace_s)),
-                                limit_concurrency=max(64, self.cfg.max_queue * 2 + 32))
+        cfg = self.cfg
+        config = server_config(self.app, keep_alive_s=cfg.keep_alive_s, header_timeout_s=cfg.header_timeout_s,
+                               graceful_s=cfg.shutdown_grace_s + GRACE_BACKSTOP_S)
         service = self
 
         class _Server(uvicorn.Server):
@@ -230,10 +283,18 @@ class Service:
         log.info("stopping (%s): no new requests; %d in flight get up to %.0f s", why,
                  self.engine.in_flight if self.engine else 0, self.cfg.shutdown_grace_s)
         self.notifier.stopping("draining requests")
+        if self.engine is not None and self._grace_timer is None:
+            engine = self.engine
+            self._grace_timer = threading.Timer(self.cfg.shutdown_grace_s, lambda: engine.end_all(
+                f"the service stopped; the request was cut after the {self.cfg.shutdown_grace_s:g} s grace period"))
+            self._grace_timer.daemon = True
+            self._grace_timer.start()
 
     def serve_forever(self) -> int:
         """Foreground (systemd): returns the exit status, 0 after a clean SIGTERM."""
         self.server = self._make_server()
+        if self._stop_requested:  # a signal between the end of load() and here
+            self.server.should_exit = True
         log.info("listening on %s%s", self.url, " (bearer token required)" if self.cfg.token else "")
         self.notifier.ready(f"serving on {self.url}")
         try:
@@ -269,7 +330,11 @@ class Service:
         if self.engine is not None:
             self.engine.stop_accepting()
             if not self.engine.wait_idle(self.cfg.shutdown_grace_s):
-                log.warning("grace period over: cancelling %d request(s)", self.engine.in_flight)
+                log.warning("grace period over: ending %d request(s)", self.engine.in_flight)
+                self.engine.end_all("the service stopped")
+                self.engine.wait_idle(1.0)
+            if self._grace_timer is not None:
+                self._grace_timer.cancel()
             self.engine.stop()
         if self.controller is not None:
             try:
@@ -286,6 +351,8 @@ class Service:
                     log.info("board restored (%d file(s) put back)", n)
                 except (OSError, RuntimeError) as exc:
                     log.error("board restore failed: %s; run `orin-agent power restore`", exc)
+            if b.lock is not None:
+                b.lock.close()
             if b.temp_dir is not None:
                 shutil.rmtree(b.temp_dir, ignore_errors=True)
         if self.sock is not None:

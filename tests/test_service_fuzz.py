@@ -90,7 +90,8 @@ def test_oversized_and_odd_requests(base: str) -> None:
     with httpx.Client(base_url=base, timeout=30) as c:
         check(r := c.post("/v1/completions", content=b"x" * 10_000))
         assert r.status_code == 413
-        check(r := c.post("/v1/completions", content=iter([b"{" * 5000, b"x" * 5000])))  # chunked, no length
+        check(r := c.post("/v1/completions", content=iter([b"{" * 5000, b"x" * 5000]),  # chunked, no length
+                          headers={"content-type": "application/json"}))
         assert r.status_code == 413
         check(r := c.get("/v1/completions"))
         assert r.status_code == 405

@@ -100,3 +100,38 @@ def test_sigterm_drains_restores_and_exits_zero(tiny_checkpoint: Path, tmp_path:
         if proc.poll() is None:
             proc.kill()
         srv.close()
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.03])
+def test_sigterm_right_after_the_first_board_write_still_restores(tiny_checkpoint: Path, tmp_path: Path,
+                                                                  delay_s: float) -> None:
+    """SIGTERM while the service is still starting, just after the power controller's first
+    journaled write: exit 0 with every recorded file back, no journal left."""
+    root = make_twin(tmp_path / "root")
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "agent.cli", "serve", "--model", str(tiny_checkpoint), "--root", str(root),
+           "--run-dir", str(run), "--port", str(_free_port())]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        doc = None
+        while doc is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                doc = json.loads((run / "journal.json").read_text())
+            except (FileNotFoundError, ValueError):
+                time.sleep(0.003)
+        assert doc is not None and doc["entries"], "the service never journaled a board write"
+        time.sleep(delay_s)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:]
+    assert not (run / "journal.json").exists(), out[-2000:]
+    import base64
+
+    for e in doc["entries"]:
+        if e["original_b64"] is not None:
+            assert (root / e["path"].lstrip("/")).read_bytes() == base64.b64decode(e["original_b64"]), e["path"]
+    assert "Traceback" not in out

@@ -13,7 +13,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Protocol, Union
+from typing import Any, Iterable, Literal, Optional, Protocol, Union
 
 import jinja2
 import jinja2.sandbox
@@ -62,6 +62,17 @@ class _Base(BaseModel):
     priority: Optional[Literal["interactive", "background"]] = None
     ignore_eos: Optional[StrictBool] = False
     user: Optional[StrictStr] = None
+    logit_bias: Optional[dict[str, Number]] = None
+    # Accepted by OpenAI's API, not by this service: refused with 400 unless given as their no-op value.
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
+    logprobs: Optional[Union[StrictBool, StrictInt]] = None
+    top_logprobs: Optional[StrictInt] = None
+    suffix: Optional[StrictStr] = None
+    best_of: Optional[StrictInt] = None
 
 
 class CompletionBody(_Base):
@@ -102,6 +113,56 @@ class Limits:
     default_max_tokens: int
     max_stop_strings: int = 8
     max_stop_chars: int = 256
+    max_prompt_chars: int = 0  # a text longer than this cannot fit max_prompt_tokens (0 = no check)
+
+
+def prompt_char_limit(vocab: Iterable[str], max_prompt_tokens: int) -> int:
+    """The most characters a prompt of `max_prompt_tokens` tokens can have: no token stands for more
+    characters than its vocabulary string has (byte-level and sentencepiece pieces decode to at most
+    as many characters), so a longer text is refused before it is tokenised. Twice that, for
+    normalizers that drop characters."""
+    longest = max((len(t) for t in vocab), default=1)
+    return 2 * max(1, longest) * max_prompt_tokens
+
+
+# Integers past this many digits are not numbers any field takes (Python refuses to parse more than
+# 4300 digits with a ValueError that names no field); they parse as `_HugeInt` and fail validation.
+MAX_INT_DIGITS = 40
+
+
+class _HugeInt:
+    """A JSON integer with more than MAX_INT_DIGITS digits: no field accepts it."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: str) -> None:
+        self.digits = digits
+
+
+def _parse_int(text: str) -> int | _HugeInt:
+    return _HugeInt(text) if len(text.lstrip("-")) > MAX_INT_DIGITS else int(text)
+
+
+def _bad_string(value: Any, where: str) -> str | None:
+    """The path of the first string (or key) in `value` that is not encodable text (a lone surrogate
+    such as "\\ud800", which JSON allows and a tokenizer cannot take), or None."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return at or "body"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                key_at = f"{at}.{k}" if at else str(k)
+                if _bad_string(k, key_at) is not None:
+                    return at or "body"
+                stack.append((item, key_at))
+        elif isinstance(v, list):
+            stack.extend((item, f"{at}.{i}" if at else str(i)) for i, item in enumerate(v))
+    return None
 
 
 @dataclass(frozen=True)
@@ -122,12 +183,16 @@ def decode_json(raw: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise BadRequest(f"the request body is not valid UTF-8 (byte {exc.start})") from None
     try:
-        return json.loads(text)
+        data = json.loads(text, parse_int=_parse_int)
     except json.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} "
                          f"column {exc.colno}") from None
     except RecursionError:
         raise BadRequest("the request body is nested too deeply") from None
+    bad = _bad_string(data, "")
+    if bad is not None:
+        raise BadRequest(f"{bad}: not valid Unicode text (a lone surrogate such as \\ud800)", bad)
+    return data
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -171,6 +236,56 @@ def render_chat(template: str | None, messages: list[Message], eos_token: str = 
         raise BadRequest(f"cannot apply the chat template: {exc}", "messages") from None
 
 
+def _unsupported(name: str, what: str) -> BadRequest:
+    e = BadRequest(f"{name} is not supported by this service ({what})", name)
+    e.code = "unsupported_parameter"
+    return e
+
+
+def _refuse_unsupported(body: "_Base") -> None:
+    """OpenAI's fields this service cannot honour: a 400 naming the field, never a silent ignore."""
+    if body.tools or body.functions:
+        raise _unsupported("tools" if body.tools else "functions", "no tool calling")
+    if body.tool_choice not in (None, "none") or body.function_call not in (None, "none"):
+        raise _unsupported("tool_choice" if body.tool_choice not in (None, "none") else "function_call",
+                           "no tool calling")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise _unsupported("response_format", "text only; no JSON mode or schemas")
+    if body.logprobs not in (None, False, 0) or body.top_logprobs not in (None, 0):
+        raise _unsupported("logprobs" if body.logprobs not in (None, False, 0) else "top_logprobs",
+                           "token log-probabilities are not returned")
+    if body.suffix:
+        raise _unsupported("suffix", "no insertion")
+    if body.best_of not in (None, 1):
+        raise _unsupported("best_of", "one candidate per request")
+    if getattr(body, "echo", False):
+        raise _unsupported("echo", "the prompt is not echoed")
+
+
+# OpenAI's API reference: logit_bias values are in [-100, 100].
+LOGIT_BIAS_RANGE = 100.0
+
+
+def _logit_bias(bias: dict[str, Any] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise BadRequest(f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
+        v = float(value)
+        if not math.isfinite(v) or abs(v) > LOGIT_BIAS_RANGE:
+            raise BadRequest(f"logit_bias: values must be in [-100, 100], got {value!r}", "logit_bias")
+        out.append((int(key), v))
+    if len(out) > 300:  # OpenAI's own cap on the map's size
+        raise BadRequest("logit_bias: at most 300 entries", "logit_bias")
+    return tuple(out)
+
+
+def _check_chars(text: str, limits: Limits, param: str) -> None:
+    if limits.max_prompt_chars and len(text) > limits.max_prompt_chars:
+        raise BadRequest(f"{param}: {len(text)} characters cannot fit in {limits.max_prompt_tokens} tokens "
+                         f"(this service's prompt limit); shorten it", param, "context_length_exceeded")
+
+
 def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: PromptTokenizer, limits: Limits,
                   chat_template: str | None = None, eos_token: str = "") -> ParsedRequest:
     data = decode_json(raw)
@@ -182,6 +297,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
         raise BadRequest(*_validation_message(exc)) from None
     if body.n not in (None, 1):
         raise BadRequest("n must be 1 (one choice per request)", "n")
+    _refuse_unsupported(body)
     for name in ("frequency_penalty", "presence_penalty"):
         v = getattr(body, name)
         if v not in (None, 0, 0.0):
@@ -200,7 +316,8 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
         max_tokens=max_tokens, temperature=_temperature(body.temperature),
         top_k=0 if body.top_k is None else body.top_k, top_p=_finite("top_p", body.top_p, 1e-9, 1.0, 1.0),
         repetition_penalty=_finite("repetition_penalty", body.repetition_penalty, 1e-3, 10.0, 1.0),
-        seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos))
+        seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos),
+        logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size))
     include_usage = bool(body.stream_options and body.stream_options.get("include_usage") is True)
 
     if isinstance(body, CompletionBody):
@@ -210,6 +327,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
                 raise BadRequest("prompt: one prompt per request (a list of one string at most)", "prompt")
             p = p[0]
         if isinstance(p, str):
+            _check_chars(p, limits, "prompt")
             text, ids = p, tokenizer.encode(p) if p else []
         else:
             ids = list(p)
@@ -217,6 +335,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
                 raise BadRequest(f"prompt: token ids must be in [0, {tokenizer.vocab_size})", "prompt")
             text = ""
     else:
+        _check_chars("".join(m.text() for m in body.messages), limits, "messages")  # type: ignore[attr-defined]
         text = render_chat(chat_template, body.messages, eos_token)  # type: ignore[attr-defined]
         ids = tokenizer.encode(text)
     check_prompt(ids, limits.context, limits.max_prompt_tokens, "prompt" if kind == "completion" else "messages")

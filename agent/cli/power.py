@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.console import Console, Group
@@ -17,7 +18,7 @@ from agent.cli import profiles
 from agent.cli.common import cli_errors, root_option, run_dir_option
 from power.hw.backends import open_board
 from power.state import clear_state, describe_state, read_state
-from power.hw.journal import restore_run_dir
+from power.hw.journal import read_journal, restore_run_dir
 from power.status import BoardStatus, read_status
 
 app = typer.Typer(help="Read the board's clocks, temperatures and power; restore what the agent changed.",
@@ -139,16 +140,19 @@ def _emit(st: BoardStatus, state: dict | None, json_out: bool) -> None:
 
 
 @app.command("restore")
-def restore(root: Path = root_option(),
+def restore(root: Optional[Path] = typer.Option(None, "--root", help="Root of the board's file tree (default: "
+                                                "the root recorded in the journal)."),
             run_dir: Path = run_dir_option("Where the agent keeps its restore journal.")) -> None:
     """Put back every clock/fan file the agent changed, from the journal in the run directory."""
     with cli_errors():
-        report = restore_run_dir(run_dir, _check_root(root))
+        found = read_journal(run_dir) if root is None else None
+        where = _check_root(root) if root is not None else (found[0] if found else "/")
+        report = restore_run_dir(run_dir, where)
         clear_state(run_dir)
         if not report.restored:
             typer.echo(f"nothing to restore (no journal in {run_dir})")
         else:
-            typer.echo(f"restored {len(report.restored)} file(s) under {root}")
+            typer.echo(f"restored {len(report.restored)} file(s) under {where}")
 
 
 profiles.register(app)  # profiles, show, set, state on the same sub-app

@@ -38,9 +38,7 @@ def serve(
                                           backend=backend, model_dir=model, max_batch=max_batch,
                                           log_level=log_level)
         setup_logging(cfg.log_level)
-        svc = Service(cfg)
-        svc.load()
-        code = svc.serve_forever()
+        code = Service(cfg).run()
     raise typer.Exit(code)
 
 

@@ -33,13 +33,16 @@ def make_rng(seed: int | None) -> torch.Generator:
 
 def sample(logits: np.ndarray, params: SamplingParams, history: list[int], rng: torch.Generator) -> int:
     """Pick the next token from float32 logits (V,), in Hugging Face's order: repetition penalty,
-    temperature, top-k, top-p, then a draw (or argmax when greedy)."""
+    logit bias (OpenAI's, added to the logits), temperature, top-k, top-p, then a draw (or argmax when greedy)."""
     x = torch.from_numpy(np.array(logits, dtype=np.float32, copy=True))
     if params.repetition_penalty != 1.0 and history:
         seen = torch.tensor(sorted(set(history)), dtype=torch.long)
         vals = x[seen]
         # CTRL's penalty (arXiv 1909.05858): shrink positive logits, push negative ones further down.
         x[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        x[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
     if params.temperature == 0:
         return int(torch.argmax(x))
     x = x / params.temperature

@@ -85,6 +85,12 @@ class EngineLoop:
         self._inbox.put(("cancel", req_id))
         self._wake.set()
 
+    def end_all(self, message: str) -> None:
+        """End every request now with finish reason "shutdown" (the API answers 503 / an SSE error
+        event), e.g. when the shutdown grace period is over."""
+        self._inbox.put(("end_all", message))
+        self._wake.set()
+
     def start(self) -> None:
         self._thread.start()
 
@@ -151,6 +157,9 @@ class EngineLoop:
                 self._sinks[req.req_id] = sink
             elif kind == "cancel":
                 self._route(self.core.abort(str(arg)))
+            elif kind == "end_all":
+                for rid in list(self._sinks):
+                    self._route(self.core.abort(rid, "shutdown", str(arg)))
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:

@@ -25,9 +25,10 @@ class InvalidRequest(ValueError):
     """A request that can never run as given (bad parameter, empty or too long prompt); the message
     says what to do and `param` names the field."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code  # OpenAI's error code where it has one (context_length_exceeded, ...)
 
 
 class QueueFull(RuntimeError):
@@ -52,6 +53,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
 
     def __post_init__(self) -> None:
         checks = [
@@ -79,11 +81,12 @@ def check_prompt(prompt_ids: Sequence[int], max_seq: int, max_prompt_tokens: int
     if n == 0:
         raise InvalidRequest("the prompt is empty: give at least one token of text", param)
     if max_prompt_tokens is not None and n > max_prompt_tokens:
-        raise InvalidRequest(f"the prompt is {n} tokens; this service takes at most {max_prompt_tokens}", param)
+        raise InvalidRequest(f"the prompt is {n} tokens; this service takes at most {max_prompt_tokens}", param,
+                             "context_length_exceeded")
     if n >= max_seq:
         raise InvalidRequest(f"the prompt is {n} tokens but the context holds {max_seq}; shorten the prompt "
                              "or raise the context (--max-seq, up to the model's max_position_embeddings)",
-                             param)
+                             param, "context_length_exceeded")
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ class Delta:
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str  # "stop", "length", "cancelled", "error"
+    reason: str  # "stop", "length", "cancelled", "error", "shutdown" (ended by the service's stop)
     usage: Usage
     message: str = ""
     token_ids: tuple[int, ...] = ()  # the completion's tokens (EOS not included)

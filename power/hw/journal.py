@@ -12,10 +12,12 @@ Low-level file I/O goes through :class:`BoardIO` so tests can stand in for the k
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import fcntl
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,22 +48,27 @@ def describe_os_error(exc: OSError, verb: str, path: str, value: str | None = No
     return f"cannot {what}: {hint} [errno {exc.errno}]"
 
 
+KERNEL_TREES = ("/sys/", "/proc/", "/dev/")  # attributes written in place (a rename there is refused)
+
+
 class BoardIO:
     """Raw reads and writes of host paths. Writes never create a file (a sysfs attribute that is
-    missing stays missing) and truncate first so a plain file in a twin tree ends up exact."""
+    missing stays missing). In the kernel's trees a write goes in place; anywhere else (a twin's
+    plain files) it is an atomic replace (temp file + rename), so a reader never sees a file that
+    has been truncated but not yet written."""
 
     def read(self, host_path: str) -> bytes:
         with open(host_path, "rb") as fh:
             return fh.read()
 
     def write(self, host_path: str, data: bytes, *, create: bool = False) -> None:
+        if not os.path.abspath(host_path).startswith(KERNEL_TREES):
+            self._replace(host_path, data, create)
+            return
         flags = os.O_WRONLY | os.O_TRUNC | (os.O_CREAT if create else 0)
         fd = os.open(host_path, flags, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
+            _write_all(fd, data)
         finally:
             os.close(fd)
 
@@ -83,6 +90,37 @@ class BoardIO:
             run_tool(["nvpmodel", "-m", str(mode_id)], 60.0)
         except ToolError as exc:        # reported like a failed file write
             raise OSError(errno.EIO, str(exc)) from exc
+
+    @staticmethod
+    def _replace(host_path: str, data: bytes, create: bool) -> None:
+        try:
+            mode = os.stat(host_path).st_mode & 0o7777
+        except FileNotFoundError:
+            if not create:
+                raise
+            mode = 0o644
+        else:
+            os.close(os.open(host_path, os.O_WRONLY))  # what an in-place write would meet (EACCES, ...)
+        tmp = f"{host_path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        try:
+            try:
+                _write_all(fd, data)
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+            os.replace(tmp, host_path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
 
 
 @dataclass(frozen=True)
@@ -345,11 +383,17 @@ class Journal:
         self.close()
 
 
-def restore_run_dir(run_dir: str | os.PathLike[str], root: str | os.PathLike[str],
+def restore_run_dir(run_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None = None,
                     io: BoardIO | None = None) -> RestoreReport:
-    """``orin-agent power restore``: take the lock, restore the journal if any, release."""
+    """``orin-agent power restore``: take the lock, restore the journal if any, release. ``root=None``
+    restores under the root the journal itself recorded (what ExecStopPost wants after a kill)."""
     if not (Path(run_dir) / JOURNAL_NAME).exists():
         return RestoreReport((), ())
+    if root is None:
+        found = read_journal(run_dir)
+        if found is None:
+            return RestoreReport((), ())
+        root = found[0]
     journal = Journal(run_dir, root, recover=False, io=io)
     try:
         return journal.restore()
