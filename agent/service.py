@@ -35,7 +35,7 @@ from agent.engine.loop import EngineLoop
 from agent.metrics import ServiceMetrics
 from agent.phases import FanOut, NullListener, PhaseListener
 from agent.sdnotify import Notifier
-from partition.config import load_config
+from partition.config import ModelConfig, load_config
 from partition.runners.chain import Chain
 from partition.tokenizer import Tokenizer
 
@@ -195,10 +195,12 @@ class Service:
         meter = EnergyMeter(reader) if reader is not None and reader.has_power else None
         if reader is not None and meter is None:
             log.info("no power rails under %s: energy is reported as null", self.board.root)
-        # the power mode switch (nvpmodel) happens here, before any CUDA context exists
-        self.controller = self._open_controller()
         t0 = time.monotonic()
+        # the model's files first (a missing model is the one error of a failed start), then the power
+        # mode switch (nvpmodel) before any CUDA context exists, then the weights
+        model_config = load_config(cfg.model_dir)
         tokenizer = Tokenizer.from_dir(cfg.model_dir)
+        self.controller = self._open_controller(model_config)
         chain = build_chain(cfg)
         log.info("model %s loaded (%s, %d slice(s), max_seq %d, max_batch %d) in %.1f s", cfg.model_dir,
                  cfg.backend, len(chain.runners), chain.max_seq, chain.max_batch, time.monotonic() - t0)
@@ -232,7 +234,7 @@ class Service:
         self._loaded = True
         self._check_stop()
 
-    def _open_controller(self) -> Any:
+    def _open_controller(self, model_config: ModelConfig) -> Any:
         """power.controller on the board (or twin), or None: the service then runs at the board's own
         clocks. Fails soft: a board the controller cannot drive is logged, never fatal."""
         b, cfg = self.board, self.cfg
@@ -241,7 +243,7 @@ class Service:
         try:
             # `auto` plans from the cost model of the model being served, in the precision an Orin's
             # engines run it (TensorRT FP16).
-            shape = shape_of(cfg.model_dir.name, load_config(cfg.model_dir))
+            shape = shape_of(cfg.model_dir.name, model_config)
             ctl = PowerController.open(b.root, b.run_dir, cfg.profile, shape=shape, precision="fp16")
         except Exception as exc:  # noqa: BLE001 - any board/profile problem: log it and serve anyway
             log.warning("power controller not started (%s: %s): serving at the board's own clocks",
