@@ -204,7 +204,10 @@ class SliceModule(nn.Module):
     def n_layers(self) -> int:
         return self.end - self.start
 
-    def forward(self, x: Tensor, positions: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+    def forward(self, x: Tensor, positions: Tensor, *past: Tensor,
+                all_logits: bool | None = None) -> tuple[Tensor, ...]:
+        """all_logits: override the slice's setting for this call (speculative verification needs
+        every position's logits from a slice built for decode)."""
         if len(past) != 2 * self.n_layers:
             raise ValueError(f"slice {self.start}:{self.end} takes {2 * self.n_layers} past tensors, got {len(past)}")
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, D)
@@ -215,7 +218,7 @@ class SliceModule(nn.Module):
             h, k, v = layer(h, cos, sin, mask, past[2 * i], past[2 * i + 1])
             new += (k, v)
         if self.lm_head is not None:
-            if not self.all_logits:
+            if not (self.all_logits if all_logits is None else all_logits):
                 h = h[:, -1:]  # prefill needs the next token only: skip T x vocab logits
             h = self.lm_head(self.norm(h)).float()  # (B, 1 or T, V)
         return (h, *new)

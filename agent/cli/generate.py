@@ -34,6 +34,11 @@ def generate(
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay decode "
                                                "steps as CUDA graphs (torch backend; default: on with "
                                                "--device cuda, off on CPU, where asking for it is an error)."),
+    speculate: Optional[str] = typer.Option(None, "--speculate", help="Self-speculative decoding: K draft "
+                                            "tokens per round from an exit head, or 'auto' (same output)."),
+    max_disagreement: Optional[float] = typer.Option(None, "--max-disagreement", help="Exit early where the "
+                                                     "calibrated heads keep disagreement with the full model "
+                                                     "below this rate (orin-agent calibrate)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
@@ -41,9 +46,12 @@ def generate(
     from agent.engine.types import Finished, SamplingParams
 
     with cli_errors():
+        k = resolve_speculate(model, speculate)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
-        core = load_core(model, backend, slices, max_seq, device, cuda_graphs)
+                                repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop),
+                                speculate=k, max_disagreement=max_disagreement)
+        exits = bool(k) or max_disagreement is not None
+        core = load_core(model, backend, slices, max_seq, device, cuda_graphs, exits=exits)
         pieces: list[str] = []
         done: Finished | None = None
         for ev in core.generate(core.tokenizer.encode(prompt), params):
@@ -63,11 +71,27 @@ def generate(
                         "slices": slices, "prompt_tokens": u.prompt_tokens,
                         "completion_tokens": u.completion_tokens, "prefill_ms": round(prefill_ms, 3),
                         "decode_tok_s": round(decode_tok_s, 3), "finish_reason": done.reason,
-                        "token_ids": list(done.token_ids)})
+                        "token_ids": list(done.token_ids),
+                        **({"exit_stats": core.executor.exit_stats()} if exits else {})})
         else:
             sys.stdout.write("\n")
             typer.echo(f"prefill {prefill_ms:.1f} ms | decode {decode_tok_s:.1f} tok/s | "
                        f"{u.completion_tokens} tokens ({done.reason})", err=True)
+
+
+def resolve_speculate(model: Path, speculate: str | None) -> int:
+    """--speculate: None/0 -> 0, K -> K, 'auto' -> the K the exit record predicts is fastest."""
+    if speculate is None:
+        return 0
+    if speculate == "auto":
+        from agent.engine.speculative import choose_draft
+        from partition.config import load_config
+
+        return choose_draft(model, load_config(model).n_layers, None)[1]
+    try:
+        return int(speculate)
+    except ValueError:
+        raise ValueError(f"--speculate takes a number of draft tokens or 'auto', got {speculate!r}") from None
 
 
 def register(app: typer.Typer) -> None:

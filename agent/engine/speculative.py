@@ -1,0 +1,223 @@
+"""The executor for early exits and lossless self-speculative decoding, per request:
+
+- `speculate=k`: the layers up to a draft exit plus its head propose k tokens one at a time; the
+  deep layers check all of them in one pass over the backlog; the longest prefix the full model
+  agrees with is kept, plus the full model's own next token (LayerSkip, arXiv 2404.16710). Greedy
+  output is the full model's token for token; when sampling, the standard acceptance rule (accept
+  d with probability min(1, p(d)/q(d)), else draw from max(0, p - q)) keeps the distribution exact
+  (Leviathan et al., arXiv 2211.17192).
+- `max_disagreement=x`: a token leaves at the first exit whose head's top-1 probability reaches the
+  calibrated threshold for target x (`orin-agent calibrate`); the layers it skipped catch up from
+  the backlog on the next deeper step (partition.exits.runtime).
+
+Rows in either mode run one at a time (their depths differ); other rows, and every prefill, run
+batched through the chain as in `ChainExecutor`. Statistics accumulate in `stats`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from agent.engine.executor import ChainExecutor, _Sampler, sample, warp
+from agent.engine.types import SeqChunk, StepOutput, StepPlan
+from partition.exits.heads import Calibration, ExitHeads, pick_calibration, read_record
+from partition.exits.runtime import ExitChain, RowState
+from partition.runners.chain import Chain
+
+
+@dataclass
+class ExitStats:
+    """Counts over every exit-mode or speculative token since the executor started."""
+
+    n_layers: int
+    tokens: int = 0
+    exits: dict[int, int] = field(default_factory=dict)  # layer the token left after -> tokens
+    deep_passes: int = 0  # runs of the last slice
+    rounds: int = 0  # speculative rounds
+    drafted: int = 0
+    accepted: int = 0
+    targets: dict[str, str] = field(default_factory=dict)  # request -> calibration used
+
+    def as_dict(self) -> dict[str, object]:
+        n = max(1, self.tokens)
+        return {
+            "decode_tokens": self.tokens,
+            "exits_per_layer": {str(l): c for l, c in sorted(self.exits.items())},
+            "exit_rate_per_layer": {str(l): round(c / n, 4) for l, c in sorted(self.exits.items())},
+            "deep_passes": self.deep_passes,
+            "deep_passes_per_token": round(self.deep_passes / n, 4),
+            "speculative_rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "mean_accepted_draft_length": round(self.accepted / self.rounds, 3) if self.rounds else None,
+            "calibration": dict(self.targets),
+        }
+
+
+def speedup_estimate(agreement: float, k: int, draft_layer: int, n_layers: int) -> float:
+    """Expected tokens per round over its cost in full-depth passes: (1 - a^(k+1)) / (1 - a) tokens
+    for k+1 shallow passes plus one deep pass (decode is launch/memory bound, so a deep pass over
+    k+1 tokens costs about one over a single token)."""
+    a = min(agreement, 0.999)
+    tokens = (1 - a ** (k + 1)) / (1 - a)
+    return tokens / ((k + 1) * draft_layer / n_layers + (n_layers - draft_layer) / n_layers)
+
+
+def choose_draft(model_dir: Path, n_layers: int, k: int | None) -> tuple[int, int]:
+    """(draft exit layer, k): for a given k the layer whose held-out agreement gives the best
+    `speedup_estimate`; for k=None (auto) the best pair with k in 1..8."""
+    agree = {int(l): float(a) for l, a in dict(read_record(model_dir).get("held_out_top1_agreement", {})).items()}
+    if not agree:
+        raise ValueError(f"{model_dir}: the exit record has no held-out agreement; run orin-agent train-exits")
+    ks = range(1, 9) if k is None else [k]
+    best = max(((speedup_estimate(a, kk, l, n_layers), l, kk) for l, a in agree.items() for kk in ks))
+    return best[1], best[2]
+
+
+class ExitExecutor(ChainExecutor):
+    def __init__(self, chain: Chain, heads: ExitHeads, model_dir: Path) -> None:
+        super().__init__(chain)
+        self.exits = ExitChain(chain, heads)
+        self.model_dir = model_dir
+        self.rows: dict[str, RowState] = {}
+        self.calibration: dict[str, Calibration | None] = {}
+        self.stats = ExitStats(self.exits.n_layers)
+
+    def exit_stats(self) -> dict[str, object]:
+        return self.stats.as_dict()
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        t0 = time.perf_counter()
+        for rid in plan.released:
+            self.rows.pop(rid, None)
+            self.calibration.pop(rid, None)
+        self._start(plan)
+        special = [c for c in plan.chunks if self._mode(c) is not None]
+        plain = [c for c in plan.chunks if self._mode(c) is None]
+        tokens: dict[str, int] = {}
+        more: dict[str, tuple[int, ...]] = {}
+        if plan.kind == "prefill" or not special:
+            tokens = self._forward(plan.chunks)  # every layer of every row: the rows' caches are whole
+            for c in special:
+                self.rows[c.req_id] = self.exits.new_row(c.start_pos + len(c.token_ids))
+            return StepOutput(tokens, time.perf_counter() - t0)
+        if plain:
+            tokens.update(self._forward(plain))
+        for c in special:
+            s = self.samplers[c.req_id]
+            if s.params.speculate:
+                emitted = self._speculate(c, s)
+                tokens[c.req_id], more[c.req_id] = emitted[0], tuple(emitted[1:])
+            else:
+                tokens[c.req_id] = self._exit_step(c, s)
+        return StepOutput(tokens, time.perf_counter() - t0, more)
+
+    def _mode(self, c: SeqChunk) -> str | None:
+        p = self.samplers[c.req_id].params
+        return "speculate" if p.speculate else ("exit" if p.max_disagreement is not None else None)
+
+    def _row(self, c: SeqChunk) -> RowState:
+        st = self.rows.get(c.req_id)
+        if st is None:
+            raise KeyError(f"request {c.req_id}: decode before its prefill")
+        return st
+
+    # -- early exits ----------------------------------------------------------------------------
+    def _exit_step(self, c: SeqChunk, s: _Sampler) -> int:
+        st = self._row(c)
+        if c.req_id not in self.calibration:
+            assert s.params.max_disagreement is not None
+            cal = pick_calibration(self.model_dir, s.params.max_disagreement)
+            self.calibration[c.req_id] = cal
+            self.stats.targets[c.req_id] = f"target {cal.target}" if cal else "none that strict: full depth"
+        cal = self.calibration[c.req_id]
+        thresholds = cal.thresholds if cal else {}
+
+        def decide(layer: int, logits: torch.Tensor) -> bool:
+            return float(torch.softmax(logits, -1).max()) >= thresholds.get(layer, float("inf"))
+
+        s.history.extend(c.token_ids)
+        before = st.deep_passes
+        res = self.exits.step(st, c.slot, c.token_ids[0], c.start_pos, decide if thresholds else None)
+        self.stats.deep_passes += st.deep_passes - before
+        self.stats.tokens += 1
+        self.stats.exits[res.layer] = self.stats.exits.get(res.layer, 0) + 1
+        return sample(res.logits, s.params, s.history, s.rng)
+
+    # -- self-speculation -----------------------------------------------------------------------
+    def _speculate(self, c: SeqChunk, s: _Sampler) -> list[int]:
+        st = self._row(c)
+        p = c.start_pos
+        layer, _ = choose_draft(self.model_dir, self.exits.n_layers, s.params.speculate)
+        k = max(0, min(s.params.speculate, self.max_seq - 2 - p))
+        hist = list(s.history) + list(c.token_ids)
+        drafts: list[int] = []
+        q: list[torch.Tensor] = []  # the draft distributions (sampling only)
+        token = c.token_ids[0]
+        for i in range(k + 1):
+            self.exits.step(st, c.slot, token, p + i, stop_at=layer)
+            if i == k:
+                break
+            x = warp(self.exits.draft_logits(layer, st), s.params, hist + drafts)
+            token = int(x.argmax()) if s.params.temperature == 0 else \
+                int(torch.multinomial(torch.softmax(x, -1), 1, generator=s.rng))
+            if s.params.temperature > 0:
+                q.append(torch.softmax(x, -1))
+            drafts.append(token)
+        before = st.deep_passes
+        logits = self.exits.finish(st, c.slot)[-(k + 1):]  # (k + 1, V): positions p .. p + k
+        self.stats.deep_passes += st.deep_passes - before
+        out: list[int] = []
+        for i in range(k + 1):
+            x = warp(logits[i], s.params, hist + out)
+            if s.params.temperature == 0:
+                y = int(x.argmax())
+                out.append(y)
+                if i == k or y != drafts[i]:
+                    break
+                continue
+            pt = torch.softmax(x, -1)
+            if i == k:
+                out.append(int(torch.multinomial(pt, 1, generator=s.rng)))
+                break
+            d = drafts[i]
+            if float(torch.rand((), generator=s.rng)) * float(q[i][d]) <= float(pt[d]):
+                out.append(d)
+                continue
+            resid = (pt - q[i]).clamp_min(0)
+            out.append(int(torch.multinomial(resid / resid.sum() if float(resid.sum()) > 0 else pt, 1,
+                                             generator=s.rng)))
+            break
+        accepted = len(out) - 1
+        self.exits.rollback(st, p + len(out))  # cache: t0 and the accepted drafts, not the last token
+        s.history.extend(c.token_ids)
+        s.history.extend(out[:-1])
+        self.stats.rounds += 1
+        self.stats.drafted += k
+        self.stats.accepted += accepted
+        self.stats.tokens += len(out)
+        self.stats.exits[self.exits.n_layers] = self.stats.exits.get(self.exits.n_layers, 0) + len(out)
+        return out
+
+
+def load_exit_executor(model: Path, backend: str = "torch", slices: str | None = None,
+                       max_seq: int | None = None, device: str = "cpu") -> ExitExecutor:
+    """A chain cut at the exit layers (and any slices asked for) with the heads beside the model."""
+    from partition.checkpoint import load_model
+    from partition.config import load_config
+    from partition.exits.heads import load_heads
+    from partition.runners import load_chain
+
+    heads_model = load_model(model, device=device)
+    heads = load_heads(heads_model, model)
+    n = load_config(model).n_layers
+    cuts = set(heads.layers)
+    if slices:
+        cuts |= {int(part.split(":")[0]) for part in slices.split(",") if part.strip()} - {0}
+    bounds = [0, *sorted(cuts), n]
+    chain = load_chain(model, backend=backend, slices=",".join(f"{a}:{b}" for a, b in zip(bounds, bounds[1:])),
+                       max_seq=max_seq, device=device, cuda_graphs=False)
+    return ExitExecutor(chain, heads, Path(model))

@@ -1,0 +1,111 @@
+"""Early exits and self-speculation: speculative greedy output is the full model's token for token;
+the backlog leaves every layer's cache as full depth would; a step that emits several tokens is
+scheduled right; Learn-then-Test thresholds hold their target."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agent.engine.executor import load_core
+from agent.engine.scheduler import Scheduler
+from agent.engine.types import SamplingParams, SeqRequest, StepOutput
+from partition.checkpoint import load_model
+from partition.exits.calibrate import ltt_threshold
+from partition.exits.heads import ExitHeads, load_heads, write_record
+from partition.exits.runtime import ExitChain
+from partition.paths import DEFAULT_MODEL_DIR
+from partition.runners import load_chain
+
+
+@pytest.fixture(scope="module")
+def tiny_exits(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The random 4-layer model with heads at 1 and 2 (a random translator: drafts often wrong,
+    which is what exercises rejection and rollback)."""
+    out = tmp_path_factory.mktemp("tiny-exits") / "m"
+    shutil.copytree(tiny_checkpoint, out)
+    model = load_model(out)
+    heads = ExitHeads(model, (1, 2))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for l in heads.layers:
+            heads.weight[str(l)].add_(torch.randn(heads.weight[str(l)].shape, generator=gen) * 0.05)
+    heads.save(out)
+    write_record(out, {"layers": [1, 2], "held_out_top1_agreement": {"1": 0.5, "2": 0.7}, "calibrations": [
+        {"target": 0.05, "confidence": 0.9, "thresholds": {"1": 0.0, "2": None}}]})
+    return out
+
+
+def _greedy(model: Path, prompt: str, n: int, **kw: object) -> tuple[int, ...]:
+    core = load_core(model, exits=bool(kw))
+    params = SamplingParams(max_tokens=n, ignore_eos=True, **kw)  # type: ignore[arg-type]
+    events = list(core.generate(core.tokenizer.encode(prompt), params))
+    return events[-1].token_ids  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_speculative_greedy_is_full_greedy_token_for_token(tiny_exits: Path, k: int) -> None:
+    assert _greedy(tiny_exits, "def f(x):", 40, speculate=k) == _greedy(tiny_exits, "def f(x):", 40)
+
+
+def test_speculative_greedy_on_the_shipped_model_with_its_heads() -> None:
+    if not (DEFAULT_MODEL_DIR / "exits.safetensors").is_file():
+        pytest.skip("the shipped model has no exit heads")
+    assert _greedy(DEFAULT_MODEL_DIR, "import os\n", 32, speculate=4) == _greedy(DEFAULT_MODEL_DIR, "import os\n", 32)
+
+
+def test_backlog_leaves_every_layer_exact(tiny_exits: Path) -> None:
+    """Tokens that leave early at different layers, then one full-depth step: its logits equal a plain
+    full-depth pass over the same tokens (the skipped layers caught up from the backlog)."""
+    chain = load_chain(tiny_exits, slices="0:1,1:2,2:4", max_seq=64)
+    plain = load_chain(tiny_exits, max_seq=64)
+    exits = ExitChain(chain, load_heads(load_model(tiny_exits), tiny_exits))
+    ids = [5, 17, 3, 99, 42, 7, 8, 120, 64]
+    st = exits.new_row()
+    where = [1, 2, 1, 1, 2, 4, 1, 2, 4]  # leave after this layer (4: full depth)
+    for pos, (tok, layer) in enumerate(zip(ids, where)):
+        res = exits.step(st, 0, tok, pos, decide=lambda l, _lg, want=layer: l == want)
+        assert res.layer == layer
+    assert st.pending == 0 and st.filled == [len(ids)] * 3
+    want = plain.forward(np.array([ids], dtype=np.int32), np.arange(len(ids), dtype=np.int32)[None])
+    np.testing.assert_allclose(res.logits.numpy(), want[0], rtol=1e-4, atol=1e-4)
+
+
+def test_exit_mode_runs_and_reports_exits(tiny_exits: Path) -> None:
+    core = load_core(tiny_exits, exits=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, max_disagreement=0.05)
+    list(core.generate(core.tokenizer.encode("x = 1"), params))
+    stats = core.executor.exit_stats()  # type: ignore[attr-defined]
+    assert stats["decode_tokens"] == 11  # the first token comes from the (full-depth) prefill
+    assert stats["exits_per_layer"] == {"1": 11}  # threshold 0 at layer 1: every token leaves there
+    assert stats["deep_passes"] == 0
+
+
+def test_a_step_may_emit_several_tokens_and_eos_among_them_ends_the_request() -> None:
+    s = Scheduler(1, 64, frozenset({0}))
+    s.add(SeqRequest("a", (1, 2, 3), SamplingParams(max_tokens=10)))
+    plan = s.schedule()
+    events = s.update(plan, StepOutput({"a": 9}))
+    plan = s.schedule()
+    assert plan.chunks[0].start_pos == 3
+    events = s.update(plan, StepOutput({"a": 4}, more={"a": (5, 6)}))
+    assert [e.token for e in events] == [4, 5, 6]
+    plan = s.schedule()
+    assert plan.chunks[0].token_ids == (6,) and plan.chunks[0].start_pos == 6  # 9, 4, 5 are in the cache
+    events = s.update(plan, StepOutput({"a": 7}, more={"a": (0, 8)}))
+    assert [(e.token, e.finish_reason) for e in events] == [(7, None), (None, "stop")]
+    assert not s.has_work()
+
+
+def test_ltt_threshold_keeps_its_target_and_refuses_when_it_cannot() -> None:
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    conf = torch.rand(n, generator=gen)
+    wrong = torch.rand(n, generator=gen) > conf  # the less confident, the more often wrong
+    t = ltt_threshold(conf, wrong, 0.01, 0.05)
+    assert t < 1.0
+    assert float(((conf >= t) & wrong).float().mean()) <= 0.01
+    assert ltt_threshold(conf, torch.ones(n, dtype=torch.bool), 0.01, 0.05) == float("inf")
