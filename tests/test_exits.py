@@ -108,4 +108,44 @@ def test_ltt_threshold_keeps_its_target_and_refuses_when_it_cannot() -> None:
     t = ltt_threshold(conf, wrong, 0.01, 0.05)
     assert t < 1.0
     assert float(((conf >= t) & wrong).float().mean()) <= 0.01
-    assert ltt_threshold(conf, torch.ones(n, dtype=torch.bool), 0.01, 0.05) == float("inf")
+    sure_but_wrong = torch.ones(n)  # every head is certain and every one is wrong: never exit
+    assert ltt_threshold(sure_but_wrong, torch.ones(n, dtype=torch.bool), 0.01, 0.05) == float("inf")
+
+
+def test_speculative_sampling_keeps_the_target_distribution() -> None:
+    """The first token a round emits is distributed as the full model's p, whatever the draft q
+    (the drafts themselves come from q)."""
+    from agent.engine.speculative import accept
+
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.zeros(4)
+    n = 6000
+    for _ in range(n):
+        d = int(torch.multinomial(q, 1, generator=gen))
+        out = accept([d], [q], [p.log(), p.log()], False, gen)
+        counts[out[0]] += 1
+    assert torch.allclose(counts / n, p, atol=0.025)
+
+
+def test_cli_speculate_keeps_greedy_text_and_json_reports_exit_statistics(tiny_exits: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from agent.cli import app
+
+    def gen(*extra: str) -> dict:
+        res = CliRunner().invoke(app, ["generate", "x = ", "--model", str(tiny_exits), "--max-tokens", "24",
+                                       "--json", *extra])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)
+
+    plain, spec = gen(), gen("--speculate", "3")
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["exit_stats"]["speculative_rounds"] > 0
+    early = gen("--max-disagreement", "0.05")
+    assert set(early["exit_stats"]["exits_per_layer"]) == {"1"}  # the record's threshold 0 at layer 1
+    bad = CliRunner().invoke(app, ["generate", "x", "--model", str(tiny_exits), "--speculate", "many"])
+    assert bad.exit_code == 2 and "--speculate takes" in bad.output

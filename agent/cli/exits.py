@@ -44,8 +44,9 @@ def train_exits(
 
 def calibrate(
     model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help=MODEL_HELP),
-    max_disagreement: float = typer.Option(0.01, "--max-disagreement", help="Target rate of tokens that differ "
-                                           "from the full model's."),
+    max_disagreement: list[float] = typer.Option([0.01], "--max-disagreement", help="Target rate of tokens "
+                                                 "that differ from the full model's (repeatable: one data "
+                                                 "collection serves every target)."),
     confidence: float = typer.Option(0.95, "--confidence", help="Probability that the target holds."),
     prompts: int = typer.Option(256, "--prompts", help="Prompts per set (calibration and held-out)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -54,14 +55,17 @@ def calibrate(
     from partition.exits.calibrate import CalibrateOptions, calibrate as run
 
     with cli_errors():
-        entry = run(model, CalibrateOptions(max_disagreement, confidence, prompts), progress=not as_json)
+        first, *rest = max_disagreement
+        entries = run(model, CalibrateOptions(first, confidence, prompts), progress=not as_json,
+                      more_targets=tuple(rest))
         if as_json:
-            print_json(entry)
-        else:
+            print_json(entries)
+            return
+        for entry in entries:
             held = entry["held_out"]
             assert isinstance(held, dict)
-            typer.echo(f"target {max_disagreement} at confidence {confidence}: thresholds {entry['thresholds']}")
-            typer.echo(f"held-out: disagreement {held['disagreement']}, exits {held['exit_rate_per_layer']}, "
+            typer.echo(f"target {entry['target']} at confidence {confidence}: thresholds {entry['thresholds']}; "
+                       f"held-out disagreement {held['disagreement']}, exits {held['exit_rate_per_layer']}, "
                        f"{held['mean_layers_per_token']} layers per token")
 
 

@@ -72,7 +72,8 @@ def generate(
                         "completion_tokens": u.completion_tokens, "prefill_ms": round(prefill_ms, 3),
                         "decode_tok_s": round(decode_tok_s, 3), "finish_reason": done.reason,
                         "token_ids": list(done.token_ids),
-                        **({"exit_stats": core.executor.exit_stats()} if exits else {})})
+                        **({"speculate": k, "max_disagreement": max_disagreement,
+                            "exit_stats": core.executor.exit_stats()} if exits else {})})  # type: ignore[attr-defined]
         else:
             sys.stdout.write("\n")
             typer.echo(f"prefill {prefill_ms:.1f} ms | decode {decode_tok_s:.1f} tok/s | "

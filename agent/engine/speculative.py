@@ -68,13 +68,49 @@ def speedup_estimate(agreement: float, k: int, draft_layer: int, n_layers: int) 
 
 def choose_draft(model_dir: Path, n_layers: int, k: int | None) -> tuple[int, int]:
     """(draft exit layer, k): for a given k the layer whose held-out agreement gives the best
-    `speedup_estimate`; for k=None (auto) the best pair with k in 1..8."""
-    agree = {int(l): float(a) for l, a in dict(read_record(model_dir).get("held_out_top1_agreement", {})).items()}
+    `speedup_estimate`; for k=None (auto) the best pair with k in 1..8, or k=0 (no speculation)
+    when no pair is estimated to beat full depth. The agreement measured on greedily decoded text
+    (calibrate) is preferred to the teacher-forced one (train-exits): drafts are made on the former."""
+    record = read_record(model_dir)
+    table = record.get("held_out_greedy_top1_agreement") or record.get("held_out_top1_agreement") or {}
+    agree = {int(l): float(a) for l, a in dict(table).items()}  # type: ignore[call-overload]
     if not agree:
         raise ValueError(f"{model_dir}: the exit record has no held-out agreement; run orin-agent train-exits")
     ks = range(1, 9) if k is None else [k]
     best = max(((speedup_estimate(a, kk, l, n_layers), l, kk) for l, a in agree.items() for kk in ks))
+    if k is None and best[0] <= 1.0:
+        return best[1], 0
     return best[1], best[2]
+
+
+def accept(drafts: list[int], q: list[torch.Tensor], targets: list[torch.Tensor], greedy: bool,
+           rng: torch.Generator) -> list[int]:
+    """The tokens a round emits: the accepted drafts, then one token of the full model's.
+
+    drafts: k tokens; q: their k draft distributions (sampling only); targets: k + 1 warped target
+    logits (position i given the drafts before it). Greedy: keep drafts while they equal the
+    target's argmax. Sampling: keep d_i with probability min(1, p(d_i) / q(d_i)); at the first
+    rejection draw from max(0, p - q) renormalised; after k acceptances draw from p_(k+1)."""
+    out: list[int] = []
+    for i, x in enumerate(targets):
+        if greedy:
+            y = int(x.argmax())
+            out.append(y)
+            if i == len(drafts) or y != drafts[i]:
+                break
+            continue
+        p = torch.softmax(x, -1)
+        if i == len(drafts):
+            out.append(int(torch.multinomial(p, 1, generator=rng)))
+            break
+        d = drafts[i]
+        if float(torch.rand((), generator=rng)) * float(q[i][d]) <= float(p[d]):
+            out.append(d)
+            continue
+        resid = (p - q[i]).clamp_min(0)
+        out.append(int(torch.multinomial(resid / resid.sum() if float(resid.sum()) > 0 else p, 1, generator=rng)))
+        break
+    return out
 
 
 class ExitExecutor(ChainExecutor):
@@ -85,9 +121,13 @@ class ExitExecutor(ChainExecutor):
         self.rows: dict[str, RowState] = {}
         self.calibration: dict[str, Calibration | None] = {}
         self.stats = ExitStats(self.exits.n_layers)
+        self.draft_layer: dict[int, int] = {}  # k -> the exit layer that drafts
 
     def exit_stats(self) -> dict[str, object]:
         return self.stats.as_dict()
+
+    def reset_stats(self) -> None:
+        self.stats = ExitStats(self.exits.n_layers)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
@@ -151,7 +191,10 @@ class ExitExecutor(ChainExecutor):
     def _speculate(self, c: SeqChunk, s: _Sampler) -> list[int]:
         st = self._row(c)
         p = c.start_pos
-        layer, _ = choose_draft(self.model_dir, self.exits.n_layers, s.params.speculate)
+        if s.params.speculate not in self.draft_layer:
+            self.draft_layer[s.params.speculate] = choose_draft(self.model_dir, self.exits.n_layers,
+                                                                s.params.speculate)[0]
+        layer = self.draft_layer[s.params.speculate]
         k = max(0, min(s.params.speculate, self.max_seq - 2 - p))
         hist = list(s.history) + list(c.token_ids)
         drafts: list[int] = []
@@ -170,27 +213,9 @@ class ExitExecutor(ChainExecutor):
         before = st.deep_passes
         logits = self.exits.finish(st, c.slot)[-(k + 1):]  # (k + 1, V): positions p .. p + k
         self.stats.deep_passes += st.deep_passes - before
-        out: list[int] = []
-        for i in range(k + 1):
-            x = warp(logits[i], s.params, hist + out)
-            if s.params.temperature == 0:
-                y = int(x.argmax())
-                out.append(y)
-                if i == k or y != drafts[i]:
-                    break
-                continue
-            pt = torch.softmax(x, -1)
-            if i == k:
-                out.append(int(torch.multinomial(pt, 1, generator=s.rng)))
-                break
-            d = drafts[i]
-            if float(torch.rand((), generator=s.rng)) * float(q[i][d]) <= float(pt[d]):
-                out.append(d)
-                continue
-            resid = (pt - q[i]).clamp_min(0)
-            out.append(int(torch.multinomial(resid / resid.sum() if float(resid.sum()) > 0 else pt, 1,
-                                             generator=s.rng)))
-            break
+        # target i sees the drafts before it: it only matters when all of them were accepted
+        targets = [warp(logits[i], s.params, hist + drafts[:i]) for i in range(k + 1)]
+        out = accept(drafts, q, targets, s.params.temperature == 0, s.rng)
         accepted = len(out) - 1
         self.exits.rollback(st, p + len(out))  # cache: t0 and the accepted drafts, not the last token
         s.history.extend(c.token_ids)

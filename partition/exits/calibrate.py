@@ -142,32 +142,39 @@ def collect(model_dir: Path, split: str, options: CalibrateOptions, progress: bo
 
 
 def calibrate(model_dir: str | Path, options: CalibrateOptions = CalibrateOptions(),
-              progress: bool = True) -> dict[str, object]:
-    """Certify thresholds for options.max_disagreement on 'val', evaluate them on 'test', and save
-    them in the exit record (replacing an older calibration of the same target)."""
+              progress: bool = True, more_targets: tuple[float, ...] = ()) -> list[dict[str, object]]:
+    """Certify thresholds for options.max_disagreement (and each of more_targets, on the same data)
+    on 'val', evaluate them on 'test', and save them in the exit record (replacing older calibrations
+    of the same targets)."""
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
-    if not 0 < options.max_disagreement < 1 or not 0 < options.confidence < 1:
+    targets = sorted({options.max_disagreement, *more_targets})
+    if not all(0 < t < 1 for t in targets) or not 0 < options.confidence < 1:
         raise ValueError("max_disagreement and confidence must be in (0, 1)")
     cal = collect(model_dir, "val", options, progress)
+    held = collect(model_dir, "test", options, progress)
     n_layers = load_config(model_dir).n_layers
     k = len(cal.pred)
     delta = 1 - options.confidence
-    thresholds = {l: ltt_threshold(cal.conf[l], cal.pred[l] != cal.full, options.max_disagreement / k, delta / k)
-                  for l in sorted(cal.pred)}
-    held = collect(model_dir, "test", options, progress)
-    entry: dict[str, object] = {
-        "target": options.max_disagreement, "confidence": options.confidence,
-        "thresholds": {str(l): (None if t == float("inf") else t) for l, t in thresholds.items()},
-        "rule": "top-1 probability of the exit head >= threshold; target/L and delta/L per layer (Bonferroni), "
-                "fixed-sequence test over the threshold grid with binomial tail p-values",
-        "calibration_set": {"split": "val", "prompts": options.prompts, "prompt_len": options.prompt_len,
-                            "new_tokens": options.new_tokens, **cascade(cal, thresholds, n_layers)},
-        "held_out": {"split": "test", "prompts": options.prompts, **cascade(held, thresholds, n_layers)},
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
+    entries: list[dict[str, object]] = []
+    for target in targets:
+        thresholds = {l: ltt_threshold(cal.conf[l], cal.pred[l] != cal.full, target / k, delta / k)
+                      for l in sorted(cal.pred)}
+        entries.append({
+            "target": target, "confidence": options.confidence,
+            "thresholds": {str(l): (None if t == float("inf") else t) for l, t in thresholds.items()},
+            "rule": "top-1 probability of the exit head >= threshold; target/L and delta/L per layer "
+                    "(Bonferroni), fixed-sequence test over the threshold grid with binomial tail p-values",
+            "calibration_set": {"split": "val", "prompts": options.prompts, "prompt_len": options.prompt_len,
+                                "new_tokens": options.new_tokens, **cascade(cal, thresholds, n_layers)},
+            "held_out": {"split": "test", "prompts": options.prompts, **cascade(held, thresholds, n_layers)},
+            "seconds": round(time.perf_counter() - t0, 1),
+        })
     record = read_record(model_dir)
-    old = [c for c in record.get("calibrations", []) if c.get("target") != options.max_disagreement]  # type: ignore[union-attr]
-    record["calibrations"] = sorted([*old, entry], key=lambda c: c["target"])  # type: ignore[index]
+    # what a draft head achieves on decoded text (speculation's acceptance rate), per exit layer
+    record["held_out_greedy_top1_agreement"] = {
+        str(l): round(float((held.pred[l] == held.full).float().mean()), 4) for l in sorted(held.pred)}
+    old = [c for c in record.get("calibrations", []) if c.get("target") not in targets]  # type: ignore[union-attr]
+    record["calibrations"] = sorted([*old, *entries], key=lambda c: c["target"])  # type: ignore[index]
     write_record(model_dir, record)
-    return entry
+    return entries
