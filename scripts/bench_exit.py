@@ -85,8 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--speculate", default="2,4")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tok = Tokenizer.from_dir(args.model)
     prompts = token_windows(tok, split_texts(args.model, "test", None, 7), args.prompt_len, args.prompts, 7).tolist()
     targets = [c.target for c in calibrations(args.model)]

@@ -149,3 +149,16 @@ def test_cli_speculate_keeps_greedy_text_and_json_reports_exit_statistics(tiny_e
     assert set(early["exit_stats"]["exits_per_layer"]) == {"1"}  # the record's threshold 0 at layer 1
     bad = CliRunner().invoke(app, ["generate", "x", "--model", str(tiny_exits), "--speculate", "many"])
     assert bad.exit_code == 2 and "--speculate takes" in bad.output
+
+
+def test_cascade_counts_a_token_at_its_first_exit_only() -> None:
+    from partition.exits.calibrate import TokenTable, cascade
+
+    full = torch.tensor([1, 2, 3, 4])
+    table = TokenTable(full, pred={2: torch.tensor([1, 9, 9, 9]), 4: torch.tensor([9, 2, 9, 4])},
+                       conf={2: torch.tensor([0.9, 0.1, 0.95, 0.1]), 4: torch.tensor([0.9, 0.9, 0.9, 0.2])})
+    out = cascade(table, {2: 0.8, 4: 0.5}, 8)
+    # token 0 leaves at 2 (right), 1 at 4 (right), 2 at 2 (wrong), 3 runs full depth
+    assert out["exit_rate_per_layer"] == {"2": 0.5, "4": 0.25, "8": 0.25}
+    assert out["disagreement"] == 0.25
+    assert out["mean_layers_per_token"] == (2 + 4 + 2 + 8) / 4
