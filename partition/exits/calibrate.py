@@ -62,7 +62,7 @@ class TokenTable:
 def greedy_continue(model_dir: Path, prompts: torch.Tensor, new_tokens: int, batch: int,
                     progress: bool = True) -> torch.Tensor:
     """prompts (N, P) -> (N, P + new_tokens), continued greedily by the full chain, rows batched.
-    (Data collection only: no sampling, no stop rules; requests go through agent.engine.)"""
+    (Data collection only: no sampling, no stop rules; real requests go through agent.engine.)"""
     n, p = prompts.shape
     chain = load_chain(model_dir, max_seq=p + new_tokens + 1, max_batch=batch)
     out = []
