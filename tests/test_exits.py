@@ -162,3 +162,32 @@ def test_cascade_counts_a_token_at_its_first_exit_only() -> None:
     assert out["exit_rate_per_layer"] == {"2": 0.5, "4": 0.25, "8": 0.25}
     assert out["disagreement"] == 0.25
     assert out["mean_layers_per_token"] == (2 + 4 + 2 + 8) / 4
+
+
+def test_calibrate_saves_thresholds_that_generate_then_uses(tiny_exits: Path, tmp_path: Path) -> None:
+    """End to end on the tiny model: a corpus record naming two real stdlib files (one 'val', one
+    'test'), `orin-agent calibrate` for two targets, and the record holds both with held-out figures."""
+    import hashlib
+    import json
+    import sysconfig
+
+    from typer.testing import CliRunner
+
+    from agent.cli import app
+    from partition.exits.heads import calibrations, read_record
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_exits, model)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [{"path": p, "split": s, "sha256": hashlib.sha256((root / p).read_bytes()).hexdigest()}
+             for p, s in (("textwrap.py", "val"), ("shlex.py", "test"))]
+    (model / "corpus.json").write_text(json.dumps({"python_version": "any", "files": files}))
+    res = CliRunner().invoke(app, ["calibrate", "--model", str(model), "--max-disagreement", "0.05",
+                                   "--max-disagreement", "0.2", "--prompts", "16", "--json"])
+    assert res.exit_code == 0, res.output
+    entries = json.loads(res.stdout)
+    assert [e["target"] for e in entries] == [0.05, 0.2]
+    assert [c.target for c in calibrations(model)] == [0.05, 0.2]
+    for e in entries:
+        assert e["held_out"]["tokens"] == 16 * 32 and e["held_out"]["split"] == "test"
+    assert set(read_record(model)["held_out_greedy_top1_agreement"]) == {"1", "2"}
