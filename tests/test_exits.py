@@ -191,3 +191,26 @@ def test_calibrate_saves_thresholds_that_generate_then_uses(tiny_exits: Path, tm
     for e in entries:
         assert e["held_out"]["tokens"] == 16 * 32 and e["held_out"]["split"] == "test"
     assert set(read_record(model)["held_out_greedy_top1_agreement"]) == {"1", "2"}
+
+
+def test_rows_of_different_modes_share_steps_and_keep_their_outputs(tiny_exits: Path) -> None:
+    """A speculating row, an early-exit row and a plain row in the same steps (batch of 3): the
+    speculating and the plain one give exactly the full model's greedy tokens."""
+    from agent.engine.core import EngineCore
+    from agent.engine.speculative import load_exit_executor
+    from partition.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_exits)
+    core = EngineCore(load_exit_executor(tiny_exits, max_batch=3), tok)
+    prompt = tok.encode("import os")
+    modes = {"spec": {"speculate": 3}, "exit": {"max_disagreement": 0.05}, "plain": {}}
+    for rid, kw in modes.items():
+        core.add_request(SeqRequest(rid, tuple(prompt), SamplingParams(max_tokens=20, ignore_eos=True, **kw)))
+    done: dict[str, tuple[int, ...]] = {}
+    while core.has_work():
+        for o in core.step():
+            if hasattr(o.event, "token_ids"):
+                done[o.req_id] = o.event.token_ids  # type: ignore[union-attr]
+    want = _greedy(tiny_exits, "import os", 20)
+    assert done["spec"] == want and done["plain"] == want
+    assert len(done["exit"]) == 20

@@ -229,7 +229,7 @@ class ExitExecutor(ChainExecutor):
 
 
 def load_exit_executor(model: Path, backend: str = "torch", slices: str | None = None,
-                       max_seq: int | None = None, device: str = "cpu") -> ExitExecutor:
+                       max_seq: int | None = None, device: str = "cpu", max_batch: int = 1) -> ExitExecutor:
     """A chain cut at the exit layers (and any slices asked for) with the heads beside the model."""
     from partition.checkpoint import load_model
     from partition.config import load_config
@@ -244,5 +244,5 @@ def load_exit_executor(model: Path, backend: str = "torch", slices: str | None =
         cuts |= {int(part.split(":")[0]) for part in slices.split(",") if part.strip()} - {0}
     bounds = [0, *sorted(cuts), n]
     chain = load_chain(model, backend=backend, slices=",".join(f"{a}:{b}" for a, b in zip(bounds, bounds[1:])),
-                       max_seq=max_seq, device=device, cuda_graphs=False)
+                       max_seq=max_seq, max_batch=max_batch, device=device, cuda_graphs=False)
     return ExitExecutor(chain, heads, Path(model))
