@@ -23,6 +23,7 @@ import torch
 
 from agent.engine.executor import ChainExecutor, _Sampler, sample, warp
 from agent.engine.types import SeqChunk, StepOutput, StepPlan
+from partition.config import ModelConfig
 from partition.exits.heads import Calibration, ExitHeads, pick_calibration, read_record
 from partition.exits.runtime import ExitChain, RowState
 from partition.runners.chain import Chain
@@ -57,13 +58,25 @@ class ExitStats:
         }
 
 
-def speedup_estimate(agreement: float, k: int, draft_layer: int, n_layers: int) -> float:
-    """Expected tokens per round over its cost in full-depth passes: (1 - a^(k+1)) / (1 - a) tokens
-    for k+1 shallow passes plus one deep pass (decode is launch/memory bound, so a deep pass over
-    k+1 tokens costs about one over a single token)."""
+def step_costs(cfg: ModelConfig) -> tuple[float, float, float]:
+    """(one layer, the LM head, one exit translator) as fractions of a full-depth decode step, by
+    weights read (decode streams every weight once per step: memory-bound on a GPU or an Orin)."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    layer = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + 3 * d * cfg.intermediate_size
+    head = cfg.vocab_size * d
+    total = cfg.n_layers * layer + head
+    return layer / total, head / total, d * d / total
+
+
+def speedup_estimate(agreement: float, k: int, draft_layer: int, cfg: ModelConfig) -> float:
+    """Expected tokens per round, (1 - a^(k+1)) / (1 - a), over the round's cost in full-depth
+    steps: k+1 shallow passes, k draft heads, and one deep pass (over k+1 tokens: about the cost of
+    one, decode being bound by reading the weights) with the final head."""
+    layer, head, translator = step_costs(cfg)
     a = min(agreement, 0.999)
     tokens = (1 - a ** (k + 1)) / (1 - a)
-    return tokens / ((k + 1) * draft_layer / n_layers + (n_layers - draft_layer) / n_layers)
+    cost = (k + 1) * draft_layer * layer + k * (head + translator) + (cfg.n_layers - draft_layer) * layer + head
+    return tokens / cost
 
 
 def choose_draft(model_dir: Path, n_layers: int, k: int | None) -> tuple[int, int]:
@@ -71,13 +84,16 @@ def choose_draft(model_dir: Path, n_layers: int, k: int | None) -> tuple[int, in
     `speedup_estimate`; for k=None (auto) the best pair with k in 1..8, or k=0 (no speculation)
     when no pair is estimated to beat full depth. The agreement measured on greedily decoded text
     (calibrate) is preferred to the teacher-forced one (train-exits): drafts are made on the former."""
+    from partition.config import load_config
+
+    cfg = load_config(model_dir)
     record = read_record(model_dir)
     table = record.get("held_out_greedy_top1_agreement") or record.get("held_out_top1_agreement") or {}
     agree = {int(l): float(a) for l, a in dict(table).items()}  # type: ignore[call-overload]
     if not agree:
         raise ValueError(f"{model_dir}: the exit record has no held-out agreement; run orin-agent train-exits")
     ks = range(1, 9) if k is None else [k]
-    best = max(((speedup_estimate(a, kk, l, n_layers), l, kk) for l, a in agree.items() for kk in ks))
+    best = max(((speedup_estimate(a, kk, l, cfg), l, kk) for l, a in agree.items() for kk in ks))
     if k is None and best[0] <= 1.0:
         return best[1], 0
     return best[1], best[2]
