@@ -27,6 +27,7 @@ setup(
         "typer>=0.12",
         "rich>=13",
         "tqdm>=4.66",
+        "scipy>=1.10",  # binomial tail bounds of the exit calibration (partition/exits/calibrate.py)
         "fastapi>=0.110",
         "uvicorn>=0.29",
         "httpx>=0.27",

@@ -241,8 +241,11 @@ class SliceModule(nn.Module):
     def n_layers(self) -> int:
         return self.end - self.start
 
-    def forward(self, x: Tensor, positions: Tensor, *past: Tensor, cache_in_place: bool = False) -> tuple[Tensor, ...]:
-        """cache_in_place: past are cache views written in place (module docstring); False = export path."""
+    def forward(self, x: Tensor, positions: Tensor, *past: Tensor, cache_in_place: bool = False,
+                all_logits: bool | None = None) -> tuple[Tensor, ...]:
+        """cache_in_place: past are cache views written in place (module docstring); False = export path.
+        all_logits: override the slice's setting for this call (speculative verification needs every
+        position's logits from a slice built for decode)."""
         if len(past) != 2 * self.n_layers:
             raise ValueError(f"slice {self.start}:{self.end} takes {2 * self.n_layers} past tensors, got {len(past)}")
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, D)
@@ -261,7 +264,7 @@ class SliceModule(nn.Module):
             h, k, v = layer(h, cos, sin, mask, past[2 * i], past[2 * i + 1], slot)
             new += (k, v)
         if self.lm_head is not None:
-            if not self.all_logits:
+            if not (self.all_logits if all_logits is None else all_logits):
                 h = h[:, -1:]  # prefill needs the next token only: skip T x vocab logits
             h = self.lm_head(self.norm(h)).float()  # (B, 1 or T, V)
         return (h, *new)

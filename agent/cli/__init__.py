@@ -7,7 +7,9 @@ command groups together; each lives in its own module with ``register(app)``:
 - ``serve``: the service (agent.service) and ``demo`` (agent.demo: the service on a twin);
 - ``power`` (status, restore) with ``profiles`` (profiles, show, set, state): the board's power;
 - ``twin``: create and run a simulated Orin; ``bench``: the benchmarks;
-- ``smoke``: whether everything works on this board or twin (agent.smoke).
+- ``smoke``: whether everything works on this board or twin (agent.smoke);
+- ``train-exits`` and ``calibrate``: early-exit heads (partition.exits); ``edge`` and ``plan``: the
+  deep layers on an edge server (partition.offload).
 
 ``common`` holds what every command shares: the one error wrapper (one line, never a traceback) and
 the ``--json`` printer.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import typer
 
-from agent.cli import bench, build, edge, generate, power, quant, serve, smoke, twin
+from agent.cli import bench, build, edge, exits, generate, power, quant, serve, smoke, twin
 
 app = typer.Typer(
     name="orin-agent",
@@ -26,7 +28,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for group in (generate, build, quant, serve, power, twin, bench, smoke, edge):
+for group in (generate, build, quant, serve, power, twin, bench, smoke, edge, exits):
     group.register(app)
 
 

@@ -34,12 +34,15 @@ def generate(
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay decode "
                                                "steps as CUDA graphs (torch backend; default: on with "
                                                "--device cuda, off on CPU, where asking for it is an error)."),
+    speculate: Optional[str] = typer.Option(None, "--speculate", help="Self-speculative decoding: K draft "
+                                            "tokens per round from an exit head, or 'auto' (same output)."),
+    max_disagreement: Optional[float] = typer.Option(None, "--max-disagreement", help="Exit early where the "
+                                                     "calibrated heads keep disagreement with the full model "
+                                                     "below this rate (orin-agent calibrate)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
     edge: Optional[str] = typer.Option(None, "--edge", help="HOST:PORT of an edge server (orin-agent edge) "
                                        "that runs the deep layers."),
     device_layers: int = typer.Option(4, "--device-layers", help="With --edge: layers run here."),
-    max_disagreement: float = typer.Option(0.0, "--max-disagreement", help="With --edge: early-exit "
-                                           "tolerance (0 = no early exit)."),
     edge_token: str = typer.Option("", "--edge-token", envvar="ORIN_AGENT_EDGE_TOKEN", help="Bearer token."),
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
@@ -48,11 +51,14 @@ def generate(
     from partition.offload.chain import offload_chain_for_generate, offload_summary
 
     with cli_errors():
+        k = resolve_speculate(model, speculate)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
-        chain = offload_chain_for_generate(model, edge, device_layers, max_disagreement, edge_token,
+                                repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop),
+                                speculate=k, max_disagreement=None if edge else max_disagreement)
+        chain = offload_chain_for_generate(model, edge, device_layers, max_disagreement or 0.0, edge_token,
                                            temperature == 0, backend, slices, max_seq, device) if edge else None
-        core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain)
+        exits = bool(k) or (max_disagreement is not None and not edge)
+        core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain, exits=exits)
         pieces: list[str] = []
         done: Finished | None = None
         for ev in core.generate(core.tokenizer.encode(prompt), params):
@@ -72,13 +78,30 @@ def generate(
                         "slices": slices, "prompt_tokens": u.prompt_tokens,
                         "completion_tokens": u.completion_tokens, "prefill_ms": round(prefill_ms, 3),
                         "decode_tok_s": round(decode_tok_s, 3), "finish_reason": done.reason,
-                        "token_ids": list(done.token_ids)})
+                        "token_ids": list(done.token_ids),
+                        **({"speculate": k, "max_disagreement": max_disagreement,
+                            "exit_stats": core.executor.exit_stats()} if exits else {})})  # type: ignore[attr-defined]
         else:
             sys.stdout.write("\n")
             typer.echo(f"prefill {prefill_ms:.1f} ms | decode {decode_tok_s:.1f} tok/s | "
                        f"{u.completion_tokens} tokens ({done.reason})", err=True)
             if chain is not None:
                 typer.echo(offload_summary(chain), err=True)
+
+
+def resolve_speculate(model: Path, speculate: str | None) -> int:
+    """--speculate: None/0 -> 0, K -> K, 'auto' -> the K the exit record predicts is fastest."""
+    if speculate is None:
+        return 0
+    if speculate == "auto":
+        from agent.engine.speculative import choose_draft
+        from partition.config import load_config
+
+        return choose_draft(model, load_config(model).n_layers, None)[1]
+    try:
+        return int(speculate)
+    except ValueError:
+        raise ValueError(f"--speculate takes a number of draft tokens or 'auto', got {speculate!r}") from None
 
 
 def register(app: typer.Typer) -> None:

@@ -12,12 +12,13 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from agent.engine.core import EngineCore
-from agent.engine.types import SamplingParams, StepOutput, StepPlan
+from agent.engine.types import SamplingParams, SeqChunk, StepOutput, StepPlan
 from partition.runners.chain import Chain
 from partition.tokenizer import Tokenizer
 
@@ -31,10 +32,22 @@ def make_rng(seed: int | None) -> torch.Generator:
     return gen
 
 
-def sample(logits: np.ndarray, params: SamplingParams, history: list[int], rng: torch.Generator) -> int:
+def sample(logits: np.ndarray | torch.Tensor, params: SamplingParams, history: list[int],
+           rng: torch.Generator) -> int:
     """Pick the next token from float32 logits (V,), in Hugging Face's order: repetition penalty,
-    logit bias (OpenAI's, added to the logits), temperature, top-k, top-p, then a draw (or argmax when greedy)."""
-    x = torch.from_numpy(np.array(logits, dtype=np.float32, copy=True))
+    logit bias (OpenAI's, added to the logits), temperature, top-k, top-p, then a draw (or argmax when
+    greedy)."""
+    x = warp(logits, params, history)
+    if params.temperature == 0:
+        return int(torch.argmax(x))
+    return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=rng))
+
+
+def warp(logits: np.ndarray | torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
+    """The logits `sample` draws from (a fresh float32 tensor): penalty, logit bias, then, unless greedy,
+    temperature, top-k and top-p (masked to -inf). Speculative acceptance compares these."""
+    x = logits.detach().float().clone().cpu() if torch.is_tensor(logits) else \
+        torch.from_numpy(np.array(logits, dtype=np.float32, copy=True))
     if params.repetition_penalty != 1.0 and history:
         seen = torch.tensor(sorted(set(history)), dtype=torch.long)
         vals = x[seen]
@@ -44,7 +57,7 @@ def sample(logits: np.ndarray, params: SamplingParams, history: list[int], rng: 
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
         x[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
     if params.temperature == 0:
-        return int(torch.argmax(x))
+        return x
     x = x / params.temperature
     if 0 < params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
@@ -54,8 +67,7 @@ def sample(logits: np.ndarray, params: SamplingParams, history: list[int], rng: 
         cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
         drop = cum - torch.softmax(sorted_x, dim=-1) >= params.top_p  # keep the smallest set reaching top_p
         x[order[drop]] = -math.inf
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=rng))
+    return x
 
 
 @dataclass
@@ -80,6 +92,11 @@ class ChainExecutor:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
+        self._start(plan)
+        return StepOutput(self._forward(plan.chunks), time.perf_counter() - t0)
+
+    def _start(self, plan: StepPlan) -> None:
+        """Drop released requests' samplers; make new requests' ones."""
         for rid in plan.released:
             self.samplers.pop(rid, None)
         for c in plan.chunks:
@@ -87,27 +104,39 @@ class ChainExecutor:
                 self.samplers[c.req_id] = _Sampler(c.sampling, make_rng(c.sampling.seed))
             elif c.req_id not in self.samplers:
                 raise KeyError(f"request {c.req_id}: a later chunk came before its first (no sampling params)")
-        t = len(plan.chunks[0].token_ids)
-        tokens = np.asarray([c.token_ids for c in plan.chunks], dtype=np.int32)  # (B, T)
-        positions = np.asarray([c.start_pos for c in plan.chunks], dtype=np.int32)[:, None] + \
+
+    def _forward(self, chunks: Sequence[SeqChunk]) -> dict[str, int]:
+        """Rows of equal length through the whole chain in one batch: their sampled tokens."""
+        t = len(chunks[0].token_ids)
+        tokens = np.asarray([c.token_ids for c in chunks], dtype=np.int32)  # (B, T)
+        positions = np.asarray([c.start_pos for c in chunks], dtype=np.int32)[:, None] + \
             np.arange(t, dtype=np.int32)[None]  # (B, T)
-        logits = self.chain.forward(tokens, positions, [c.slot for c in plan.chunks])  # (B, V)
+        logits = self.chain.forward(tokens, positions, [c.slot for c in chunks])  # (B, V)
         out: dict[str, int] = {}
-        for i, c in enumerate(plan.chunks):
+        for i, c in enumerate(chunks):
             s = self.samplers[c.req_id]
             s.history.extend(c.token_ids)
             if c.sample:
                 out[c.req_id] = sample(logits[i], s.params, s.history, s.rng)
-        return StepOutput(out, time.perf_counter() - t0)
+        return out
 
 
 def load_core(model: Path, backend: str = "torch", slices: str | None = None, max_seq: int | None = None,
-              device: str = "cpu", cuda_graphs: bool | None = None, chain: Chain | None = None) -> EngineCore:
+              device: str = "cpu", cuda_graphs: bool | None = None, chain: Chain | None = None,
+              exits: bool = False) -> EngineCore:
     """An `EngineCore` on one cache row of a checkpoint's chain (or on ``chain``, e.g. one whose deep
-    slice is an edge server): single requests, stepped directly."""
+    slice is an edge server): single requests, stepped directly. exits: cut the chain at the model's
+    exit heads (agent.engine.speculative), for requests that speculate or exit early."""
     from partition.runners import load_chain
 
     tokenizer = Tokenizer.from_dir(model)
+    if exits:
+        if chain is not None:
+            raise ValueError("early exit and speculation run on local slices only: drop --edge, or drop "
+                             "--speculate / --max-disagreement")
+        from agent.engine.speculative import load_exit_executor
+
+        return EngineCore(load_exit_executor(model, backend, slices, max_seq, device), tokenizer)
     if chain is None:
         chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device,
                            cuda_graphs=cuda_graphs)

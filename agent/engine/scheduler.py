@@ -167,17 +167,26 @@ class Scheduler:
             seq.computed += len(c.token_ids)
             if not c.sample:
                 continue
-            token = output.tokens[c.req_id]
-            if token in self.eos_ids and not seq.req.sampling.ignore_eos:
-                events.append(TokenEvent(c.req_id, None, "stop"))
-                self._release(c.req_id)
-                continue
-            seq.output.append(token)
-            # At most max_seq - prompt tokens of output: the cache holds no more.
-            budget = min(seq.req.sampling.max_tokens, self.max_seq - len(seq.req.prompt_ids))
-            full = len(seq.output) >= budget
-            events.append(TokenEvent(c.req_id, token, "length" if full else None))
-            if full:
-                self._release(c.req_id)
+            more = output.more.get(c.req_id, ())
+            for i, token in enumerate((output.tokens[c.req_id], *more)):
+                seq.computed += 1 if i else 0  # a speculative step fed every emitted token but the last
+                if self._emit(seq, token, events):
+                    break
         return events
+
+    def _emit(self, seq: _Seq, token: int, events: list[TokenEvent]) -> bool:
+        """One sampled token of a row: its event; True when it ended the request."""
+        rid = seq.req.req_id
+        if token in self.eos_ids and not seq.req.sampling.ignore_eos:
+            events.append(TokenEvent(rid, None, "stop"))
+            self._release(rid)
+            return True
+        seq.output.append(token)
+        # At most max_seq - prompt tokens of output: the cache holds no more.
+        budget = min(seq.req.sampling.max_tokens, self.max_seq - len(seq.req.prompt_ids))
+        full = len(seq.output) >= budget
+        events.append(TokenEvent(rid, token, "length" if full else None))
+        if full:
+            self._release(rid)
+        return full
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Mapping, Protocol, Sequence
 
 INTERACTIVE = 0
@@ -54,6 +54,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
+    speculate: int = 0  # draft tokens per self-speculative round (0 = off); the output is unchanged
+    max_disagreement: float | None = None  # early exits allowed up to this rate of disagreement
 
     def __post_init__(self) -> None:
         checks = [
@@ -67,6 +69,11 @@ class SamplingParams:
             # torch.Generator.manual_seed takes 64 bits; the API's JSON integers stay in the signed range
             (self.seed is None or 0 <= self.seed < 2 ** 63, "seed", "seed must be in [0, 2**63)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
+            (0 <= self.speculate <= 16, "speculate", f"speculate must be in 0..16 draft tokens, got {self.speculate}"),
+            (self.max_disagreement is None or 0 <= self.max_disagreement < 1, "max_disagreement",
+             f"max_disagreement must be in [0, 1), got {self.max_disagreement}"),
+            (not (self.speculate and self.max_disagreement is not None), "speculate",
+             "speculate (lossless) and max_disagreement (early exits) are two modes: give one"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -137,6 +144,9 @@ class StepPlan:
 class StepOutput:
     tokens: Mapping[str, int]  # req_id -> sampled token, for chunks with sample=True
     elapsed_s: float = 0.0
+    # req_id -> tokens accepted after tokens[req_id] in the same step (speculative decoding); every
+    # emitted token but the row's last is already in the cache
+    more: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

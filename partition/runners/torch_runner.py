@@ -57,11 +57,13 @@ class TorchRunner(SliceRunner):
         return [c[:, :, :past_len].index_select(0, idx) for c in self.cache]
 
     @torch.inference_mode()
-    def run(self, x: Any, positions: np.ndarray, slots: Sequence[int] | None = None) -> torch.Tensor:
+    def run(self, x: Any, positions: np.ndarray, slots: Sequence[int] | None = None,
+            all_logits: bool = False) -> torch.Tensor:
+        """all_logits (last slice only): every position's logits (B, T, V), as verifying a draft needs."""
         positions = np.asarray(positions, dtype=np.int32)
         rows = self.check_room(positions, slots)
         b, t = positions.shape
-        if self.graphs is not None and t == 1 and rows == list(range(b)):
+        if self.graphs is not None and t == 1 and rows == list(range(b)) and not all_logits:
             return self.graphs.run(x, positions)
         pos = torch.from_numpy(positions).to(self.device)
         if self.spec.is_first:
@@ -75,6 +77,6 @@ class TorchRunner(SliceRunner):
             out, *_ = self.module(x, pos, *past, cache_in_place=True)
             return out[:, -1] if self.spec.is_last else out
         past_len = int(positions[:, 0].max())  # rows with a shorter history mask the extra slots
-        out, *new = self.module(x, pos, *self._past(rows, past_len))
+        out, *new = self.module(x, pos, *self._past(rows, past_len), all_logits=all_logits)
         write_new_kv(self.cache, new, rows, positions)
-        return out[:, -1] if self.spec.is_last else out
+        return out[:, -1] if self.spec.is_last and not all_logits else out

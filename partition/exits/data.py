@@ -1,0 +1,99 @@
+"""The text exit heads are trained, calibrated and evaluated on: the model's own corpus record
+(corpus.json: which stdlib files, their sha256 and their train / val / test split), read from this
+machine's standard library. A file whose bytes differ from the record is skipped, so the splits are
+the ones the model was trained with: heads train on `train`, calibration uses `val`, held-out
+figures come from `test`.
+
+Also the teacher-forced pass that gives every exit layer's hidden state and the final logits.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from partition.model import Transformer, attention_mask, rope_cos_sin
+from partition.tokenizer import Tokenizer
+
+
+class CorpusError(ValueError):
+    """The corpus record is missing or none of its files is on this machine."""
+
+
+def split_texts(model_dir: Path, split: str, max_files: int | None = None, seed: int = 0) -> list[str]:
+    """Texts of the corpus files of one split that are on this machine unchanged (a seeded sample of
+    at most max_files of them)."""
+    record_path = Path(model_dir) / "corpus.json"
+    if not record_path.is_file():
+        raise CorpusError(f"{record_path}: no corpus record beside the model; exit heads need the model's "
+                          "own training corpus record (see scripts/train_small_model.py prepare)")
+    record = json.loads(record_path.read_text(encoding="utf-8"))
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [f for f in record["files"] if f["split"] == split]
+    random.Random(seed).shuffle(files)
+    texts = []
+    for f in files:
+        path = root / f["path"]
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != f["sha256"]:
+            continue
+        texts.append(data.decode("utf-8", errors="replace"))
+        if max_files is not None and len(texts) >= max_files:
+            break
+    if not texts:
+        raise CorpusError(f"none of the {len(files)} '{split}' files of {record_path} is on this machine "
+                          f"unchanged under {root} (the record is for Python {record.get('python_version')})")
+    return texts
+
+
+def token_windows(tokenizer: Tokenizer, texts: list[str], seq_len: int, n: int, seed: int = 0) -> Tensor:
+    """n windows of seq_len token ids (int64), cut at seeded random offsets from the texts' stream."""
+    sep = tokenizer.eos_ids and min(tokenizer.eos_ids)
+    stream: list[int] = []
+    for t in texts:
+        stream += tokenizer.encode(t) + ([sep] if sep is not None else [])
+    if len(stream) <= seq_len:
+        raise CorpusError(f"only {len(stream)} tokens of text: need more than {seq_len}")
+    ids = torch.tensor(stream, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(stream) - seq_len, (n,), generator=gen)
+    return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+
+
+def empty_past(model: Transformer, n_layers: int, batch: int) -> list[Tensor]:
+    cfg = model.config
+    param = next(model.parameters())
+    shape = (batch, cfg.n_kv_heads, 0, cfg.head_dim)
+    return [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(2 * n_layers)]
+
+
+@torch.no_grad()
+def layer_states(model: Transformer, ids: Tensor, layers: tuple[int, ...]) -> tuple[dict[int, Tensor], Tensor, Tensor]:
+    """Teacher-forced pass over ids (B, T): hidden states (B, T, D) after each of `layers`, the last
+    layer's state before the final norm (B, T, D), and the full model's float32 logits (B, T, V).
+    The early layers run as the runners' SliceModules; the last range's layers are stepped here so
+    the pre-norm state is kept (the same layer modules, the same mask and RoPE)."""
+    n = model.config.n_layers
+    b, t = ids.shape
+    pos = torch.arange(t, dtype=torch.int32, device=ids.device).expand(b, t)
+    cuts = [0, *layers]
+    x: Tensor = ids.to(torch.int32)
+    states: dict[int, Tensor] = {}
+    for a, e in zip(cuts, cuts[1:]):
+        x = model.slice(a, e)(x, pos, *empty_past(model, e - a, b))[0]
+        states[e] = x
+    if not layers:
+        x = model.model.embed_tokens(x)
+    cos, sin = rope_cos_sin(model.inv_freq, pos, x.dtype)
+    mask = attention_mask(pos, 0)
+    none = empty_past(model, 1, b)
+    for layer in model.model.layers[cuts[-1]:n]:
+        x = layer(x, cos, sin, mask, none[0], none[1])[0]
+    return states, x, model.lm_head(model.model.norm(x)).float()

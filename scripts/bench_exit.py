@@ -1,0 +1,168 @@
+"""Early exit and self-speculation on CPU, shipped model, held-out prompts (corpus 'test' split):
+
+- full depth: decode tok/s (the plain one-slice chain, what `generate` runs without flags);
+- exits at each calibrated target: decode tok/s, speedup, and the disagreement actually measured on
+  the text decoded with exits (every emitted token against the full model's token on the same
+  prefix, from one teacher-forced full-depth pass), exit rate per layer, deep passes per token;
+- self-speculation for each k: speedup, mean accepted draft length, and whether the greedy output
+  equals full depth token for token;
+- the LM head's share of a full-depth decode step (what an exit pays for its head).
+
+    python scripts/bench_exit.py --prompts 8 --new-tokens 64 --json > /tmp/bench_exit.json
+
+Timing on a shared machine is noisy: variants are interleaved per prompt and the medians reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from agent.engine.executor import load_core
+from agent.engine.types import Finished, SamplingParams
+from partition.checkpoint import load_model
+from partition.exits.data import layer_states, split_texts, token_windows
+from partition.exits.heads import calibrations
+from partition.paths import DEFAULT_MODEL_DIR
+from partition.tokenizer import Tokenizer
+
+
+def run(core: object, prompt: list[int], params: SamplingParams) -> tuple[tuple[int, ...], float]:
+    """(completion ids, decode seconds per token after the first)."""
+    t0 = time.perf_counter()
+    first = None
+    done = None
+    for ev in core.generate(prompt, params):  # type: ignore[attr-defined]
+        if first is None:
+            first = time.perf_counter()
+        if isinstance(ev, Finished):
+            done = ev
+    end = time.perf_counter()
+    assert done is not None
+    n = len(done.token_ids)
+    return done.token_ids, (end - (first or t0)) / max(1, n - 1)
+
+
+@torch.no_grad()
+def disagreement(model: torch.nn.Module, prompt: list[int], out: tuple[int, ...]) -> tuple[int, int]:
+    """(emitted tokens that differ from the full model's greedy token on the same prefix, tokens)."""
+    ids = torch.tensor([prompt + list(out)])
+    _, _, logits = layer_states(model, ids, ())  # type: ignore[arg-type]
+    full = logits[0, len(prompt) - 1:len(prompt) - 1 + len(out)].argmax(-1)
+    return int((full != torch.tensor(out)).sum()), len(out)
+
+
+@torch.no_grad()
+def lm_head_share(model_dir: Path, reps: int = 200) -> float:
+    """Time of norm + LM head for one token over a whole one-token decode step (8 layers + head)."""
+    core = load_core(model_dir)
+    chain = core.executor.chain  # type: ignore[attr-defined]
+    import numpy as np
+    chain.forward(np.zeros((1, 16), np.int32), np.arange(16, dtype=np.int32)[None])
+    m = chain.runners[0].module
+    h = torch.randn(1, 1, m.config.hidden_size)
+    t0 = time.perf_counter()
+    for i in range(reps):
+        chain.forward(np.zeros((1, 1), np.int32), np.array([[16]], np.int32))
+    step = (time.perf_counter() - t0) / reps
+    t0 = time.perf_counter()
+    for i in range(reps):
+        m.lm_head(m.norm(h))
+    head = (time.perf_counter() - t0) / reps
+    return head / step
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--speculate", default="2,4")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tok = Tokenizer.from_dir(args.model)
+    prompts = token_windows(tok, split_texts(args.model, "test", None, 7), args.prompt_len, args.prompts, 7).tolist()
+    targets = [c.target for c in calibrations(args.model)]
+    ks = [int(k) for k in args.speculate.split(",") if k]
+    plain = load_core(args.model)
+    exit_core = load_core(args.model, exits=True)
+    model = load_model(args.model)
+    base = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    times: dict[str, list[float]] = {"full": []}
+    wrong = {t: [0, 0] for t in targets}
+    same = {k: True for k in ks}
+    stats: dict[str, dict[str, object]] = {}
+    for p in prompts:
+        ref, dt = run(plain, p, base)
+        times["full"].append(dt)
+        for t in targets:
+            exit_core.executor.reset_stats()  # type: ignore[attr-defined]
+            out, dt = run(exit_core, p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
+                                                       max_disagreement=t))
+            times.setdefault(f"exit {t}", []).append(dt)
+            w, n = disagreement(model, p, out)
+            wrong[t][0] += w
+            wrong[t][1] += n
+            _merge(stats.setdefault(f"exit {t}", {}), exit_core.executor.exit_stats())  # type: ignore[attr-defined]
+        for k in ks:
+            exit_core.executor.reset_stats()  # type: ignore[attr-defined]
+            out, dt = run(exit_core, p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, speculate=k))
+            times.setdefault(f"speculate {k}", []).append(dt)
+            same[k] &= out == ref
+            _merge(stats.setdefault(f"speculate {k}", {}), exit_core.executor.exit_stats())  # type: ignore[attr-defined]
+    full = statistics.median(times["full"])
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        row: dict[str, object] = {"variant": name, "decode_tok_s": round(1 / med, 1), "speedup": round(full / med, 3)}
+        if name.startswith("exit"):
+            t = float(name.split()[1])
+            row["measured_disagreement"] = round(wrong[t][0] / max(1, wrong[t][1]), 4)
+        if name.startswith("speculate"):
+            row["greedy_identical"] = same[int(name.split()[1])]
+        if name in stats:
+            row.update(_summary(stats[name]))
+        rows.append(row)
+    result = {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
+              "date": time.strftime("%Y-%m-%d"), "prompts": args.prompts, "new_tokens": args.new_tokens,
+              "lm_head_share_of_step": round(lm_head_share(args.model), 3), "rows": rows}
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        for r in rows:
+            print(r)
+        print("LM head share of a decode step:", result["lm_head_share_of_step"])
+
+
+def _merge(acc: dict[str, object], s: dict[str, object]) -> None:
+    for key in ("decode_tokens", "deep_passes", "speculative_rounds", "accepted"):
+        acc[key] = int(acc.get(key, 0)) + int(s[key])  # type: ignore[call-overload]
+    per = acc.setdefault("exits_per_layer", {})
+    assert isinstance(per, dict)
+    for l, c in dict(s["exits_per_layer"]).items():  # type: ignore[call-overload]
+        per[l] = per.get(l, 0) + c
+
+
+def _summary(acc: dict[str, object]) -> dict[str, object]:
+    n = max(1, int(acc["decode_tokens"]))  # type: ignore[call-overload]
+    per = dict(acc["exits_per_layer"])  # type: ignore[call-overload]
+    out: dict[str, object] = {"exit_rate_per_layer": {l: round(c / n, 3) for l, c in sorted(per.items())},
+                              "deep_passes_per_token": round(int(acc["deep_passes"]) / n, 3)}  # type: ignore[call-overload]
+    if acc.get("speculative_rounds"):
+        out["mean_accepted_draft_length"] = round(int(acc["accepted"]) / int(acc["speculative_rounds"]), 3)  # type: ignore[call-overload]
+    return out
+
+
+if __name__ == "__main__":
+    main()
