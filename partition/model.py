@@ -11,11 +11,13 @@ tensor's value (those become `If` nodes), RMSNorm and softmax in fp32.
 KV-cache contract of a slice: it receives each layer's past K and V, shape (B, n_kv_heads, P, head_dim),
 and returns only the new K and V, shape (B, n_kv_heads, T, head_dim); the runner writes those into its
 own preallocated cache by position. Past slot k of row b is attended iff k < positions[b, 0], so a
-runner may pass either exactly the filled prefix (P = start) or its whole fixed-size buffer.
+runner may pass either exactly the filled prefix (P = start) or its whole fixed-size buffer. A past may
+also be a quantised view (`PastKV`, e.g. kernels.kv_quant.QuantizedPast): attention dequantises it.
 """
 from __future__ import annotations
 
 import math
+from typing import Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,23 @@ from partition.config import ModelConfig
 # Finite "minus infinity" for masks: the most negative fp16 value, so the mask survives a cast to fp16
 # and exp() of it underflows to exactly 0 in fp32 softmax.
 MASK_VALUE = -65504.0
+
+
+class PastKV(Protocol):
+    """A past K or V kept in another form than a dense tensor (an INT8 cache view): it has the dense
+    shape (B, KV, P, hd) and turns itself into that tensor inside attention."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor: ...
+
+
+Past = Union[Tensor, PastKV]
+
+
+def dense_past(past: Past, dtype: torch.dtype) -> Tensor:
+    return past if isinstance(past, Tensor) else past.dequantize(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -97,16 +116,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, kv * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(h * hd, d, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Tensor,
-                past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
+                past_v: Past) -> tuple[Tensor, Tensor, Tensor]:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        keys = torch.cat((past_k, k), dim=2)  # (B, KV, P + T, hd)
-        values = torch.cat((past_v, v), dim=2)
+        keys = torch.cat((dense_past(past_k, k.dtype), k), dim=2)  # (B, KV, P + T, hd)
+        values = torch.cat((dense_past(past_v, v.dtype), v), dim=2)
         # Grouped-query attention without copying K/V per query head: fold each KV head's group of
         # query heads into the row dimension, (B, H, T, hd) -> (B, KV, G * T, hd), row = g * T + t.
         group = self.n_heads // self.n_kv_heads
@@ -139,8 +158,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Tensor,
-                past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
+                past_v: Past) -> tuple[Tensor, Tensor, Tensor]:
         a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
@@ -204,7 +223,7 @@ class SliceModule(nn.Module):
     def n_layers(self) -> int:
         return self.end - self.start
 
-    def forward(self, x: Tensor, positions: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+    def forward(self, x: Tensor, positions: Tensor, *past: Past) -> tuple[Tensor, ...]:
         if len(past) != 2 * self.n_layers:
             raise ValueError(f"slice {self.start}:{self.end} takes {2 * self.n_layers} past tensors, got {len(past)}")
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, D)

@@ -34,6 +34,8 @@ def generate(
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay decode "
                                                "steps as CUDA graphs (torch backend; default: on with "
                                                "--device cuda, off on CPU, where asking for it is an error)."),
+    kv_cache: str = typer.Option("fp16", "--kv-cache", help="KV-cache storage: fp16 (the model's dtype, "
+                                 "unquantised) or int8 (group-wise INT8 with FP16 scales; torch backend)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
     edge: Optional[str] = typer.Option(None, "--edge", help="HOST:PORT of an edge server (orin-agent edge) "
                                        "that runs the deep layers."),
@@ -52,7 +54,7 @@ def generate(
                                 repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
         chain = offload_chain_for_generate(model, edge, device_layers, max_disagreement, edge_token,
                                            temperature == 0, backend, slices, max_seq, device) if edge else None
-        core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain)
+        core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain, kv_cache=kv_cache)
         pieces: list[str] = []
         done: Finished | None = None
         for ev in core.generate(core.tokenizer.encode(prompt), params):
@@ -69,7 +71,7 @@ def generate(
         decode_tok_s = u.decode_tok_s or 0.0
         if as_json:
             print_json({"prompt": prompt, "text": "".join(pieces), "backend": backend, "model": str(model),
-                        "slices": slices, "prompt_tokens": u.prompt_tokens,
+                        "slices": slices, "kv_cache": kv_cache, "prompt_tokens": u.prompt_tokens,
                         "completion_tokens": u.completion_tokens, "prefill_ms": round(prefill_ms, 3),
                         "decode_tok_s": round(decode_tok_s, 3), "finish_reason": done.reason,
                         "token_ids": list(done.token_ids)})

@@ -99,7 +99,8 @@ class ChainExecutor:
 
 
 def load_core(model: Path, backend: str = "torch", slices: str | None = None, max_seq: int | None = None,
-              device: str = "cpu", cuda_graphs: bool | None = None, chain: Chain | None = None) -> EngineCore:
+              device: str = "cpu", cuda_graphs: bool | None = None, chain: Chain | None = None,
+              kv_cache: str = "fp16") -> EngineCore:
     """An `EngineCore` on one cache row of a checkpoint's chain (or on ``chain``, e.g. one whose deep
     slice is an edge server): single requests, stepped directly."""
     from partition.runners import load_chain
@@ -107,5 +108,5 @@ def load_core(model: Path, backend: str = "torch", slices: str | None = None, ma
     tokenizer = Tokenizer.from_dir(model)
     if chain is None:
         chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device,
-                           cuda_graphs=cuda_graphs)
+                           cuda_graphs=cuda_graphs, kv_cache=kv_cache)
     return EngineCore(ChainExecutor(chain), tokenizer)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from partition.runners.base import SliceRunner, SliceSpec, parse_slices
+from partition.runners.base import KV_CACHE_KINDS, SliceRunner, SliceSpec, parse_slices
 from partition.runners.chain import Chain
 
 BACKENDS = ("torch", "ort", "trt")
@@ -32,7 +32,7 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
                max_seq: int | None = None, max_batch: int = 1, device: str = "cpu",
                build_dir: Path | None = None, providers: Sequence[str | tuple[str, dict[str, Any]]] | None = None,
                cache_dir: Path | None = None, options: Any = None, export_options: Any = None,
-               cuda_graphs: bool | None = None) -> Chain:
+               cuda_graphs: bool | None = None, kv_cache: str = "fp16", kv_group: int = 32) -> Chain:
     """The model in `model_dir` as a Chain of slice runners.
 
     slices: "0:4,4:8" (contiguous, covering every layer) or None for one slice.
@@ -44,6 +44,9 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     cuda_graphs: replay decode steps as CUDA graphs (backend "torch"). None = on exactly when the
     device is CUDA: decode there is launch-bound, graphs match eager (tests/test_cuda.py) and were
     2.3-5.0x faster on an H200 (docs/BENCHMARKS.md); True on CPU or another backend is an error.
+    kv_cache: "fp16" (the model's dtype, unquantised) or "int8" (group-wise INT8, `kv_group` = 32 or 64
+    channels per FP16 scale: kernels/kv_quant.py); int8 is a torch-backend feature and turns CUDA
+    graphs off by default.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
@@ -51,7 +54,15 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     if cuda_graphs and (backend != "torch" or not on_cuda):
         raise ValueError(f"CUDA graphs are a feature of the torch backend on a CUDA device (got backend "
                          f"{backend!r}, device {device!r}); drop --cuda-graphs or use --backend torch --device cuda")
-    graphs = on_cuda and backend == "torch" if cuda_graphs is None else cuda_graphs
+    if kv_cache not in KV_CACHE_KINDS:
+        raise ValueError(f"kv cache {kv_cache!r} is not one of {', '.join(KV_CACHE_KINDS)}")
+    if kv_cache == "int8" and backend != "torch":
+        raise BackendUnavailable(f"--kv-cache int8 runs on the torch backend only: the {backend!r} slices keep "
+                                 "an unquantised cache (no QuantizeLinear/DequantizeLinear around the cache I/O "
+                                 "yet); use --backend torch or --kv-cache fp16")
+    if kv_cache == "int8" and cuda_graphs:
+        raise ValueError("CUDA graphs capture a dense KV-cache; drop --cuda-graphs with --kv-cache int8")
+    graphs = on_cuda and backend == "torch" and kv_cache == "fp16" if cuda_graphs is None else cuda_graphs
     model_dir = Path(model_dir)
     from partition.config import load_config
 
@@ -71,7 +82,8 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
         from partition.runners.torch_runner import TorchRunner
 
         model = load_model(model_dir, device=device)
-        runners = [TorchRunner(model, s, seq, max_batch, cuda_graphs=graphs) for s in specs]
+        runners = [TorchRunner(model, s, seq, max_batch, cuda_graphs=graphs, kv_cache=kv_cache, kv_group=kv_group)
+                   for s in specs]
     else:
         from partition.build import ensure_build
         from partition.export import ExportOptions

@@ -3,7 +3,11 @@ position, so no step ever reallocates or copies the whole cache.
 
 Eager is the reference path. With `cuda_graphs=True` (CUDA only) decode steps of rows 0..B-1 replay a
 captured graph instead (partition/runners/cuda_graphs.py); prefill and any other slot set stay eager,
-and both paths read and write the same cache, so they can alternate freely."""
+and both paths read and write the same cache, so they can alternate freely.
+
+`kv_cache="int8"` keeps each layer's cache as kernels.kv_quant.Int8KVCache (int8 values, FP16 scales
+per token and group of head_dim): the new K/V are quantised on write and the attention dequantises
+the past it reads. Eager only (CUDA graphs capture dense buffers)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -11,8 +15,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from kernels.kv_quant import Int8KVCache
 from partition.model import SliceModule, Transformer
-from partition.runners.base import SliceRunner, SliceSpec, row_range, write_new_kv
+from partition.runners.base import KV_CACHE_KINDS, SliceRunner, SliceSpec, row_range, write_new_kv
 from partition.runners.cuda_graphs import DecodeGraphs
 
 
@@ -20,10 +25,17 @@ class TorchRunner(SliceRunner):
     array_kind = "torch"
 
     def __init__(self, model: Transformer, spec: SliceSpec, max_seq: int, max_batch: int = 1,
-                 cuda_graphs: bool = False, graph_buckets: bool = True) -> None:
+                 cuda_graphs: bool = False, graph_buckets: bool = True, kv_cache: str = "fp16",
+                 kv_group: int = 32) -> None:
         """cuda_graphs: replay captured graphs for decode (needs a CUDA model: refused on CPU rather
         than silently ignored, so a benchmark never reports eager numbers as graphed ones).
-        graph_buckets: capture per power-of-two past length instead of over the whole max_seq buffer."""
+        graph_buckets: capture per power-of-two past length instead of over the whole max_seq buffer.
+        kv_cache: "fp16" (unquantised, in the model's dtype) or "int8" (group-wise, `kv_group` channels
+        of head_dim per FP16 scale)."""
+        if kv_cache not in KV_CACHE_KINDS:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_KINDS)}, got {kv_cache!r}")
+        if kv_cache == "int8" and cuda_graphs:
+            raise ValueError("CUDA graphs capture a dense KV-cache; with kv_cache='int8' leave them off")
         cfg = model.config
         self.spec, self.max_seq, self.max_batch = spec, max_seq, max_batch
         self.module = SliceModule(model, spec.start, spec.end)
@@ -31,14 +43,17 @@ class TorchRunner(SliceRunner):
         self.device, self.dtype = param.device, param.dtype
         shape = (max_batch, cfg.n_kv_heads, max_seq, cfg.head_dim)
         # One K and one V buffer per layer, allocated once: (max_batch, KV, max_seq, hd).
-        self.cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * spec.n_layers)]
+        self.kv_cache = kv_cache
+        self.cache: list[Any] = (
+            [Int8KVCache(shape, kv_group, self.device) for _ in range(2 * spec.n_layers)] if kv_cache == "int8"
+            else [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * spec.n_layers)])
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {self.device}; "
                              "leave CUDA graphs off (the eager path is used) or load the model with device='cuda'")
         self.graphs = DecodeGraphs(self.module, self.cache, max_batch, max_seq, cfg.hidden_size, self.dtype,
                                    self.device, bucketed=graph_buckets) if cuda_graphs else None
 
-    def _past(self, rows: list[int], past_len: int) -> list[torch.Tensor]:
+    def _past(self, rows: list[int], past_len: int) -> list[Any]:
         span = row_range(rows)
         if span is not None:  # consecutive rows: a view, no copy
             return [c[span, :, :past_len] for c in self.cache]
