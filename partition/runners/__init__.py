@@ -32,7 +32,8 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
                max_seq: int | None = None, max_batch: int = 1, device: str = "cpu",
                build_dir: Path | None = None, providers: Sequence[str | tuple[str, dict[str, Any]]] | None = None,
                cache_dir: Path | None = None, options: Any = None, export_options: Any = None,
-               cuda_graphs: bool | None = None, kv_cache: str = "fp16", kv_group: int = 32) -> Chain:
+               cuda_graphs: bool | None = None, kv_cache: str = "fp16", kv_group: int = 32,
+               kv_blocks: int | None = None, block_size: int = 16) -> Chain:
     """The model in `model_dir` as a Chain of slice runners.
 
     slices: "0:4,4:8" (contiguous, covering every layer) or None for one slice.
@@ -47,6 +48,8 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     kv_cache: "fp16" (the model's dtype, unquantised) or "int8" (group-wise INT8, `kv_group` = 32 or 64
     channels per FP16 scale: kernels/kv_quant.py); int8 is a torch-backend feature and turns CUDA
     graphs off by default.
+    kv_blocks: a paged KV-cache of that many blocks of `block_size` tokens per layer (torch backend, fp,
+    eager; partition/runners/paged.py) instead of max_batch rows of max_seq; None = rows.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
@@ -62,7 +65,10 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
                                  "yet); use --backend torch or --kv-cache fp16")
     if kv_cache == "int8" and cuda_graphs:
         raise ValueError("CUDA graphs capture a dense KV-cache; drop --cuda-graphs with --kv-cache int8")
-    graphs = on_cuda and backend == "torch" and kv_cache == "fp16" if cuda_graphs is None else cuda_graphs
+    if kv_blocks is not None and (backend != "torch" or kv_cache != "fp16" or cuda_graphs):
+        raise ValueError("a paged KV-cache (kv_blocks) is a torch-backend, fp16-cache, eager feature")
+    graphs = (on_cuda and backend == "torch" and kv_cache == "fp16" and kv_blocks is None
+              if cuda_graphs is None else cuda_graphs)
     model_dir = Path(model_dir)
     from partition.config import load_config
 
@@ -82,8 +88,13 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
         from partition.runners.torch_runner import TorchRunner
 
         model = load_model(model_dir, device=device)
-        runners = [TorchRunner(model, s, seq, max_batch, cuda_graphs=graphs, kv_cache=kv_cache, kv_group=kv_group)
-                   for s in specs]
+        if kv_blocks is not None:
+            from partition.runners.paged import PagedTorchRunner
+
+            runners = [PagedTorchRunner(model, s, seq, kv_blocks, block_size, max_batch) for s in specs]
+        else:
+            runners = [TorchRunner(model, s, seq, max_batch, cuda_graphs=graphs, kv_cache=kv_cache,
+                                   kv_group=kv_group) for s in specs]
     else:
         from partition.build import ensure_build
         from partition.export import ExportOptions
