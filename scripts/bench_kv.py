@@ -8,6 +8,8 @@ CPU (default): for the shipped model,
     the earlier ones back from the cache (FP or INT8) as decode does; within a chunk keys are fresh;
   - greedy agreement over 256 tokens: the torch runner with kv_cache fp16 vs int8 from prompts taken
     from held-out files (identical tokens before the first divergence, and position-wise agreement).
+Paging (also `--paging-only`): a mixed-length trace through the row scheduler (8 rows of 1024 tokens)
+and the paged one (the same 8192 tokens as 512 blocks of 16) with a stand-in model: concurrent sequences.
 GPU (`--gpu`, for a CUDA machine with Triton): decode attention (one new token per row) over an INT8
 vs an FP16 cache with the same Triton kernel, and PyTorch's SDPA over FP16 as a second baseline, at
 contexts 4k / 16k / 32k, batch 1 and 8, Llama-3-8B attention shape (32 query heads, 8 KV heads, head
@@ -154,6 +156,54 @@ def cpu_bench(args: argparse.Namespace) -> dict[str, object]:
     return res
 
 
+def _drive(sched, reqs: list) -> dict[str, float]:  # noqa: ANN001 - a Scheduler or PagedScheduler
+    """Run a trace through a scheduler with a stand-in model (no tensors): concurrency and steps."""
+    from agent.engine.types import StepOutput
+
+    for r in reqs:
+        sched.add(r)
+    running, steps, decode_rows, decode_steps = [], 0, 0, 0
+    while sched.has_work():
+        plan = sched.schedule()
+        if plan is None:
+            break
+        steps += 1
+        running.append(sched.num_running)
+        if plan.kind == "decode":
+            decode_steps += 1
+            decode_rows += len(plan.chunks)
+        sched.update(plan, StepOutput({c.req_id: 7 for c in plan.chunks if c.sample}, 0.0))
+    return {"peak_running": max(running), "mean_running": round(sum(running) / len(running), 2), "steps": steps,
+            "mean_decode_batch": round(decode_rows / max(1, decode_steps), 2),
+            "preemptions": getattr(sched, "num_preemptions", 0)}
+
+
+def paging_bench(args: argparse.Namespace) -> dict[str, object]:
+    """Max concurrent sequences at a fixed KV memory budget: per-row caches (max_seq each) vs blocks."""
+    import random
+
+    from agent.engine.paged_scheduler import PagedScheduler
+    from agent.engine.scheduler import Scheduler
+    from agent.engine.types import SamplingParams, SeqRequest
+
+    rng = random.Random(0)
+    max_seq, rows, block = 1024, 8, 16  # the shipped model's context; budget = 8 rows of it
+    budget_tokens = rows * max_seq
+    reqs = []
+    for i in range(args.trace_requests):  # mixed lengths: chat-like short prompts and a few long ones
+        n_prompt = rng.choice([rng.randint(8, 64)] * 3 + [rng.randint(200, 600)])
+        n_out = rng.randint(16, 256)
+        reqs.append(SeqRequest(f"r{i}", tuple(range(1, n_prompt + 1)), SamplingParams(max_tokens=n_out, ignore_eos=True)))
+    rowed = _drive(Scheduler(rows, max_seq, max_queue=10 ** 6), reqs)
+    paged = _drive(PagedScheduler(64, max_seq, budget_tokens // block, block, max_queue=10 ** 6), reqs)
+    return {"budget_tokens": budget_tokens, "block_size": block, "requests": len(reqs),
+            "mean_prompt": round(sum(len(r.prompt_ids) for r in reqs) / len(reqs), 1),
+            "mean_output": round(sum(r.sampling.max_tokens for r in reqs) / len(reqs), 1),
+            "rows": rowed, "paged": paged,
+            "peak_ratio": round(paged["peak_running"] / rowed["peak_running"], 2),
+            "mean_ratio": round(paged["mean_running"] / rowed["mean_running"], 2)}
+
+
 def gpu_bench(args: argparse.Namespace) -> dict[str, object]:
     import triton.testing
 
@@ -203,6 +253,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=4, help="held-out files used as greedy prompts")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--greedy-tokens", type=int, default=256)
+    p.add_argument("--paging-only", action="store_true", help="only the paged-vs-rows concurrency simulation")
+    p.add_argument("--trace-requests", type=int, default=200)
     p.add_argument("--threads", type=int, default=max(1, torch.get_num_threads()))
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args()
@@ -210,7 +262,13 @@ def main() -> None:
                               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
                                          f"{platform.processor() or platform.system()}",
                               "command": " ".join(sys.argv)}
-    res.update(gpu_bench(args) if args.gpu else cpu_bench(args))
+    if args.gpu:
+        res.update(gpu_bench(args))
+    elif args.paging_only:
+        res["paging"] = paging_bench(args)
+    else:
+        res.update(cpu_bench(args))
+        res["paging"] = paging_bench(args)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:
