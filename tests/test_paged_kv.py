@@ -139,3 +139,13 @@ def test_paged_runner_equals_unpaged(model) -> None:  # noqa: ANN001
     tight, pre = _run(model, 8)  # 4 sequences of up to ~32 tokens in 8 blocks of 8: preemptions
     assert pre > 0
     assert tight == want
+
+
+def test_paged_scheduler_loads_without_torch() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import agent.engine.paged_scheduler, sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
