@@ -9,11 +9,14 @@ one code path (scripts/bench_kv.py).
 
 Why Triton rather than CUDA C++ through torch's extension loader: no host compiler or CUDA toolkit at
 run time, the kernel is JIT-compiled for the GPU it finds, and it runs on CPU in Triton's interpreter
-(TRITON_INTERPRET=1) for tests without a GPU. Orin (sm_87): Triton compiles sm_87 through its bundled
-LLVM and ptxas (the NVIDIA backend takes any capability >= 8.0); the catch on a Jetson is the wheel,
-not the target: PyPI's triton has manylinux aarch64 wheels from 3.x, and NVIDIA's JetPack 6 PyTorch
-wheels do not bundle Triton, so `pip install triton` beside them is the path (untested on a board
-here; the `jetson` marker is where to prove it).
+(TRITON_INTERPRET=1) for tests without a GPU.
+
+Orin (sm_87): the target is not the problem (Triton emits PTX through its own LLVM and assembles it
+with the ptxas it bundles, for any Ampere-or-later capability); the toolchain is. JetPack ships no
+Triton, NVIDIA's JetPack PyTorch wheels do not pull one in, and PyPI's aarch64 wheels are built for
+server (SBSA) CUDA, not L4T: Jetson users build Triton from source (triton-lang/triton#5498; the
+JetPack 7.2 image of roboflow/inference#2531 builds it from source for Orin sm_87 and Thor). So: not
+verified on a board here; until it is, the CPU/PyTorch path (kernels.kv_quant) is what runs on Orin.
 """
 from __future__ import annotations
 
