@@ -10,6 +10,10 @@ not cache rows, and it deals only in block ids: each chunk carries its sequence'
   free, the lowest-class, latest-admitted running sequence gives all its blocks back and waits at the
   head of the queue; readmitted, it prefills its prompt *and the output so far* and samples its next
   token there, so its output continues unchanged (same sampler state: the executor never saw it leave).
+- Prefix sharing (`prefix_sharing=True`, the default): at admission a sequence takes the cached full
+  blocks that match its first tokens (kernels.paged: hash of the block's tokens and of its prefix) and
+  its prefill starts after them; each full block a step completes is registered for the next comer.
+  Requests with a repetition penalty do not share (the executor's token history would miss the prefix).
 Torch-free, like the base scheduler.
 """
 from __future__ import annotations
@@ -19,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from agent.engine.scheduler import Scheduler, _Seq, length_bucket
-from agent.engine.types import InvalidRequest, SeqChunk, SeqRequest, StepPlan
-from kernels.paged import BlockManager
+from agent.engine.types import InvalidRequest, SeqChunk, SeqRequest, StepOutput, StepPlan, TokenEvent
+from kernels.paged import BlockManager, block_hash
 
 WATERMARK_BLOCKS = 1
 
@@ -30,6 +34,7 @@ class _PSeq(_Seq):
     target: int = 0  # tokens to prefill before decoding: the prompt, or prompt + output after a preemption
     blocks: list[int] = field(default_factory=list)
     order: int = 0  # admission order (preemption picks the latest)
+    hashes: list[int] = field(default_factory=list)  # prefix hashes of blocks[:len(hashes)] (full, registered)
 
     @property
     def prompt_left(self) -> int:
@@ -41,8 +46,10 @@ class _PSeq(_Seq):
 
 class PagedScheduler(Scheduler):
     def __init__(self, max_batch: int, max_seq: int, num_blocks: int, block_size: int,
-                 eos_ids: frozenset[int] = frozenset(), **kwargs: int) -> None:
+                 eos_ids: frozenset[int] = frozenset(), prefix_sharing: bool = True, **kwargs: int) -> None:
         super().__init__(max_batch, max_seq, eos_ids, **kwargs)
+        self.prefix_sharing = prefix_sharing
+        self.shared_tokens = 0  # prompt tokens whose prefill was skipped (their blocks were cached)
         self.blocks = BlockManager(num_blocks, block_size)
         self.preempted: deque[_PSeq] = deque()
         self.num_preemptions = 0
@@ -90,20 +97,55 @@ class PagedScheduler(Scheduler):
                 if req is None:
                     return
                 seq = _PSeq(req, -1, target=len(req.prompt_ids))
-            need = self.blocks.blocks_for(seq.target)
-            if not self.blocks.can_allocate(need + WATERMARK_BLOCKS) and self.running:
+            shared = self._cached_prefix(seq)
+            need = self.blocks.blocks_for(seq.target) - len(shared)
+            free = self.blocks.free_if_shared(shared)
+            if need + WATERMARK_BLOCKS > free and self.running:
                 return  # FIFO: nothing overtakes the head of the queue
-            if not self.blocks.can_allocate(need):
+            if need > free:
                 return
             if req is None:
                 self.preempted.popleft()
             else:
                 self.waiting[req.priority].popleft()
             seq.slot = self.free_slots.pop(0)
-            seq.blocks = self.blocks.allocate(need)
+            seq.blocks = [self.blocks.share(h) for h in shared] + self.blocks.allocate(need)
+            seq.hashes = list(shared)
+            seq.computed = len(shared) * self.blocks.block_size  # prefill skips the shared blocks
+            self.shared_tokens += seq.computed
             self._admitted += 1
             seq.order = self._admitted
             self.running[seq.req.req_id] = seq
+
+    def _cached_prefix(self, seq: _PSeq) -> list[int]:
+        """Hashes of the cached full blocks the sequence starts with, never the block holding its last
+        token to prefill (that one is computed: it gives the logits to sample from)."""
+        if not self.prefix_sharing or seq.req.sampling.repetition_penalty != 1.0:
+            return []
+        bs, toks = self.blocks.block_size, seq.fed()
+        out: list[int] = []
+        for i in range((seq.target - 1) // bs):
+            h = block_hash(out[-1] if out else None, toks[i * bs:(i + 1) * bs])
+            if self.blocks.peek(h) is None:
+                break
+            out.append(h)
+        return out
+
+    def update(self, plan: StepPlan, output: StepOutput) -> list[TokenEvent]:
+        events = super().update(plan, output)
+        if self.prefix_sharing:
+            for c in plan.chunks:
+                seq = self.running.get(c.req_id)
+                if isinstance(seq, _PSeq):
+                    self._register_full_blocks(seq)
+        return events
+
+    def _register_full_blocks(self, seq: _PSeq) -> None:
+        bs, toks = self.blocks.block_size, seq.fed()
+        for i in range(len(seq.hashes), seq.computed // bs):
+            h = block_hash(seq.hashes[-1] if seq.hashes else None, toks[i * bs:(i + 1) * bs])
+            self.blocks.register(seq.blocks[i], h)
+            seq.hashes.append(h)
 
     def _preempt(self) -> _PSeq:
         victim = max(self.running.values(), key=lambda s: (s.req.priority, s.order))  # type: ignore[attr-defined]
@@ -112,7 +154,7 @@ class PagedScheduler(Scheduler):
         self.blocks.free(victim.blocks)
         self.free_slots.append(victim.slot)
         self.free_slots.sort()
-        victim.blocks, victim.computed, victim.target = [], 0, len(victim.fed())
+        victim.blocks, victim.computed, victim.target, victim.hashes = [], 0, len(victim.fed()), []
         self.preempted.appendleft(victim)
         self.num_preemptions += 1
         return victim
