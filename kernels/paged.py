@@ -48,6 +48,11 @@ class BlockManager:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_used(self) -> int:
+        """Blocks some sequence holds (a shared block counts once)."""
+        return len(self._ref)
+
+    @property
     def num_cached(self) -> int:
         return len(self._cached)
 
