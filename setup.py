@@ -44,6 +44,8 @@ setup(
         # the device side of offload (KServe v2 over gRPC); the edge server's own interpreter comes
         # from scripts/edge-venv.sh (nvidia-pytriton needs numpy<2).
         "edge": ["tritonclient[grpc,http]>=2.51"],
+        # GPU kernels of the INT8 KV-cache (kernels/kv_triton.py); CUDA builds of torch bring it already.
+        "triton": ["triton>=3.2"],
     },
     entry_points={"console_scripts": ["orin-agent=agent.cli:main"]},
 )

@@ -1,7 +1,7 @@
 """The service's configuration: /etc/orin-agent/agent.toml (path overridable), validated on start into
 a frozen `ServiceConfig`; command-line flags override the file. Every error names the file and key.
 
-    [model]   dir, backend ("torch" | "ort" | "trt"), slices ("0:4,4:8"), max_seq, device
+    [model]   dir, backend ("torch" | "ort" | "trt"), slices ("0:4,4:8"), max_seq, device, kv_cache ("fp16" | "int8")
     [server]  host, port, token, token_file, allowed_hosts, max_body_bytes, max_in_flight, keep_alive_s,
               header_timeout_s
     [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, lock_dir, profile, power_control
@@ -49,6 +49,7 @@ class ServiceConfig:
     slices: str | None = None
     max_seq: int | None = None  # None: the model's context, at most 2048
     device: str = "cpu"
+    kv_cache: str = "fp16"  # "int8": group-wise INT8 KV-cache (torch backend)
     threads: int = 0  # CPU threads for the model's kernels; 0 = every core but one
     host: str = "127.0.0.1"
     port: int = 8000
@@ -106,6 +107,10 @@ class ServiceConfig:
 
         if self.backend not in ("torch", "ort", "trt"):
             raise bad("model.backend", "must be 'torch', 'ort' or 'trt'", self.backend)
+        if self.kv_cache not in ("fp16", "int8"):
+            raise bad("model.kv_cache", "must be 'fp16' or 'int8'", self.kv_cache)
+        if self.kv_cache == "int8" and self.backend != "torch":
+            raise bad("model.kv_cache", "'int8' needs model.backend = 'torch'", self.kv_cache)
         if self.threads < 0:
             raise bad("model.threads", "must be >= 0 (0 = every core but one)", self.threads)
         if self.max_seq is not None and self.max_seq < 2:
@@ -153,6 +158,7 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("model", "max_seq"): ("max_seq", (int,)),
     ("model", "device"): ("device", (str,)),
     ("model", "threads"): ("threads", (int,)),
+    ("model", "kv_cache"): ("kv_cache", (str,)),
     ("server", "host"): ("host", (str,)),
     ("server", "port"): ("port", (int,)),
     ("server", "token"): ("token", (str,)),

@@ -89,7 +89,8 @@ def build_chain(cfg: ServiceConfig) -> Chain:
     threads = compute_threads(cfg)
     torch.set_num_threads(threads)
     return load_chain(cfg.model_dir, backend=cfg.backend, slices=cfg.slices, max_seq=cfg.max_seq,
-                      max_batch=cfg.max_batch, device=cfg.device, options=OrtOptions(threads=threads))
+                      max_batch=cfg.max_batch, device=cfg.device, options=OrtOptions(threads=threads),
+                      kv_cache=cfg.kv_cache)
 
 
 @dataclass

@@ -18,10 +18,13 @@ for export): the past tensors are views of the runner's cache covering slots [0,
 position; each layer writes its new K/V into them by position (`scatter_`) and attends over the view
 at the model dtype (SDPA for prefill, two batched GEMMs for a decode step), so no step concatenates,
 copies or casts the cache. Slot k is attended by query i iff k <= positions[b, i]. The new K/V are still returned.
+A past may also be a quantised view (`PastKV`, e.g. kernels.kv_quant.QuantizedPast): the export
+formulation dequantises it; in-place cache mode takes dense caches only.
 """
 from __future__ import annotations
 
 import math
+from typing import Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +39,23 @@ MASK_VALUE = -65504.0
 # SDPA backends of the in-place path. cuDNN is left out: it builds a new plan for every key length, so
 # an eager decode step (length + 1 each step) cost 92 ms instead of ~20 on an H200 (docs/BENCHMARKS.md).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class PastKV(Protocol):
+    """A past K or V kept in another form than a dense tensor (an INT8 cache view): it has the dense
+    shape (B, KV, P, hd) and turns itself into that tensor inside attention."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor: ...
+
+
+Past = Union[Tensor, PastKV]
+
+
+def dense_past(past: Past, dtype: torch.dtype) -> Tensor:
+    return past if isinstance(past, Tensor) else past.dequantize(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -117,8 +137,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, kv * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(h * hd, d, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Tensor,
-                past_v: Tensor, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
+                past_v: Past, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """slot: None for the export formulation (past is the history, concatenated with the new K/V);
         else the (B, KV, T, hd) int64 write index of in-place cache mode (past is the cache view)."""
         b, t, _ = x.shape
@@ -143,8 +163,8 @@ class Attention(nn.Module):
                     out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
             out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
             return self.o_proj(out), k, v
-        keys = torch.cat((past_k, k), dim=2)  # (B, KV, P + T, hd)
-        values = torch.cat((past_v, v), dim=2)
+        keys = torch.cat((dense_past(past_k, k.dtype), k), dim=2)  # (B, KV, P + T, hd)
+        values = torch.cat((dense_past(past_v, v.dtype), v), dim=2)
         # Grouped-query attention without copying K/V per query head: fold each KV head's group of
         # query heads into the row dimension, (B, H, T, hd) -> (B, KV, G * T, hd), row = g * T + t.
         q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)
@@ -176,8 +196,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Tensor,
-                past_v: Tensor, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
+                past_v: Past, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v, slot)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
@@ -241,11 +261,16 @@ class SliceModule(nn.Module):
     def n_layers(self) -> int:
         return self.end - self.start
 
-    def forward(self, x: Tensor, positions: Tensor, *past: Tensor, cache_in_place: bool = False,
-                all_logits: bool | None = None) -> tuple[Tensor, ...]:
-        """cache_in_place: past are cache views written in place (module docstring); False = export path.
-        all_logits: override the slice's setting for this call (speculative verification needs every
-        position's logits from a slice built for decode)."""
+    def forward(self, x: Tensor, positions: Tensor, *past: Past) -> tuple[Tensor, ...]:
+        """The graph that is exported: inputs and outputs only, no options (the legacy ONNX exporter
+        turns keyword defaults into extra positional inputs)."""
+        return self.run(x, positions, *past)
+
+    def run(self, x: Tensor, positions: Tensor, *past: Past, cache_in_place: bool = False,
+            all_logits: bool | None = None) -> tuple[Tensor, ...]:
+        """`forward` with the runtime options. cache_in_place: past are cache views written in place
+        (module docstring); False = export path. all_logits: override the slice's setting for this call
+        (speculative verification needs every position's logits from a slice built for decode)."""
         if len(past) != 2 * self.n_layers:
             raise ValueError(f"slice {self.start}:{self.end} takes {2 * self.n_layers} past tensors, got {len(past)}")
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, D)

@@ -39,6 +39,8 @@ def generate(
     max_disagreement: Optional[float] = typer.Option(None, "--max-disagreement", help="Exit early where the "
                                                      "calibrated heads keep disagreement with the full model "
                                                      "below this rate (orin-agent calibrate)."),
+    kv_cache: str = typer.Option("fp16", "--kv-cache", help="KV-cache storage: fp16 (the model's dtype, "
+                                 "unquantised) or int8 (group-wise INT8 with FP16 scales; torch backend)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
     edge: Optional[str] = typer.Option(None, "--edge", help="HOST:PORT of an edge server (orin-agent edge) "
                                        "that runs the deep layers."),
@@ -58,7 +60,8 @@ def generate(
         chain = offload_chain_for_generate(model, edge, device_layers, max_disagreement or 0.0, edge_token,
                                            temperature == 0, backend, slices, max_seq, device) if edge else None
         exits = bool(k) or (max_disagreement is not None and not edge)
-        core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain, exits=exits)
+        core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain, exits=exits,
+                         kv_cache=kv_cache)
         pieces: list[str] = []
         done: Finished | None = None
         for ev in core.generate(core.tokenizer.encode(prompt), params):
@@ -75,7 +78,7 @@ def generate(
         decode_tok_s = u.decode_tok_s or 0.0
         if as_json:
             print_json({"prompt": prompt, "text": "".join(pieces), "backend": backend, "model": str(model),
-                        "slices": slices, "prompt_tokens": u.prompt_tokens,
+                        "slices": slices, "kv_cache": kv_cache, "prompt_tokens": u.prompt_tokens,
                         "completion_tokens": u.completion_tokens, "prefill_ms": round(prefill_ms, 3),
                         "decode_tok_s": round(decode_tok_s, 3), "finish_reason": done.reason,
                         "token_ids": list(done.token_ids),

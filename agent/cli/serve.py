@@ -27,6 +27,8 @@ def serve(
     backend: Optional[str] = typer.Option(None, "--backend", help="torch or ort."),
     model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint folder (default: the shipped model)."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Sequences decoded together (cache rows)."),
+    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="KV-cache storage: fp16 or int8 "
+                                           "(torch backend; default from model.kv_cache, else fp16)."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM; then drain, restore the board and exit 0."""
@@ -36,7 +38,7 @@ def serve(
     with cli_errors():
         cfg = load_config(config).replace(root=root, run_dir=run_dir, host=host, port=port, token=token,
                                           backend=backend, model_dir=model, max_batch=max_batch,
-                                          log_level=log_level)
+                                          kv_cache=kv_cache, log_level=log_level)
         setup_logging(cfg.log_level)
         code = Service(cfg).run()
     raise typer.Exit(code)

@@ -4,7 +4,8 @@ Owns what the scheduler must not touch: the chain (and through it the KV-cache),
 each request's sampler (its RNG and the token history the repetition penalty needs), with the
 sampling itself (greedy, temperature, top-k, top-p, repetition penalty, seed) in torch. A request's
 first chunk carries its `SamplingParams`; `plan.released` names the requests gone since the last step.
-`load_core` puts an `EngineCore` on a checkpoint's chain (what `orin-agent generate` steps).
+`load_core` puts an `EngineCore` on a checkpoint's chain (what `orin-agent generate` steps); on a
+paged chain (`kv_blocks`) with the block-counting `PagedScheduler`, whose chunks carry block tables.
 """
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ class ChainExecutor:
         tokens = np.asarray([c.token_ids for c in chunks], dtype=np.int32)  # (B, T)
         positions = np.asarray([c.start_pos for c in chunks], dtype=np.int32)[:, None] + \
             np.arange(t, dtype=np.int32)[None]  # (B, T)
-        logits = self.chain.forward(tokens, positions, [c.slot for c in chunks])  # (B, V)
+        tables = [c.blocks for c in chunks] if chunks[0].blocks else None  # paged KV-cache
+        logits = self.chain.forward(tokens, positions, [c.slot for c in chunks], tables)  # (B, V)
         out: dict[str, int] = {}
         for i, c in enumerate(chunks):
             s = self.samplers[c.req_id]
@@ -123,7 +125,8 @@ class ChainExecutor:
 
 def load_core(model: Path, backend: str = "torch", slices: str | None = None, max_seq: int | None = None,
               device: str = "cpu", cuda_graphs: bool | None = None, chain: Chain | None = None,
-              exits: bool = False) -> EngineCore:
+              exits: bool = False, kv_cache: str = "fp16", kv_blocks: int | None = None,
+              block_size: int = 16) -> EngineCore:
     """An `EngineCore` on one cache row of a checkpoint's chain (or on ``chain``, e.g. one whose deep
     slice is an edge server): single requests, stepped directly. exits: cut the chain at the model's
     exit heads (agent.engine.speculative), for requests that speculate or exit early."""
@@ -131,6 +134,8 @@ def load_core(model: Path, backend: str = "torch", slices: str | None = None, ma
 
     tokenizer = Tokenizer.from_dir(model)
     if exits:
+        if kv_cache != "fp16" or kv_blocks is not None:
+            raise ValueError("early exit and speculation run on the dense fp16 cache: drop --kv-cache int8")
         if chain is not None:
             raise ValueError("early exit and speculation run on local slices only: drop --edge, or drop "
                              "--speculate / --max-disagreement")
@@ -139,5 +144,12 @@ def load_core(model: Path, backend: str = "torch", slices: str | None = None, ma
         return EngineCore(load_exit_executor(model, backend, slices, max_seq, device), tokenizer)
     if chain is None:
         chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device,
-                           cuda_graphs=cuda_graphs)
-    return EngineCore(ChainExecutor(chain), tokenizer)
+                           cuda_graphs=cuda_graphs, kv_cache=kv_cache, kv_blocks=kv_blocks, block_size=block_size)
+    executor = ChainExecutor(chain)
+    if chain.paging is None:
+        return EngineCore(executor, tokenizer)
+    from agent.engine.paged_scheduler import PagedScheduler
+
+    num_blocks, size = chain.paging
+    return EngineCore(executor, tokenizer, scheduler=PagedScheduler(
+        chain.max_batch, chain.max_seq, num_blocks, size, tokenizer.eos_ids, max_queue=1 << 30))

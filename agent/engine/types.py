@@ -122,6 +122,7 @@ class SeqChunk:
     start_pos: int
     sample: bool  # the row's logits give the request's next token
     sampling: SamplingParams | None = None  # the request's first chunk only: the executor makes its sampler
+    blocks: tuple[int, ...] = ()  # paged KV-cache: the sequence's block table (empty: the cache row `slot`)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,11 @@ def write_new_kv(cache: Sequence[Any], new: Sequence[Any], rows: Sequence[int], 
             buf[row, :, start:start + t] = fresh[i]
 
 
+# KV-cache storage: "fp16" = unquantised in the model's dtype (fp16 on a GPU, fp32 on CPU), "int8" =
+# group-wise INT8 with FP16 scales (kernels/kv_quant.py; torch backend).
+KV_CACHE_KINDS = ("fp16", "int8")
+
+
 class ContextFull(ValueError):
     """A step would write past the end of the preallocated KV-cache."""
 

@@ -82,7 +82,7 @@ class DecodeGraphs:
         module = self.module
 
         def step(x: Tensor, pos: Tensor) -> Tensor:
-            out, *_ = module(x, pos, *past, cache_in_place=True)  # writes the new K/V into `past`
+            out, *_ = module.run(x, pos, *past, cache_in_place=True)  # writes the new K/V into `past`
             return out[:, -1] if self.is_last else out
 
         # coordinate-descent tuning of inductor's reductions, as gpt-fast's generate.py sets it

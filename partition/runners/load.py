@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from partition.runners.base import SliceRunner
+from partition.runners.base import KV_CACHE_KINDS, SliceRunner
 from partition.runners.chain import Chain
 from partition.slices import SliceSpec, parse_slices
 
@@ -37,7 +37,8 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
                build_dir: Path | None = None, providers: Sequence[str | tuple[str, dict[str, Any]]] | None = None,
                cache_dir: Path | None = None, options: OrtOptions | None = None,
                export_options: ExportOptions | None = None,
-               cuda_graphs: bool | None = None) -> Chain:
+               cuda_graphs: bool | None = None, kv_cache: str = "fp16", kv_group: int = 32,
+               kv_blocks: int | None = None, block_size: int = 16) -> Chain:
     """The model in `model_dir` as a Chain of slice runners.
 
     slices: "0:4,4:8" (contiguous, covering every layer) or None for one slice.
@@ -51,6 +52,11 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     cuda_graphs: replay decode steps as CUDA graphs (backend "torch"). None = on exactly when the
     device is CUDA: decode there is launch-bound, graphs match eager (tests/test_cuda.py) and were
     2.3-5.0x faster on an H200 (docs/BENCHMARKS.md); True on CPU or another backend is an error.
+    kv_cache: "fp16" (the model's dtype, unquantised) or "int8" (group-wise INT8, `kv_group` = 32 or 64
+    channels per FP16 scale: kernels/kv_quant.py); int8 is a torch-backend feature and turns CUDA
+    graphs off by default.
+    kv_blocks: a paged KV-cache of that many blocks of `block_size` tokens per layer (torch backend, fp,
+    eager; partition/runners/paged.py) instead of max_batch rows of max_seq; None = rows.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
@@ -58,7 +64,18 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     if cuda_graphs and (backend != "torch" or not on_cuda):
         raise ValueError(f"CUDA graphs are a feature of the torch backend on a CUDA device (got backend "
                          f"{backend!r}, device {device!r}); drop --cuda-graphs or use --backend torch --device cuda")
-    graphs = on_cuda and backend == "torch" if cuda_graphs is None else cuda_graphs
+    if kv_cache not in KV_CACHE_KINDS:
+        raise ValueError(f"kv cache {kv_cache!r} is not one of {', '.join(KV_CACHE_KINDS)}")
+    if kv_cache == "int8" and backend != "torch":
+        raise BackendUnavailable(f"--kv-cache int8 runs on the torch backend only: the {backend!r} slices keep "
+                                 "an unquantised cache (no QuantizeLinear/DequantizeLinear around the cache I/O "
+                                 "yet); use --backend torch or --kv-cache fp16")
+    if kv_cache == "int8" and cuda_graphs:
+        raise ValueError("CUDA graphs capture a dense KV-cache; drop --cuda-graphs with --kv-cache int8")
+    if kv_blocks is not None and (backend != "torch" or kv_cache != "fp16" or cuda_graphs):
+        raise ValueError("a paged KV-cache (kv_blocks) is a torch-backend, fp16-cache, eager feature")
+    graphs = (on_cuda and backend == "torch" and kv_cache == "fp16" and kv_blocks is None
+              if cuda_graphs is None else cuda_graphs)
     model_dir = Path(model_dir)
     from partition.config import load_config
 
@@ -74,7 +91,13 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
         from partition.runners.torch_runner import TorchRunner
 
         model = load_model(model_dir, device=device)
-        runners = [TorchRunner(model, s, seq, max_batch, cuda_graphs=graphs) for s in specs]
+        if kv_blocks is not None:
+            from partition.runners.paged import PagedTorchRunner
+
+            runners = [PagedTorchRunner(model, s, seq, kv_blocks, block_size, max_batch) for s in specs]
+        else:
+            runners = [TorchRunner(model, s, seq, max_batch, cuda_graphs=graphs, kv_cache=kv_cache,
+                                   kv_group=kv_group) for s in specs]
     else:
         from partition.build import ensure_build
         from partition.build.export import ExportOptions

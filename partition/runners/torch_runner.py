@@ -7,7 +7,11 @@ and both paths read and write the same cache, so they can alternate freely.
 
 On CUDA the slice runs in in-place cache mode (partition/model.py): each layer writes its new K/V into
 the cache and attends over it at the model dtype (SDPA for prefill, two batched GEMMs for a decode
-step), instead of concatenating a copy of the history per layer. CPU keeps the export formulation (the reference ONNX graphs are checked against)."""
+step), instead of concatenating a copy of the history per layer. CPU keeps the export formulation (the reference ONNX graphs are checked against).
+
+`kv_cache="int8"` keeps each layer's cache as kernels.kv_quant.Int8KVCache (int8 values, FP16 scales
+per token and group of head_dim): the new K/V are quantised on write and the attention dequantises
+the past it reads. Eager only (CUDA graphs capture dense buffers)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -15,8 +19,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from kernels.kv_quant import Int8KVCache
 from partition.model import SliceModule, Transformer
-from partition.runners.base import SliceRunner, row_range, write_new_kv
+from partition.runners.base import KV_CACHE_KINDS, SliceRunner, row_range, write_new_kv
 from partition.slices import SliceSpec
 from partition.runners.cuda_graphs import DecodeGraphs
 
@@ -26,12 +31,18 @@ class TorchRunner(SliceRunner):
 
     def __init__(self, model: Transformer, spec: SliceSpec, max_seq: int, max_batch: int = 1,
                  cuda_graphs: bool = False, graph_buckets: bool = True, kv_in_place: bool | None = None,
-                 compile_decode: bool = False) -> None:
+                 compile_decode: bool = False, kv_cache: str = "fp16", kv_group: int = 32) -> None:
         """cuda_graphs: replay captured graphs for decode (needs a CUDA model: refused on CPU rather
         than silently ignored, so a benchmark never reports eager numbers as graphed ones).
         graph_buckets: capture per power-of-two past length instead of over the whole max_seq buffer.
-        kv_in_place: in-place cache mode (None = on exactly on CUDA; graphs always use it).
-        compile_decode: torch.compile the captured decode step (CUDA graphs only; one compile per bucket)."""
+        kv_in_place: in-place cache mode (None = on exactly on CUDA with a dense cache; graphs always use it).
+        compile_decode: torch.compile the captured decode step (CUDA graphs only; one compile per bucket).
+        kv_cache: "fp16" (unquantised, in the model's dtype) or "int8" (group-wise, `kv_group` channels
+        of head_dim per FP16 scale)."""
+        if kv_cache not in KV_CACHE_KINDS:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_KINDS)}, got {kv_cache!r}")
+        if kv_cache == "int8" and cuda_graphs:
+            raise ValueError("CUDA graphs capture a dense KV-cache; with kv_cache='int8' leave them off")
         cfg = model.config
         self.spec, self.max_seq, self.max_batch = spec, max_seq, max_batch
         self.module = SliceModule(model, spec.start, spec.end)
@@ -39,17 +50,20 @@ class TorchRunner(SliceRunner):
         self.device, self.dtype = param.device, param.dtype
         shape = (max_batch, cfg.n_kv_heads, max_seq, cfg.head_dim)
         # One K and one V buffer per layer, allocated once: (max_batch, KV, max_seq, hd).
-        self.cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * spec.n_layers)]
+        self.kv_cache = kv_cache
+        self.cache: list[Any] = (
+            [Int8KVCache(shape, kv_group, self.device) for _ in range(2 * spec.n_layers)] if kv_cache == "int8"
+            else [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * spec.n_layers)])
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {self.device}; "
                              "leave CUDA graphs off (the eager path is used) or load the model with device='cuda'")
         if compile_decode and not cuda_graphs:
             raise ValueError("compile_decode compiles the CUDA-graph decode step: it needs cuda_graphs=True")
-        self.kv_in_place = self.device.type == "cuda" if kv_in_place is None else kv_in_place
+        self.kv_in_place = (self.device.type == "cuda" and kv_cache == "fp16") if kv_in_place is None else kv_in_place
         self.graphs = DecodeGraphs(self.module, self.cache, max_batch, max_seq, cfg.hidden_size, self.dtype,
                                    self.device, bucketed=graph_buckets, compile_step=compile_decode) if cuda_graphs else None
 
-    def _past(self, rows: list[int], past_len: int) -> list[torch.Tensor]:
+    def _past(self, rows: list[int], past_len: int) -> list[Any]:
         span = row_range(rows)
         if span is not None:  # consecutive rows: a view, no copy
             return [c[span, :, :past_len] for c in self.cache]
@@ -74,9 +88,9 @@ class TorchRunner(SliceRunner):
         span = row_range(rows)
         if self.kv_in_place and span is not None:  # views of the cache up to the last new slot
             past = [c[span, :, :int(positions[:, -1].max()) + 1] for c in self.cache]
-            out, *_ = self.module(x, pos, *past, cache_in_place=True)
-            return out[:, -1] if self.spec.is_last else out
+            out, *_ = self.module.run(x, pos, *past, cache_in_place=True, all_logits=all_logits)
+            return out[:, -1] if self.spec.is_last and not all_logits else out
         past_len = int(positions[:, 0].max())  # rows with a shorter history mask the extra slots
-        out, *new = self.module(x, pos, *self._past(rows, past_len), all_logits=all_logits)
+        out, *new = self.module.run(x, pos, *self._past(rows, past_len), all_logits=all_logits)
         write_new_kv(self.cache, new, rows, positions)
         return out[:, -1] if self.spec.is_last and not all_logits else out
