@@ -35,7 +35,9 @@ setup(
         "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "openai>=1.30"],
         # TensorRT itself comes from JetPack's apt packages (python3-libnvinfer), never pip.
         "jetson": ["jetson-stats>=4.2"],
-        "edge": ["tritonclient[http]>=2.40"],
+        # the device side of offload (KServe v2 over gRPC); the edge server's own interpreter comes
+        # from scripts/edge-venv.sh (nvidia-pytriton needs numpy<2).
+        "edge": ["tritonclient[grpc,http]>=2.51"],
     },
     entry_points={"console_scripts": ["orin-agent=agent.cli:main"]},
 )

@@ -53,7 +53,7 @@ def spec_of(board: SysfsBoard) -> BoardSpec | None:
     if not ident.board or ident.l4t is None:
         return None
     try:
-        return board_for(ident.board, ident.l4t.release if ident.l4t.release in ("r35", "r36") else "r36")
+        return board_for(ident.board, ident.l4t.layout if ident.l4t.layout in ("r35", "r36") else "r36")
     except KeyError:
         return None
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from partition.checkpoint import random_model
 from partition.config import preset
 from partition.model import Transformer
-from partition.runners.base import SliceSpec
+from partition.slices import SliceSpec
 from partition.runners.chain import Chain
 from partition.runners.torch_runner import TorchRunner
 

@@ -11,7 +11,7 @@ from agent.engine.core import EngineCore
 from agent.engine.executor import ChainExecutor
 from agent.engine.types import Delta, Finished, SamplingParams
 from partition.checkpoint import load_model
-from partition.runners.base import even_slices
+from partition.slices import even_slices
 from partition.runners.chain import Chain
 from partition.runners.torch_runner import TorchRunner
 from partition.tokenizer import Tokenizer

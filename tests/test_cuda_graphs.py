@@ -9,7 +9,7 @@ import torch
 
 from partition.checkpoint import load_model
 from partition.runners import load_chain
-from partition.runners.base import SliceSpec
+from partition.slices import SliceSpec
 from partition.runners.cuda_graphs import bucket_for, past_buckets
 from partition.runners.torch_runner import TorchRunner
 

@@ -13,13 +13,13 @@ import typer
 from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
-from partition import export as export_mod
+from partition.build import export as export_mod
 from partition.build import BuildError, build_slices, ensure_build, load_manifest
 from partition.checkpoint import model_hash, random_model, save_model
 from partition.config import ModelConfig
-from partition.export import ExportOptions, compare_with_torch, export_slice, sha256_file
-from partition.onnx_check import OnnxCompatError, assert_trt_compat, check_onnx_file, check_trt_compat
-from partition.runners.base import SliceSpec
+from partition.build.export import ExportOptions, compare_with_torch, export_slice, sha256_file
+from partition.build.trt_check import OnnxCompatError, assert_trt_compat, check_onnx_file, check_trt_compat
+from partition.slices import SliceSpec
 
 LLAMA = ModelConfig("LlamaForCausalLM", 256, 64, 4, 4, 2, 16, 128, max_position_embeddings=256)
 # Qwen2: QKV bias, tied embeddings, one KV head for four query heads.

@@ -11,7 +11,7 @@ from agent.engine.executor import ChainExecutor, make_rng, sample
 from agent.engine.output import StopMatcher
 from agent.engine.types import Finished, InvalidRequest, SamplingParams
 from partition.checkpoint import load_model
-from partition.runners.base import SliceSpec, even_slices
+from partition.slices import SliceSpec, even_slices
 from partition.runners.chain import Chain
 from partition.runners.torch_runner import TorchRunner
 from partition.tokenizer import IncrementalDecoder, Tokenizer

@@ -11,7 +11,8 @@ import pytest
 from partition.checkpoint import random_model, save_model
 from partition.config import ModelConfig
 from partition.runners import BackendUnavailable, Chain, load_chain
-from partition.runners.base import ContextFull, SliceSpec
+from partition.runners.base import ContextFull
+from partition.slices import SliceSpec
 from partition.runners.ort_runner import OrtOptions, OrtRunner, ProviderUnavailable, resolve_providers
 
 CFG = ModelConfig("LlamaForCausalLM", 320, 64, 4, 4, 2, 16, 128, max_position_embeddings=64)

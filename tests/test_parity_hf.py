@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from partition.checkpoint import load_model  # noqa: E402
-from partition.runners.base import SliceSpec  # noqa: E402
+from partition.slices import SliceSpec  # noqa: E402
 from partition.runners.chain import Chain  # noqa: E402
 from partition.runners.torch_runner import TorchRunner  # noqa: E402
 

@@ -126,7 +126,7 @@ def test_config_file_flags_and_errors_name_the_key(tmp_path: Path) -> None:
                      ({"server": {"port": "80"}}, "server.port"),
                      ({"server": {"prot": 1}}, "server.prot"),
                      ({"modle": {}}, "modle"),
-                     ({"model": {"backend": "trt"}}, "model.backend"),
+                     ({"model": {"backend": "tflite"}}, "model.backend"),
                      ({"log": {"level": "loud"}}, "log.level")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             config_from_mapping(doc, "agent.toml")

@@ -227,3 +227,17 @@ def test_virtual_time_is_fast(tmp_path: Path) -> None:
     assert time.perf_counter() - t0 < 5.0
     assert tw.state.t_s == pytest.approx(1000.0)
     assert tw.state.energy_j > 0
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_removed_reading_stays_removed(tmp_path: Path, atomic: bool) -> None:
+    """The kernel never creates a sysfs file: a zone whose temp file is gone stays offline across flushes."""
+    tw = _twin(tmp_path, atomic_writes=atomic)
+    temp = tw.root / tw.paths.zone(0) / "temp"
+    temp.unlink()
+    for _ in range(3):
+        tw.step(0.5, Workload("decode", 0.5, 0.9))
+        tw.flush()
+    assert not temp.exists()
+    assert (tw.root / tw.paths.zone(1) / "temp").read_text().strip() != ""
+    assert tw.paths.zone(0) + "/temp" not in tw.written and tw.paths.zone(1) + "/temp" in tw.written

@@ -5,7 +5,8 @@ command groups together; each lives in its own module with ``register(app)``:
 - ``build``: export a model's slices to ONNX (partition.build);
 - ``serve``: the service (agent.service) and ``demo`` (agent.demo: the service on a twin);
 - ``power`` (status, restore) with ``profiles`` (profiles, show, set, state): the board's power;
-- ``twin``: create and run a simulated Orin; ``bench``: the power benchmark.
+- ``twin``: create and run a simulated Orin; ``bench``: the benchmarks;
+- ``smoke``: whether everything works on this board or twin (agent.smoke).
 
 ``common`` holds what every command shares: the one error wrapper (one line, never a traceback) and
 the ``--json`` printer.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import typer
 
-from agent.cli import bench, build, generate, power, serve, twin
+from agent.cli import bench, build, edge, generate, power, serve, smoke, twin
 
 app = typer.Typer(
     name="orin-agent",
@@ -24,7 +25,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for group in (generate, build, serve, power, twin, bench):
+for group in (generate, build, serve, power, twin, bench, smoke, edge):
     group.register(app)
 
 

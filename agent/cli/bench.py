@@ -1,19 +1,69 @@
 """`orin-agent bench ...`: benchmarks. ``bench power`` replays a request trace through the power
 controller against the twin in virtual time, through the service's own scheduler (agent.benchpower over
-power.bench), and prints one row per policy. Thin: this file parses options and prints."""
+power.bench), and prints one row per policy; ``bench run`` is the end-to-end benchmark of the running
+configuration in real time (agent.benchmark), writing report.json, PNG plots and summary.md. Thin: the
+logic is in those packages; this file parses options and prints."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from agent.cli.common import cli_errors, profile_dir_option
+from agent.cli.common import cli_errors, print_json, profile_dir_option
 
-app = typer.Typer(help="Benchmarks: energy per token of the power policies on the twin.", no_args_is_help=True)
+app = typer.Typer(help="Benchmarks: `run` (end to end, real time, on the board or a twin) and `power` "
+                  "(energy per token of the power policies on the twin, virtual time).", no_args_is_help=True)
+
+
+@app.command("run")
+def run(root: Optional[Path] = typer.Option(None, "--root", help="The board's root (/) or a twin folder "
+                                            "(default: a fresh twin, removed afterwards)."),
+        run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Restore journal (default: the "
+                                               "service's: /run/orin-agent on a board, ROOT/run/orin-agent on a twin)."),
+        trace: str = typer.Option("chat", "--trace", help="chat, batch or sparse."),
+        profile: list[str] = typer.Option([], "--profile", help="Power profile to run (repeatable; "
+                                          "default: eco, balanced and max)."),
+        config: Optional[Path] = typer.Option(None, "--config", help="Service config (model, backend, "
+                                              "device); default /etc/orin-agent/agent.toml if present."),
+        profile_dir: Path = profile_dir_option(),
+        out: Optional[Path] = typer.Option(None, "--out", help="Folder for report.json, the PNGs and "
+                                           "summary.md (default: ~/.cache/orin-agent/bench/TRACE-TIME)."),
+        plot: bool = typer.Option(True, "--plot/--no-plot", help="Write the PNG plots."),
+        json_out: bool = typer.Option(False, "--json", help="Print report.json's summary on stdout.")) -> None:
+    """End to end: tok/s, TTFT, TPOT, J/token per phase and the clocks in force, per profile."""
+    from agent.benchmark import run_end_to_end
+    from agent.config import load_config
+
+    with cli_errors():
+        cfg = load_config(config)
+        dest, doc = run_end_to_end(root, run_dir, cfg, trace, tuple(profile) or ("eco", "balanced", "max"), out,
+                                   str(profile_dir), plot)
+    rows = [{k: v for k, v in p.items() if k != "timeline"} for p in doc["profiles"]]  # type: ignore[union-attr]
+    if json_out:
+        print_json({k: v for k, v in doc.items() if k != "profiles"} | {"profiles": rows, "out": str(dest)})
+        return
+    if doc["simulated"]:
+        typer.echo(str(doc["note"]))
+    table = Table(title=f"{trace} trace on {doc['board']} ({doc['model']}, {doc['backend']})")
+    for col in ("profile", "tok/s", "TTFT p50 s", "TPOT p50 ms", "J/token", "GPU max MHz pre/dec", "EMC MHz pre/dec"):
+        table.add_column(col, justify="left" if col == "profile" else "right")
+
+    def f(v: object, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for p in rows:
+        c = p["clocks_in_force_mhz"]
+        table.add_row(str(p["profile"]), f(p["throughput_tok_s"], ".1f"), f(p["ttft_p50_s"], ".3f"),
+                      f(p["tpot_p50_ms"], ".1f"), f(p["joules_per_token"], ".3f"),
+                      f"{f(c['prefill']['gpu_max_mhz'], '.0f')}/{f(c['decode']['gpu_max_mhz'], '.0f')}",
+                      f"{f(c['prefill']['emc_mhz'], '.0f')}/{f(c['decode']['emc_mhz'], '.0f')}")
+    Console().print(table)
+    typer.echo(f"wrote {dest}/summary.md, report.json and {len(doc['plots'])} plot(s)")  # type: ignore[arg-type]
 
 
 @app.command("power")

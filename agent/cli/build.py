@@ -27,11 +27,27 @@ def build(
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Compare each slice with the torch "
                                 "slice on ONNX Runtime (fp32, max abs diff <= 1e-3)."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON on stdout."),
+    check_trt: Optional[str] = typer.Option(None, "--check-trt", help="Check the slices against one TensorRT "
+                                            "version's ONNX-parser rules: 8.5, 8.6 or 10.3 (reuses a matching "
+                                            "build in --out)."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="trt: also build a TensorRT engine per slice "
+                                         "(needs TensorRT and the GPU; engines go to the engine cache)."),
+    precision: str = typer.Option("fp16", "--precision", help="Engine precision: fp32, fp16 (int8-wo, int4-wo "
+                                  "and auto need weight-only quantised slices, not in this build)."),
+    builder: str = typer.Option("api", "--builder", help="api (TensorRT's Python API) or trtexec."),
+    workspace_mb: Optional[int] = typer.Option(None, "--workspace-mb", help="Builder workspace; default: "
+                                               "sized from free GPU memory."),
+    max_batch: int = typer.Option(1, "--max-batch", help="Rows the engines accept (as serve/generate use)."),
+    max_seq: Optional[int] = typer.Option(None, "--max-seq", help="KV-cache length the engines accept "
+                                          "(default: as load_chain, the model's context capped at 8192)."),
+    engine_cache: Optional[Path] = typer.Option(None, "--engine-cache", help="Engine cache folder "
+                                                "(default ~/.cache/orin-agent/engines)."),
 ) -> None:
     """Export the model's slices to ONNX for TensorRT / ONNX Runtime, check and verify each one."""
     # Imported here so that `orin-agent --help` stays fast (torch and onnx are heavy).
-    from partition.build import BuildError, build_slices, resolve_slices
-    from partition.export import ExportError, ExportOptions
+    from partition.build import BuildError, build_slices, check_build, ensure_build, resolve_slices
+    from partition.build.export import ExportError, ExportOptions
+    from partition.build.trt_versions import rules_for
 
     with cli_errors():
         if not model.is_dir():
@@ -39,6 +55,10 @@ def build(
             raise FileNotFoundError(f"model folder {model} does not exist{hint}")
         options = ExportOptions(exporter=exporter)
         specs = resolve_slices(model, slices)
+        if check_trt:
+            rules_for(check_trt)  # an unknown version fails here, before any export
+        if engine and engine != "trt":
+            raise ValueError(f"--engine {engine!r}: the only engine is trt")
         if out.exists() and not out.is_dir():
             raise NotADirectoryError(f"--out {out} exists and is not a folder")
         console = Console(stderr=True)
@@ -53,18 +73,43 @@ def build(
                 bar.update(tasks[i], completed=step, description=_LABELS[stage])
 
             try:
-                manifest = build_slices(model, specs, out, options, verify=verify, progress=progress)
+                if check_trt or engine:  # reuse the build already in --out when it matches
+                    _, manifest = ensure_build(model, specs, build_dir=out, options=options, progress=progress,
+                                               verify=verify)
+                else:
+                    manifest = build_slices(model, specs, out, options, verify=verify, progress=progress)
             except (BuildError, ExportError) as exc:  # a failed export or check: its message says what failed
                 raise ValueError(str(exc)) from None
-    data = manifest.to_json()
-    if as_json:
-        print_json(data)
-        return
-    for s in data["slices"]:
-        diff = max(s["max_abs_diff"].values()) if s["max_abs_diff"] else float("nan")
-        typer.echo(f"{s['start']:>3}:{s['end']:<3} {out / s['file']}  max|ort-torch| {diff:.2e}  "
-                   f"{sum(s['op_counts'].values())} nodes")
-    typer.echo(f"manifest: {out / 'manifest.json'} (opset {data['opset']}, {data['exporter']} exporter)")
+        data = manifest.to_json()
+        trt_errors = [f"{f}: {e}" for f, r in check_build(out, manifest, check_trt).items() for e in r.errors] \
+            if check_trt else []
+        if check_trt:
+            data["trt_check"] = {"version": check_trt, "errors": trt_errors}
+        if as_json:
+            print_json(data)
+        else:
+            for s in data["slices"]:
+                diff = max(s["max_abs_diff"].values()) if s["max_abs_diff"] else float("nan")
+                typer.echo(f"{s['start']:>3}:{s['end']:<3} {out / s['file']}  max|ort-torch| {diff:.2e}  "
+                           f"{sum(s['op_counts'].values())} nodes")
+            typer.echo(f"manifest: {out / 'manifest.json'} (opset {data['opset']}, {data['exporter']} exporter)")
+        if trt_errors:
+            raise ValueError(f"not TensorRT {check_trt}-compatible ({len(trt_errors)} problems): "
+                             + "; ".join(trt_errors))
+        if check_trt and not as_json:
+            typer.echo(f"TensorRT {check_trt} ONNX-parser rules: every slice passes (a static check; no engine built)")
+        if engine:
+            from partition.trt.api import TrtUnavailable
+            from partition.trt.builder import EngineBuildError
+            from partition.trt.load import build_slice_engines
+
+            try:
+                built = build_slice_engines(out, manifest, precision, builder, workspace_mb, max_batch, max_seq,
+                                            engine_cache, log=lambda m: typer.echo(m, err=True))
+            except (TrtUnavailable, EngineBuildError) as exc:  # RuntimeErrors whose message says what to do
+                raise ValueError(str(exc)) from None
+            for e in built:
+                typer.echo(f"{e.slice:>7} {e.engine}  {'cached' if e.cached else f'built in {e.seconds:.1f} s'}")
 
 
 def register(app: typer.Typer) -> None:

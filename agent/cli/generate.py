@@ -35,15 +35,24 @@ def generate(
                                                "steps as CUDA graphs (torch backend; default: on with "
                                                "--device cuda, off on CPU, where asking for it is an error)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
+    edge: Optional[str] = typer.Option(None, "--edge", help="HOST:PORT of an edge server (orin-agent edge) "
+                                       "that runs the deep layers."),
+    device_layers: int = typer.Option(4, "--device-layers", help="With --edge: layers run here."),
+    max_disagreement: float = typer.Option(0.0, "--max-disagreement", help="With --edge: early-exit "
+                                           "tolerance (0 = no early exit)."),
+    edge_token: str = typer.Option("", "--edge-token", envvar="ORIN_AGENT_EDGE_TOKEN", help="Bearer token."),
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
     from agent.engine.executor import load_core
     from agent.engine.types import Finished, SamplingParams
+    from partition.offload.chain import offload_chain_for_generate, offload_summary
 
     with cli_errors():
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
-        core = load_core(model, backend, slices, max_seq, device, cuda_graphs)
+        chain = offload_chain_for_generate(model, edge, device_layers, max_disagreement, edge_token,
+                                           temperature == 0, backend, slices, max_seq, device) if edge else None
+        core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain)
         pieces: list[str] = []
         done: Finished | None = None
         for ev in core.generate(core.tokenizer.encode(prompt), params):
@@ -68,6 +77,8 @@ def generate(
             sys.stdout.write("\n")
             typer.echo(f"prefill {prefill_ms:.1f} ms | decode {decode_tok_s:.1f} tok/s | "
                        f"{u.completion_tokens} tokens ({done.reason})", err=True)
+            if chain is not None:
+                typer.echo(offload_summary(chain), err=True)
 
 
 def register(app: typer.Typer) -> None:

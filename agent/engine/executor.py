@@ -99,11 +99,13 @@ class ChainExecutor:
 
 
 def load_core(model: Path, backend: str = "torch", slices: str | None = None, max_seq: int | None = None,
-              device: str = "cpu", cuda_graphs: bool | None = None) -> EngineCore:
-    """An `EngineCore` on one cache row of a checkpoint's chain: single requests, stepped directly."""
+              device: str = "cpu", cuda_graphs: bool | None = None, chain: Chain | None = None) -> EngineCore:
+    """An `EngineCore` on one cache row of a checkpoint's chain (or on ``chain``, e.g. one whose deep
+    slice is an edge server): single requests, stepped directly."""
     from partition.runners import load_chain
 
     tokenizer = Tokenizer.from_dir(model)
-    chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device,
-                       cuda_graphs=cuda_graphs)
+    if chain is None:
+        chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device,
+                           cuda_graphs=cuda_graphs)
     return EngineCore(ChainExecutor(chain), tokenizer)

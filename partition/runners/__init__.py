@@ -1,89 +1,10 @@
-"""Runners: the model as a chain of slice runners on one backend. `load_chain` is the one entry
-point the rest of the project uses: it picks the backend, builds (or reuses) ONNX slices for ONNX
-Runtime, and hands back a `Chain`.
-
-Backends: "torch" (PyTorch eager, CPU or CUDA, with CUDA-graph decode on CUDA), "ort" (ONNX Runtime on
-exported slices; CPU EP here, CUDA / TensorRT EPs through `providers`), "trt" (TensorRT engines: a
-later issue, the seam is here).
-"""
-from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
-from typing import Any, Sequence
-
-from partition.runners.base import SliceRunner, SliceSpec, parse_slices
+"""Runners: one slice of the model on one backend (base.py: the contract; torch_runner.py and ort_runner.py:
+the PyTorch and ONNX Runtime backends, partition.trt.runner the TensorRT one; chain.py: slices in
+sequence; load.py: `load_chain`, the one entry point). This module only wires the public names together."""
+from partition.runners.base import SliceRunner
 from partition.runners.chain import Chain
+from partition.runners.load import BACKENDS, MAX_SEQ_CAP, BackendUnavailable, load_chain
+from partition.slices import SliceSpec, parse_slices
 
-BACKENDS = ("torch", "ort", "trt")
-MAX_SEQ_CAP = 8192  # default cache length cap: presets declare up to 131072 positions
-
-
-class BackendUnavailable(ValueError):
-    """A backend that cannot run here (not implemented yet, or its library is missing)."""
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None = None,
-               max_seq: int | None = None, max_batch: int = 1, device: str = "cpu",
-               build_dir: Path | None = None, providers: Sequence[str | tuple[str, dict[str, Any]]] | None = None,
-               cache_dir: Path | None = None, options: Any = None, export_options: Any = None,
-               cuda_graphs: bool | None = None) -> Chain:
-    """The model in `model_dir` as a Chain of slice runners.
-
-    slices: "0:4,4:8" (contiguous, covering every layer) or None for one slice.
-    max_seq: KV-cache length; None = the model's max_position_embeddings, capped at MAX_SEQ_CAP.
-    device: torch device for backend "torch"; for "ort", "cuda" means providers=["cuda"].
-    build_dir / cache_dir / export_options: where the ONNX slices live for "ort" (see
-    partition.build.ensure_build); a missing build is exported once, with a message on stderr.
-    options: partition.runners.ort_runner.OrtOptions for "ort" (threads, past mode, IO binding).
-    cuda_graphs: replay decode steps as CUDA graphs (backend "torch"). None = on exactly when the
-    device is CUDA: decode there is launch-bound, graphs match eager (tests/test_cuda.py) and were
-    2.3-5.0x faster on an H200 (docs/BENCHMARKS.md); True on CPU or another backend is an error.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    on_cuda = device.startswith("cuda")
-    if cuda_graphs and (backend != "torch" or not on_cuda):
-        raise ValueError(f"CUDA graphs are a feature of the torch backend on a CUDA device (got backend "
-                         f"{backend!r}, device {device!r}); drop --cuda-graphs or use --backend torch --device cuda")
-    graphs = on_cuda and backend == "torch" if cuda_graphs is None else cuda_graphs
-    model_dir = Path(model_dir)
-    from partition.config import load_config
-
-    config = load_config(model_dir)
-    n = config.n_layers
-    specs = parse_slices(slices, n) if slices else [SliceSpec(0, n, n)]
-    seq = max_seq or min(config.max_position_embeddings, MAX_SEQ_CAP)
-    if backend == "trt":
-        have = importlib.util.find_spec("tensorrt") is not None
-        raise BackendUnavailable(
-            "backend 'trt': the TensorRT runner is not available yet (it comes with its own issue)"
-            + ("" if have else "; TensorRT is not installed here either (on an Orin it comes from "
-               "JetPack's python3-libnvinfer)") + ". Use --backend ort or torch.")
-    runners: list[SliceRunner] = []
-    if backend == "torch":
-        from partition.checkpoint import load_model
-        from partition.runners.torch_runner import TorchRunner
-
-        model = load_model(model_dir, device=device)
-        runners = [TorchRunner(model, s, seq, max_batch, cuda_graphs=graphs) for s in specs]
-    else:
-        from partition.build import ensure_build
-        from partition.export import ExportOptions
-        from partition.runners.ort_runner import OrtOptions, OrtRunner
-
-        if providers is None and on_cuda:
-            providers = ["cuda"]
-        folder, manifest = ensure_build(model_dir, specs, build_dir=build_dir, cache_dir=cache_dir,
-                                        options=export_options or ExportOptions(), log=_stderr)
-        runners = [OrtRunner(folder / s.file, s.spec, seq, max_batch, providers=providers,
-                             options=options or OrtOptions()) for s in manifest.slices]
-    return Chain(runners)
-
-
-__all__ = ["BACKENDS", "BackendUnavailable", "Chain", "SliceRunner", "SliceSpec", "load_chain", "parse_slices"]
+__all__ = ["BACKENDS", "MAX_SEQ_CAP", "BackendUnavailable", "Chain", "SliceRunner", "SliceSpec", "load_chain",
+           "parse_slices"]

@@ -6,7 +6,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from partition.runners.base import SliceRunner, check_tiling
+from partition.runners.base import SliceRunner
+from partition.slices import check_tiling
 
 
 def convert(x: Any, kind: str) -> Any:

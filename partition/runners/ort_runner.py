@@ -23,7 +23,8 @@ from typing import Any, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from partition.runners.base import SliceRunner, SliceSpec, row_range, write_new_kv
+from partition.runners.base import SliceRunner, row_range, write_new_kv
+from partition.slices import SliceSpec
 
 # Short names accepted in `providers`; full ORT names pass through.
 PROVIDER_ALIASES = {

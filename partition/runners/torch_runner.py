@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from partition.model import SliceModule, Transformer
-from partition.runners.base import SliceRunner, SliceSpec, row_range, write_new_kv
+from partition.runners.base import SliceRunner, row_range, write_new_kv
+from partition.slices import SliceSpec
 from partition.runners.cuda_graphs import DecodeGraphs
 
 

@@ -91,7 +91,7 @@ def _read(root: Path, rel: str) -> str | None:
 
 def _int(root: Path, rel: str, default: int) -> int:
     text = _read(root, rel)
-    if text is None:
+    if not text:        # missing, or read between a writer's truncate and its write: keep the last value
         return default
     try:
         return int(text.split()[0])
@@ -108,6 +108,7 @@ class _Runtime:
     fan_acc_s: float = 0.0
     written: dict[str, str] = field(default_factory=dict)
     failed_zones: set[int] = field(default_factory=set)
+    absent: set[str] = field(default_factory=set)      # readings the tree lacks: never created
 
 
 class Twin:
@@ -296,12 +297,22 @@ class Twin:
         f.mkdir(exist_ok=True)
         self._rt.failed_zones.add(i)
 
+    @property
+    def written(self) -> frozenset[str]:
+        """The reading files (relative to the root) the model has written so far."""
+        return frozenset(self._rt.written)
+
     # --- writing the readings ---------------------------------------------------------------------
 
     def _put(self, rel: str, value: str) -> None:
-        if self._rt.written.get(rel) == value:
+        if self._rt.written.get(rel) == value or rel in self._rt.absent:
             return
         path = self.root / rel
+        if rel not in self._rt.written and not path.is_file():
+            # The kernel never creates a sysfs file: a reading someone removed (a failing sensor
+            # played by a test) stays gone instead of coming back on the next flush.
+            self._rt.absent.add(rel)
+            return
         if self.atomic_writes:
             tmp = path.with_name(f".{path.name}.twin-tmp")
             tmp.write_text(value + "\n")

@@ -8,6 +8,8 @@ What it checks, on the ONNX graph alone (`check_trt_compat`):
   * none of the ops our rules ban although the parser may take them: `If`, `Loop`, `Scan` (Python
     branches / loops on shapes, TENSORRT.md rule 6) and the ONNX `Attention` op (parsed only from
     TensorRT 10.14, rule 1);
+  * per target version (`target`, rules and sources in trt_versions.py): the newest opset and IR
+    version its parser takes, the ops it adds, whether bfloat16 exists, Reduce* `axes` as constants;
   * the parser's documented input restrictions that apply to our graphs: the `axes` input of
     Slice / Squeeze / Unsqueeze, `K` of TopK and `axis` of CumSum must be initializers or Constant
     outputs;
@@ -34,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
+
+from partition.build.trt_versions import rules_for, unrepresentable
 
 TARGET_OPSET = 17
 
@@ -73,10 +77,6 @@ CONSTANT_INPUTS = {("Slice", 3): "axes", ("Squeeze", 1): "axes", ("Unsqueeze", 1
 
 IO_TYPES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.INT32: "int32",
             TensorProto.BOOL: "bool"}
-# Types TensorRT 8.5 has no representation for at all (it knows float, half, int8, int32, bool,
-# uint8 at I/O; int64 and double are cast down by the parser).
-UNREPRESENTABLE = {TensorProto.BFLOAT16, TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64,
-                   TensorProto.INT16, TensorProto.COMPLEX64, TensorProto.COMPLEX128, TensorProto.STRING}
 
 
 @dataclass(frozen=True)
@@ -107,12 +107,17 @@ def _nonfinite(t: TensorProto, base_dir: Path | None) -> int:
     return int(np.count_nonzero(~np.isfinite(np.asarray(arr, dtype=np.float32))))
 
 
-def check_trt_compat(model: onnx.ModelProto | str | Path, opset: int = TARGET_OPSET) -> CheckReport:
-    """Statically check an ONNX model against what TensorRT 8.5 and 10.x parse and our export rules.
+def check_trt_compat(model: onnx.ModelProto | str | Path, opset: int = TARGET_OPSET,
+                     target: str | None = None) -> CheckReport:
+    """Statically check an ONNX model against what TensorRT parses and our export rules: `target`
+    "8.5", "8.6" or "10.3" adds that version's parser rules (trt_versions.py); None checks 8.5 and
+    10.x at once.
 
     Pass a path for a model with external data (weights are then read from beside it). See the
     module docstring for exactly what this does and does not prove.
     """
+    rules = rules_for(target)
+    bad_types = unrepresentable(rules)
     base_dir: Path | None = None
     if not isinstance(model, onnx.ModelProto):
         base_dir = Path(model).parent
@@ -124,6 +129,12 @@ def check_trt_compat(model: onnx.ModelProto | str | Path, opset: int = TARGET_OP
     if versions.get("ai.onnx") != opset:
         errors.append(f"default-domain opset is {versions.get('ai.onnx')}, expected {opset} "
                       "(opset 17 is what TensorRT 8.5 and 10.x both parse)")
+    if versions.get("ai.onnx", 0) > rules.max_opset:
+        errors.append(f"default-domain opset {versions.get('ai.onnx')} is above {rules.max_opset}, the newest "
+                      f"the TensorRT {rules.version} parser takes")
+    if rules.max_ir_version is not None and model.ir_version > rules.max_ir_version:
+        errors.append(f"ONNX IR version {model.ir_version} is newer than {rules.max_ir_version}, what the TensorRT "
+                      f"{rules.version} parser expects")
     for dom in versions:
         if dom != "ai.onnx":
             errors.append(f"opset import of non-standard domain {dom!r}: TensorRT parses only ONNX ops")
@@ -142,8 +153,11 @@ def check_trt_compat(model: onnx.ModelProto | str | Path, opset: int = TARGET_OP
             errors.append(f"{where}: op of domain {node.domain!r}; TensorRT parses only default-domain ops")
         elif node.op_type in BANNED_OPS:
             errors.append(f"{where}: {BANNED_OPS[node.op_type]}")
-        elif node.op_type not in TRT_COMMON_OPS:
-            errors.append(f"{where}: not in the ONNX-TensorRT 8.5/10.1 supported-operator list")
+        elif node.op_type not in TRT_COMMON_OPS | rules.extra_ops:
+            errors.append(f"{where}: not in the ONNX-TensorRT {rules.version} supported-operator list")
+        if node.op_type in rules.constant_axes_ops and len(node.input) > 1 and node.input[1] and \
+                node.input[1] not in constants:
+            errors.append(f"{where}: input `axes` must be an initializer or constant for TensorRT {rules.version}")
         for (op, idx), what in CONSTANT_INPUTS.items():
             if node.op_type == op and len(node.input) > idx and node.input[idx] and \
                     node.input[idx] not in constants:
@@ -158,8 +172,8 @@ def check_trt_compat(model: onnx.ModelProto | str | Path, opset: int = TARGET_OP
         bad = _nonfinite(t, base_dir)
         if bad:
             errors.append(f"initializer {t.name!r}: {bad} NaN/inf value(s); masks must be finite")
-        if t.data_type in UNREPRESENTABLE:
-            errors.append(f"initializer {t.name!r}: type {_type_name(t.data_type)} has no TensorRT 8.5 type")
+        if t.data_type in bad_types:
+            errors.append(f"initializer {t.name!r}: type {_type_name(t.data_type)} has no TensorRT {rules.version} type")
 
     for kind, values in (("input", g.input), ("output", g.output)):
         for v in values:
@@ -176,20 +190,21 @@ def check_trt_compat(model: onnx.ModelProto | str | Path, opset: int = TARGET_OP
     try:
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
         for v in inferred.graph.value_info:
-            if v.type.tensor_type.elem_type in UNREPRESENTABLE:
+            if v.type.tensor_type.elem_type in bad_types:
                 errors.append(f"tensor {v.name!r} is {_type_name(v.type.tensor_type.elem_type)}: "
-                              "no TensorRT 8.5 type")
+                              f"no TensorRT {rules.version} type")
     except onnx.shape_inference.InferenceError as exc:
         errors.append(f"ONNX shape inference failed: {exc}")
     return CheckReport(tuple(errors), tuple(warnings), dict(sorted(counts.items())))
 
 
-def assert_trt_compat(model: onnx.ModelProto | str | Path, opset: int = TARGET_OPSET) -> CheckReport:
+def assert_trt_compat(model: onnx.ModelProto | str | Path, opset: int = TARGET_OPSET,
+                      target: str | None = None) -> CheckReport:
     """`check_trt_compat`, raising OnnxCompatError listing every problem when there is one."""
-    report = check_trt_compat(model, opset)
+    report = check_trt_compat(model, opset, target)
     if not report.ok:
         name = model if not isinstance(model, onnx.ModelProto) else model.graph.name
-        raise OnnxCompatError(f"{name}: not TensorRT-compatible:\n  " + "\n  ".join(report.errors))
+        raise OnnxCompatError(f"{name}: not TensorRT{' ' + target if target else ''}-compatible:\n  " + "\n  ".join(report.errors))
     return report
 
 

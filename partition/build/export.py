@@ -39,13 +39,13 @@ import numpy as np
 import onnx
 import torch
 
+from partition.build.trt_check import TARGET_OPSET, CheckReport, check_onnx_file
 from partition.model import SliceModule, Transformer
-from partition.onnx_check import TARGET_OPSET, CheckReport, check_onnx_file
-from partition.runners.base import SliceSpec
+from partition.slices import SliceSpec
 
 EXPORTERS = ("torchscript", "dynamo")
 PROTOBUF_LIMIT = 2 * 1024 ** 3  # a ModelProto cannot be serialised above 2 GB
-NUMERIC_TOLERANCE = 1e-3  # fp32 max abs diff, ORT vs torch (issue 2, item 4)
+NUMERIC_TOLERANCE = 1e-3  # fp32 max abs diff, ORT vs torch: the build's acceptance bound
 
 
 class ExportError(RuntimeError):
@@ -243,6 +243,9 @@ def export_slice(model: Transformer, spec: SliceSpec, path: str | Path,
         proto = version_converter.convert_version(proto, options.opset)
         _drop_new_reduce_attrs(proto, options.opset)
     _name_output_dims(proto, outs)
+    # The lowest IR version the opset allows (8 for opset 17): the dynamo exporter writes 10, which
+    # TensorRT 8.5's parser (built with ONNX 1.12, IR 8) does not expect (trt_versions.py).
+    proto.ir_version = min(proto.ir_version, onnx.helper.find_min_ir_version_for(list(proto.opset_import)))
     proto.graph.name = f"slice_{spec.start}_{spec.end}"
     external = _save(proto, path)
     try:

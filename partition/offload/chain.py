@@ -1,0 +1,67 @@
+"""`make_offload_chain`: the model as [local slice 0:N] + [EdgeLink N:L], what `generate --edge` runs."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+from partition.offload.link import EdgeLink, LinkOptions, LinkShape
+from partition.runners.base import SliceRunner
+from partition.slices import SliceSpec
+from partition.runners.chain import Chain
+
+MAX_SEQ_CAP = 2048
+
+
+def make_offload_chain(model_dir: str | Path, device_layers: int, edge_url: str,
+                       options: LinkOptions = LinkOptions(), fallback: bool = True, max_seq: int | None = None,
+                       device: str = "cpu", shape: LinkShape | None = None,
+                       log: Callable[[str], None] | None = None) -> Chain:
+    """Layers 0:N on this device (torch), N:L on the edge at `edge_url` (HOST:PORT, gRPC).
+
+    fallback: also hold layers N:L here (weights loaded anyway; the KV-cache is only filled on a
+    fault), so that a dead edge degrades to local decoding instead of an error."""
+    from partition.checkpoint import load_model
+    from partition.config import load_config
+    from partition.runners.torch_runner import TorchRunner
+
+    config = load_config(Path(model_dir))
+    n = config.n_layers
+    if not 1 <= device_layers < n:
+        raise ValueError(f"--device-layers must be in 1..{n - 1} for a {n}-layer model with an edge "
+                         f"(got {device_layers}); without --edge every layer runs here")
+    seq = max_seq or min(config.max_position_embeddings, MAX_SEQ_CAP)
+    model = load_model(Path(model_dir), device=device)
+    local = TorchRunner(model, SliceSpec(0, device_layers, n), seq)
+    deep: SliceRunner | None = TorchRunner(model, SliceSpec(device_layers, n, n), seq) if fallback else None
+    link = EdgeLink(edge_url, SliceSpec(device_layers, n, n), config.vocab_size, config.hidden_size, seq,
+                    options=options, fallback=deep, shape=shape,
+                    log=log or (lambda m: print(m, file=sys.stderr, flush=True)))
+    return Chain([local, link])
+
+
+def offload_chain_for_generate(model_dir: str | Path, edge_url: str, device_layers: int, max_disagreement: float,
+                               token: str, greedy: bool, backend: str, slices: str | None,
+                               max_seq: int | None, device: str) -> Chain:
+    """The chain `generate --edge` runs, after checking the flags that go with --edge."""
+    if backend != "torch" or slices:
+        raise ValueError("--edge runs layers 0:N with the torch backend; drop --backend/--slices "
+                         "(--device-layers sets the split)")
+    if max_disagreement < 0:
+        raise ValueError(f"--max-disagreement must be >= 0, got {max_disagreement}")
+    if max_disagreement > 0:
+        print("note: early exit is not available yet; every token crosses the link (as --max-disagreement 0)",
+              file=sys.stderr, flush=True)
+    return make_offload_chain(model_dir, device_layers, edge_url,
+                              LinkOptions(token=token, want_logits=not greedy), max_seq=max_seq, device=device)
+
+
+def offload_summary(chain: Chain) -> str:
+    """One line on what crossed the link ('' for a chain without an edge)."""
+    link = chain.runners[-1]
+    if not isinstance(link, EdgeLink):
+        return ""
+    s = link.stats()
+    return (f"edge {link.url}: {s.round_trips} round trips, {s.positions_sent} positions, "
+            f"{s.bytes_up + s.bytes_down} bytes, RTT {s.rtt_ms:.1f} ms, {s.retries} retries, "
+            f"{s.rebuilds} rebuilds, {s.fallbacks} fallbacks")

@@ -1,0 +1,108 @@
+"""`load_chain`: the model as a Chain of slice runners on one backend, the one entry point the rest of
+the project uses. It picks the backend, builds (or reuses) the ONNX slices for ONNX Runtime, and hands
+back a `Chain`.
+
+Backends: "torch" (PyTorch eager, CPU or CUDA, with CUDA-graph decode on CUDA), "ort" (ONNX Runtime on
+exported slices; CPU EP here, CUDA / TensorRT EPs through `providers`), "trt" (TensorRT engines).
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from partition.runners.base import SliceRunner
+from partition.runners.chain import Chain
+from partition.slices import SliceSpec, parse_slices
+
+if TYPE_CHECKING:  # both import heavy libraries (onnx, onnxruntime): loaded only for backend "ort"
+    from partition.build.export import ExportOptions
+    from partition.runners.ort_runner import OrtOptions
+
+BACKENDS = ("torch", "ort", "trt")
+MAX_SEQ_CAP = 8192  # default cache length cap: presets declare up to 131072 positions
+
+
+class BackendUnavailable(ValueError):
+    """A backend that cannot run here (not implemented yet, or its library is missing)."""
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None = None,
+               max_seq: int | None = None, max_batch: int = 1, device: str = "cpu",
+               build_dir: Path | None = None, providers: Sequence[str | tuple[str, dict[str, Any]]] | None = None,
+               cache_dir: Path | None = None, options: OrtOptions | None = None,
+               export_options: ExportOptions | None = None,
+               cuda_graphs: bool | None = None) -> Chain:
+    """The model in `model_dir` as a Chain of slice runners.
+
+    slices: "0:4,4:8" (contiguous, covering every layer) or None for one slice.
+    max_seq: KV-cache length; None = the model's max_position_embeddings, capped at MAX_SEQ_CAP.
+    device: torch device for backend "torch"; for "ort", "cuda" means providers=["cuda"].
+    build_dir / cache_dir / export_options: where the ONNX slices live for "ort" (see
+    partition.build.ensure_build); a missing build is exported once, with a message on stderr.
+    options: ONNX Runtime session settings for "ort" (threads, past mode, IO binding).
+    backend "trt": TensorRT engines of the same ONNX slices, from the engine cache
+    (~/.cache/orin-agent/engines; built there on first use), on a CUDA device.
+    cuda_graphs: replay decode steps as CUDA graphs (backend "torch"). None = on exactly when the
+    device is CUDA: decode there is launch-bound, graphs match eager (tests/test_cuda.py) and were
+    2.3-5.0x faster on an H200 (docs/BENCHMARKS.md); True on CPU or another backend is an error.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    on_cuda = device.startswith("cuda")
+    if cuda_graphs and (backend != "torch" or not on_cuda):
+        raise ValueError(f"CUDA graphs are a feature of the torch backend on a CUDA device (got backend "
+                         f"{backend!r}, device {device!r}); drop --cuda-graphs or use --backend torch --device cuda")
+    graphs = on_cuda and backend == "torch" if cuda_graphs is None else cuda_graphs
+    model_dir = Path(model_dir)
+    from partition.config import load_config
+
+    config = load_config(model_dir)
+    n = config.n_layers
+    specs = parse_slices(slices, n) if slices else [SliceSpec(0, n, n)]
+    seq = max_seq or min(config.max_position_embeddings, MAX_SEQ_CAP)
+    if backend == "trt":
+        return Chain(_trt_runners(model_dir, specs, seq, max_batch, device, build_dir, cache_dir, export_options))
+    runners: list[SliceRunner] = []
+    if backend == "torch":
+        from partition.checkpoint import load_model
+        from partition.runners.torch_runner import TorchRunner
+
+        model = load_model(model_dir, device=device)
+        runners = [TorchRunner(model, s, seq, max_batch, cuda_graphs=graphs) for s in specs]
+    else:
+        from partition.build import ensure_build
+        from partition.build.export import ExportOptions
+        from partition.runners.ort_runner import OrtOptions, OrtRunner
+
+        if providers is None and on_cuda:
+            providers = ["cuda"]
+        folder, manifest = ensure_build(model_dir, specs, build_dir=build_dir, cache_dir=cache_dir,
+                                        options=export_options or ExportOptions(), log=_stderr)
+        runners = [OrtRunner(folder / s.file, s.spec, seq, max_batch, providers=providers,
+                             options=options or OrtOptions()) for s in manifest.slices]
+    return Chain(runners)
+
+
+def _trt_runners(model_dir: Path, specs: list[SliceSpec], seq: int, max_batch: int, device: str,
+                 build_dir: Path | None, cache_dir: Path | None,
+                 export_options: ExportOptions | None) -> list[SliceRunner]:
+    """TensorRT runners: refused before any export when TensorRT or a CUDA device is missing."""
+    if importlib.util.find_spec("tensorrt") is None:
+        raise BackendUnavailable("backend 'trt': TensorRT's Python bindings are not installed here (on a Jetson "
+                                 "they come with JetPack: apt install python3-libnvinfer). Use --backend ort or torch.")
+    if not device.startswith("cuda"):
+        raise BackendUnavailable(f"backend 'trt' runs on the GPU: pass --device cuda, not {device!r}")
+    from partition.build import ensure_build
+    from partition.build.export import ExportOptions
+    from partition.trt.load import trt_runners
+
+    folder, manifest = ensure_build(model_dir, specs, build_dir=build_dir, cache_dir=cache_dir,
+                                    options=export_options or ExportOptions(), log=_stderr)
+    return list(trt_runners(folder, manifest, seq, max_batch, device, log=_stderr))
+
