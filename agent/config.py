@@ -49,6 +49,7 @@ class ServiceConfig:
     run_dir: str = "/run/orin-agent"
     profile: str = "balanced"
     power_control: bool = True  # run power.controller (phase-aware DVFS + thermal) when it can open the board
+    power_cap_w: float | None = None  # a power budget over the profile's [budget] watts (power.policy.budget)
     max_batch: int = 8
     max_queue: int = 64
     max_prompt_tokens: int | None = None  # None: the context less one
@@ -86,6 +87,8 @@ class ServiceConfig:
             raise bad("server.port", "must be in 0..65535 (0 = any free port)", self.port)
         if not self.host:
             raise bad("server.host", "must be an address (127.0.0.1 keeps the service local)", self.host)
+        if self.power_cap_w is not None and not 0.5 <= self.power_cap_w <= 500:
+            raise bad("board.power_cap_w", "must be watts from 0.5 to 500", self.power_cap_w)
         if self.max_body_bytes < 1024:
             raise bad("server.max_body_bytes", "must be >= 1024", self.max_body_bytes)
         for key, v, lo in (("limits.max_batch", self.max_batch, 1), ("limits.max_queue", self.max_queue, 0),
@@ -123,6 +126,7 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("board", "root"): ("root", (str,)),
     ("board", "run_dir"): ("run_dir", (str,)),
     ("board", "profile"): ("profile", (str,)),
+    ("board", "power_cap_w"): ("power_cap_w", (int, float)),
     ("board", "power_control"): ("power_control", (bool,)),
     ("limits", "max_batch"): ("max_batch", (int,)),
     ("limits", "max_queue"): ("max_queue", (int,)),

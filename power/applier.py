@@ -152,7 +152,7 @@ class PowerLoop:
     def __init__(self, controller: DvfsController, profile: Profile, applier: ClockApplier | None,
                  zones: Callable[[], tuple[ZoneSample, ...]] | None, *, fan_ours: bool = False,
                  sensor_period_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 power: Callable[[], float] | None = None) -> None:
+                 power: Callable[[], float | None] | None = None) -> None:
         self.controller, self.profile, self.applier = controller, profile, applier
         self.zones, self.fan_ours, self.sensor_period_s = zones, fan_ours, sensor_period_s
         self.power = power          # board power now (W), read at every decision when set (a budget's input)

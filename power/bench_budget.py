@@ -19,13 +19,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from power.applier import PowerLoop
 from power.bench import AUTO_DOC, BenchConfig, Driver, _tmp_base, result, simple_driver
 from power.bench_run import BASELINES, MODE_PREFIX, PolicyRun
 from power.physics.boards import BoardSpec, board_for
 from power.physics.costmodel import PRECISIONS, model_shape
-from power.policy.budget import Budget, BudgetController, BudgetState
+from power.policy.budget import Budget, BudgetState
 from power.policy.profiles import ProfileStore
+from power.powercap import install
 from power.traces import Request, make_trace
 
 MEASURE_WINDOW_S = 60.0         # the window the objective is measured over
@@ -61,14 +61,6 @@ def max_window_average(log: list[tuple[float, float]], window_s: float) -> float
     ends = t[t >= t[0] + window_s]
     starts = np.interp(ends - window_s, t, e)
     return float(np.max((np.interp(ends, t, e) - starts) / window_s))
-
-
-def install_budget(loop: PowerLoop, budget: Budget) -> BudgetController:
-    """Cap ``loop``'s DVFS controller to ``budget`` (the loop must read power: ``loop.power``)."""
-    ctl = BudgetController(loop.controller, budget)
-    loop.controller = ctl              # type: ignore[assignment]
-    loop.state = BudgetState(dvfs=loop.state)    # type: ignore[assignment]
-    return ctl
 
 
 def run_budget_bench(cfg: BenchConfig, watts: float, driver: Driver = simple_driver, *, window_s: float = 10.0,
@@ -114,8 +106,7 @@ def _run_one(cfg: BenchConfig, policy: str, trace: tuple[Request, ...], store: P
                         ambient_c=cfg.ambient_c, fan=cfg.fan, profile=profile)
         if budget is not None:
             assert run.loop is not None
-            run.loop.power = lambda: run.twin.state.power.board_w
-            install_budget(run.loop, budget)
+            install(run.loop, budget, lambda: run.twin.state.power.board_w)    # the rails as the twin has them
         try:
             res = result(run, driver(run, trace, cfg), len(trace), cfg.duration_s)
         finally:

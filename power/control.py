@@ -97,10 +97,14 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
 
 def apply_profile(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], name: str, *,
                   profile_dir: str | os.PathLike[str] | None = DEFAULT_PROFILE_DIR, dry_run: bool = False,
-                  echo: Callable[[str], None] | None = None) -> tuple[Profile, Decision]:
+                  echo: Callable[[str], None] | None = None,
+                  power_cap_w: float | None = None) -> tuple[Profile, Decision]:
     """``orin-agent power set``: apply a profile's power mode and idle clocks now, journaled (``power
-    restore`` undoes it), leave the journal for that restore and record the state file."""
-    prof = ProfileStore(None if profile_dir is None else os.fspath(profile_dir)).load(name)
+    restore`` undoes it), leave the journal for that restore and record the state file (with the budget,
+    ``power_cap_w`` over the profile's ``[budget]``: the controller holds it while it runs)."""
+    from power.powercap import with_cap
+
+    prof = with_cap(ProfileStore(None if profile_dir is None else os.fspath(profile_dir)).load(name), power_cap_w)
     if not Path(root).is_dir():
         raise FileNotFoundError(f"--root {root}: no such directory")
     session = open_session(root, run_dir, prof, None, dry_run, profile_dir=profile_dir, echo=echo,
@@ -115,5 +119,7 @@ def apply_profile(root: str | os.PathLike[str], run_dir: str | os.PathLike[str],
         write_state(run_dir, {"profile": session.profile.name, "phase": "idle", "set_by": "orin-agent power set",
                               "decision": {"gpu_min_hz": d.gpu_min_hz, "gpu_max_hz": d.gpu_max_hz,
                                            "emc_hz": d.emc_hz, "cpu_max_khz": d.cpu_max_khz,
-                                           "reason": d.reason}})
+                                           "reason": d.reason},
+                              "budget": None if prof.budget is None else {"watts": prof.budget.watts,
+                                                                          "window_s": prof.budget.window_s}})
     return session.profile, d

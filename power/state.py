@@ -35,6 +35,13 @@ def describe_state(state: dict[str, Any] | None) -> str:
         line += (f"; GPU {d.get('gpu_min_hz', 0) / 1e6:.0f}-{d.get('gpu_max_hz', 0) / 1e6:.0f} MHz, "
                  f"EMC {d.get('emc_hz', 0) / 1e6:.0f} MHz, CPU max {d.get('cpu_max_khz', 0) / 1e3:.0f} MHz "
                  f"({d.get('reason')})")
+    b = state.get("budget")
+    if b:
+        line += f"; budget {b.get('watts')} W over {b.get('window_s')} s"
+        if b.get("window_avg_w") is not None:
+            line += f": window average {b['window_avg_w']:.2f} W, headroom {b.get('headroom_w', 0):.2f} W"
+            if b.get("unmet"):
+                line += " (cannot be met even at the floor: serving at the floor)"
     if state.get("failed"):
         line += f"; FAILED: {state['failed']}"
     return line

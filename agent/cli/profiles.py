@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Optional
+
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -70,14 +72,20 @@ def set_profile(name: str = typer.Argument(..., help="Profile name."),
                 root: Path = root_option(),
                 run_dir: Path = run_dir_option(),
                 profile_dir: Path = profile_dir_option(),
-                dry_run: bool = typer.Option(False, "--dry-run", help="Print the writes, change nothing.")) -> None:
+                dry_run: bool = typer.Option(False, "--dry-run", help="Print the writes, change nothing."),
+                power_cap: Optional[float] = typer.Option(None, "--power-cap", help="Power budget, W (over the "
+                                                          "profile's [budget]); recorded for the controller.")) -> None:
     """Apply a profile's power mode and idle clocks now (journaled; `power restore` undoes it)."""
     from power.control import apply_profile
 
     with cli_errors():
-        prof, _ = apply_profile(root, run_dir, name, profile_dir=profile_dir, dry_run=dry_run, echo=typer.echo)
+        prof, _ = apply_profile(root, run_dir, name, profile_dir=profile_dir, dry_run=dry_run, echo=typer.echo,
+                                power_cap_w=power_cap)
         if not dry_run:
             typer.echo(f"profile {prof.name} applied to {root} (idle clocks; `orin-agent power restore` undoes it)")
+            if prof.budget is not None:
+                typer.echo(f"power budget {prof.budget.watts:g} W over {prof.budget.window_s:g} s: held by the "
+                           f"controller while it runs (`orin-agent serve --power-cap` or the profile's [budget])")
 
 
 def state(run_dir: Path = run_dir_option("The controller's run directory."),

@@ -28,6 +28,8 @@ def serve(
     model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint folder (default: the shipped model)."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Sequences decoded together (cache rows)."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),
+    power_cap: Optional[float] = typer.Option(None, "--power-cap", help="Power budget, W: the sliding-window "
+                                              "average board power the controller holds (over the profile's [budget])."),
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM; then drain, restore the board and exit 0."""
     from agent.config import load_config
@@ -36,7 +38,7 @@ def serve(
     with cli_errors():
         cfg = load_config(config).replace(root=root, run_dir=run_dir, host=host, port=port, token=token,
                                           backend=backend, model_dir=model, max_batch=max_batch,
-                                          log_level=log_level)
+                                          log_level=log_level, power_cap_w=power_cap)
         setup_logging(cfg.log_level)
         svc = Service(cfg)
         svc.load()

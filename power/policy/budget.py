@@ -31,7 +31,9 @@ from types import MappingProxyType
 from typing import Mapping
 
 from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, served_size
-from power.policy.profiles import Profile
+from power.policy.profiles import Budget, Profile
+
+__all__ = ["Budget", "BudgetController", "BudgetState", "BudgetStatus", "account", "allowed_power"]
 
 BINS = 40                   # accounting slots per window
 RECHECK_S = 0.25            # re-plan the cap at least this often while a phase persists
@@ -41,23 +43,6 @@ DECODE_AHEAD = 0.25         # decode is planned over at least this fraction of t
 # the reserve is the least-power point of a large step of each kind (power at the floor grows with the work's
 # intensity, so a big prefill chunk and a full decode batch bound what a phase draws at the floor)
 RESERVE_PREFILL, RESERVE_CONTEXT, RESERVE_BATCH = 2048, 2048, 8
-
-
-@dataclass(frozen=True)
-class Budget:
-    """``watts``: the ceiling on the sliding-window average board power; ``window_s``: the window;
-    ``peak_watts``: optional ceiling on any point's predicted power (None: none)."""
-    watts: float
-    window_s: float = 10.0
-    peak_watts: float | None = None
-
-    def __post_init__(self) -> None:
-        if not (self.watts > 0 and math.isfinite(self.watts)):
-            raise ValueError(f"power budget must be a positive number of watts, got {self.watts!r}")
-        if not (self.window_s >= 1.0 and math.isfinite(self.window_s)):
-            raise ValueError(f"budget window must be at least 1 s, got {self.window_s!r}")
-        if self.peak_watts is not None and not self.peak_watts >= self.watts:
-            raise ValueError(f"peak_watts ({self.peak_watts}) must be at least watts ({self.watts})")
 
 
 @dataclass(frozen=True)
