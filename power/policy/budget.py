@@ -17,9 +17,10 @@ power of the interval that just ended), ``now`` is passed in, no I/O.
   any busy point draws) for the rest of that window, must stay <= ``watts x window_s``. The reserve keeps
   the plan feasible later: once admitted, a burst can always be followed by the floor. Energy that idle time
   left unused in the window is what prefill borrows: after an idle stretch the allowed power is high.
-- The choice: the fastest point (predicted step time, corrected like dvfs corrects it) at or below the DVFS
-  decision's clocks whose corrected power fits, and at or below ``peak_watts``. So the budget only ever lowers
-  clocks: thermal levels and the critical floor still override, and idle decisions pass through.
+- The choice: the DVFS decision's own point when its corrected power fits (the budget does not bind), else
+  the fastest point (predicted step time, corrected like dvfs corrects it) whose corrected power fits, and at
+  or below ``peak_watts``; any EMC rate the power mode allows, the GPU at or below the thermal cap when a
+  thermal level is in force. Thermal levels and the critical floor still override; idle passes through.
 - When even the least-power point does not fit, the floor is served and the verdict says the budget cannot
   be met (``unmet``; the decision carries a message for the log).
 """
@@ -188,6 +189,12 @@ class BudgetController:
         h = RECHECK_S + step_s
         return max(h, self.budget.window_s * DECODE_AHEAD) if p.kind == "decode" else h
 
+    def step_power(self, p: PhaseIn, d: Decision) -> float:
+        """The cost model's board power of the step ``p`` at the decision's clocks (what the rails are compared with)."""
+        assert self.planner is not None
+        sec, j = self.planner.predict(p.kind, served_size(p), max(1, p.batch), d.gpu_max_hz, d.emc_hz)
+        return j / sec
+
     def reserve(self, st: BudgetState) -> float:
         """The power any busy phase draws at its least-power point (corrected): what the rest of a window is
         planned at, so that after any admitted point the floor still fits."""
@@ -213,7 +220,8 @@ class BudgetController:
                            emc_hz=min(d.emc_hz, out.emc_hz))
             return held, replace(st, running=("idle", 0.0))
         if st.plain == d and st.out is not None and now - st.planned_t < RECHECK_S:
-            return st.out, st
+            # the plan holds; what the rails will be compared with is this step's power at those clocks
+            return st.out, replace(st, running=(phase.kind, self.step_power(phase, st.out)))
         return self._plan(d, phase, st, now)
 
     def _plan(self, d: Decision, phase: PhaseIn, st: BudgetState, now: float) -> tuple[Decision, BudgetState]:
@@ -221,7 +229,9 @@ class BudgetController:
         pts = self.points(phase, st.dvfs)
         corr = math.exp(st.power_log.get(phase.kind, 0.0))
         reserve = self.reserve(st)
-        mine = [c for c in pts if c[2] <= d.gpu_max_hz and c[3] <= d.emc_hz] or [min(pts, key=lambda c: c[1])]
+        # any EMC rate the mode allows; the GPU under the thermal cap when one is in force (thermal overrides)
+        gpu_cap = d.gpu_max_hz if d.thermal_level > 0 else self.tables.gpu_top
+        mine = [c for c in pts if c[2] <= gpu_cap] or [min(pts, key=lambda c: c[1])]
         pasts = window_pasts(b, st, now)
         allowed, fits = b.watts, []
         for c in pareto(mine):                  # fastest first: the first that fits is the choice
@@ -250,7 +260,7 @@ class BudgetController:
             out = replace(out, message=f"power budget {b.watts:g} W over {b.window_s:g} s cannot be met even at "
                           f"the floor ({best[1] * corr:.1f} W predicted, {allowed:.1f} W allowed): serving at the floor")
         status = self._status(st, now, allowed, unmet, int(capped))
-        return out, replace(st, running=(phase.kind, best[1]), plain=d, out=out, planned_t=now, status=status)
+        return out, replace(st, running=(phase.kind, self.step_power(phase, out)), plain=d, out=out, planned_t=now, status=status)
 
     def _status(self, st: BudgetState, now: float, allowed: float, unmet: bool, capped: int) -> BudgetStatus:
         b = self.budget
