@@ -12,6 +12,7 @@ The nvpmodel mode of a wattage: the mode whose name carries the largest wattage 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -97,8 +98,10 @@ def run_budget_bench(cfg: BenchConfig, watts: float, driver: Driver = simple_dri
 def _run_one(cfg: BenchConfig, policy: str, trace: tuple[Request, ...], store: ProfileStore, budget: Budget | None,
              driver: Driver, measure_window_s: float, window_s: float) -> dict[str, Any]:
     profile = None
-    if budget is not None:
-        profile = store.load(CAP_BASE_PROFILE)
+    if budget is not None:      # the base profile in the board's uncapped mode (MAXN; "15W" on an Orin Nano r35)
+        spec = board_for(cfg.board, cfg.l4t)
+        top = next((m for m in spec.modes if m.gpu_max_hz is None), spec.mode(spec.default_mode))
+        profile = dataclasses.replace(store.load(CAP_BASE_PROFILE), nvpmodel=top.name)
     elif not policy.startswith(MODE_PREFIX) and policy not in BASELINES:
         profile = store.load_doc("auto", AUTO_DOC) if policy == "auto" else store.load(policy)
     with tempfile.TemporaryDirectory(prefix="orin-bench-", dir=_tmp_base()) as d:
