@@ -65,7 +65,11 @@ def test_budget_validation() -> None:
         Budget(15.0, 10.0, 12.0)
 
 
-def simulate(c: BudgetController, seconds: float, rail_factor: float = 1.0, idle_until: float = 0.0) -> tuple[list[tuple[float, float]], list[int], BudgetState]:
+Log = list[tuple[float, float]]
+
+
+def simulate(c: BudgetController, seconds: float, rail_factor: float = 1.0,
+             idle_until: float = 0.0) -> tuple[Log, list[int], BudgetState]:
     """Idle until ``idle_until``, then decode, against a rail that reads ``rail_factor`` x the model's power."""
     s, t, power = BudgetState(), 0.0, None
     log, tokens = [(0.0, 0.0)], []

@@ -73,8 +73,9 @@ def set_profile(name: str = typer.Argument(..., help="Profile name."),
                 run_dir: Path = run_dir_option(),
                 profile_dir: Path = profile_dir_option(),
                 dry_run: bool = typer.Option(False, "--dry-run", help="Print the writes, change nothing."),
-                power_cap: Optional[float] = typer.Option(None, "--power-cap", help="Power budget, W (over the "
-                                                          "profile's [budget]); recorded for the controller.")) -> None:
+                power_cap: Optional[float] = typer.Option(
+                    None, "--power-cap", help="Power budget, W (over the watts of the profile's budget section); "
+                    "recorded for the controller.")) -> None:
     """Apply a profile's power mode and idle clocks now (journaled; `power restore` undoes it)."""
     from power.control import apply_profile
 

@@ -29,7 +29,8 @@ def serve(
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Sequences decoded together (cache rows)."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="Power budget, W: the sliding-window "
-                                              "average board power the controller holds (over the profile's [budget])."),
+                                              "average board power the controller holds (over the watts of "
+                                              "the profile's budget section)."),
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM; then drain, restore the board and exit 0."""
     from agent.config import load_config

@@ -2,8 +2,9 @@
 every sliding window of ``window_s`` stays at or below ``watts``.
 
 Composes with the phase-aware DVFS controller (``power.policy.dvfs``): :class:`BudgetController` wraps a
-:class:`DvfsController`, lets it decide (latency targets, thermal levels, critical floor, idle policy), then
-caps the busy clocks it chose so that the window average is predicted to stay within the budget. Pure like
+:class:`DvfsController`, lets it decide (latency targets, thermal levels, critical floor, idle policy), then,
+where its busy clocks would overrun the budget, replaces them with the fastest point that keeps the window
+average predicted within it. Pure like
 ``decide`` is: the board power measured by the rails comes in with the readings (``Readings.power_w``, the
 power of the interval that just ended), ``now`` is passed in, no I/O.
 
@@ -13,14 +14,16 @@ power of the interval that just ended), ``now`` is passed in, no I/O.
   step energy over its time), times a per-phase correction learned from the rails: an EWMA of
   log(measured / predicted) power of the intervals that ran a busy phase at a known point.
 - The cap (:func:`allowed_power`): for every window that will end within one window from now, the energy
-  already in it, plus the candidate's power over the decision's horizon, plus a *reserve* (the least power
-  any busy point draws) for the rest of that window, must stay <= ``watts x window_s``. The reserve keeps
+  already in it, plus the candidate's power over the decision's horizon, plus a *reserve* (what a large prefill
+  chunk or a full decode batch draws at its least-power point) for the rest of that window, must stay
+  <= ``watts x window_s``. The reserve keeps
   the plan feasible later: once admitted, a burst can always be followed by the floor. Energy that idle time
   left unused in the window is what prefill borrows: after an idle stretch the allowed power is high.
 - The choice: the DVFS decision's own point when its corrected power fits (the budget does not bind), else
   the fastest point (predicted step time, corrected like dvfs corrects it) whose corrected power fits, and at
   or below ``peak_watts``; any EMC rate the power mode allows, the GPU at or below the thermal cap when a
-  thermal level is in force. Thermal levels and the critical floor still override; idle passes through.
+  thermal level is in force. Thermal levels and the critical floor still override; idle passes through (a short idle-hold keeps
+  the capped clocks).
 - When even the least-power point does not fit, the floor is served and the verdict says the budget cannot
   be met (``unmet``; the decision carries a message for the log).
 """
@@ -33,6 +36,7 @@ from typing import Mapping
 
 from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, served_size
 from power.policy.profiles import Budget, Profile
+from power.policy.thermal import ThermalState, ThermalVerdict
 
 __all__ = ["Budget", "BudgetController", "BudgetState", "BudgetStatus", "account", "allowed_power"]
 
@@ -73,11 +77,11 @@ class BudgetState:
 
     # what the loop and the service read from a DvfsState
     @property
-    def thermal(self):  # type: ignore[no-untyped-def]
+    def thermal(self) -> ThermalState:
         return self.dvfs.thermal
 
     @property
-    def verdict(self):  # type: ignore[no-untyped-def]
+    def verdict(self) -> ThermalVerdict | None:
         return self.dvfs.verdict
 
 
@@ -260,7 +264,8 @@ class BudgetController:
             out = replace(out, message=f"power budget {b.watts:g} W over {b.window_s:g} s cannot be met even at "
                           f"the floor ({best[1] * corr:.1f} W predicted, {allowed:.1f} W allowed): serving at the floor")
         status = self._status(st, now, allowed, unmet, int(capped))
-        return out, replace(st, running=(phase.kind, self.step_power(phase, out)), plain=d, out=out, planned_t=now, status=status)
+        return out, replace(st, running=(phase.kind, self.step_power(phase, out)), plain=d, out=out, planned_t=now,
+                            status=status)
 
     def _status(self, st: BudgetState, now: float, allowed: float, unmet: bool, capped: int) -> BudgetStatus:
         b = self.budget
