@@ -10,6 +10,7 @@ twin and accounting parts stay in power.bench; this module is the engine side. T
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from agent.engine.scheduler import Scheduler
 from agent.engine.types import INTERACTIVE, SamplingParams, SeqRequest, StepOutput, StepPlan
@@ -84,3 +85,10 @@ def scheduler_driver(run: PolicyRun, trace: tuple[Request, ...], cfg: BenchConfi
 def run_power_bench(cfg: BenchConfig) -> list[PolicyResult]:
     """``power.bench.run_bench`` with the service's scheduler as the engine."""
     return run_bench(cfg, scheduler_driver)
+
+
+def run_power_budget_bench(cfg: BenchConfig, watts: float, window_s: float = 10.0) -> list[dict[str, Any]]:
+    """``power.bench_budget.run_budget_bench`` (capped rows beside the nvpmodel mode) with the service's scheduler."""
+    from power.bench_budget import run_budget_bench
+
+    return run_budget_bench(cfg, watts, scheduler_driver, window_s=window_s)

@@ -64,6 +64,7 @@ class ServiceConfig:
     lock_dir: str | None = None  # one instance per board root; None: <run_dir's parent>/orin-agent/locks
     profile: str = "balanced"
     power_control: bool = True  # run power.controller (phase-aware DVFS + thermal) when it can open the board
+    power_cap_w: float | None = None  # a power budget over the profile's [budget] watts (power.policy.budget)
     max_batch: int = 8
     max_queue: int = 64
     max_prompt_tokens: int | None = None  # None: the context less one
@@ -124,6 +125,8 @@ class ServiceConfig:
                       "without one any host on the network could drive the API", self.host)
         if any(not h or "/" in h for h in self.allowed_hosts):
             raise bad("server.allowed_hosts", "must be host names (no scheme, no path)", list(self.allowed_hosts))
+        if self.power_cap_w is not None and not 0.5 <= self.power_cap_w <= 500:
+            raise bad("board.power_cap_w", "must be watts from 0.5 to 500", self.power_cap_w)
         if self.max_body_bytes < 1024:
             raise bad("server.max_body_bytes", "must be >= 1024", self.max_body_bytes)
         if self.max_in_flight < 0:
@@ -172,6 +175,7 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("board", "run_dir"): ("run_dir", (str,)),
     ("board", "lock_dir"): ("lock_dir", (str,)),
     ("board", "profile"): ("profile", (str,)),
+    ("board", "power_cap_w"): ("power_cap_w", (int, float)),
     ("board", "power_control"): ("power_control", (bool,)),
     ("limits", "max_batch"): ("max_batch", (int,)),
     ("limits", "max_queue"): ("max_queue", (int,)),

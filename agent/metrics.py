@@ -6,7 +6,7 @@ shows the board as it is now.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -47,6 +47,27 @@ class _BoardCollector(Collector):
         yield clocks
 
 
+class _BudgetCollector(Collector):
+    """The power budget's gauges (power.policy.budget), read at scrape time; none without a budget."""
+    GAUGES = (("orin_agent_power_budget_watts", "watts", "Power budget: ceiling on the window average"),
+              ("orin_agent_power_window_average_watts", "window_avg_w", "Board power averaged over the budget's window"),
+              ("orin_agent_power_budget_headroom_watts", "headroom_w", "Budget less the window average"),
+              ("orin_agent_power_budget_window_seconds", "window_s", "The budget's sliding window"),
+              ("orin_agent_power_budget_unmet", "unmet", "1 when the budget cannot be met even at the floor"))
+
+    def __init__(self, status: Callable[[], Mapping[str, float | int | bool] | None]) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        st = self.status()
+        if st is None:
+            return
+        for name, key, doc in self.GAUGES:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(st[key]))
+            yield g
+
+
 class ServiceMetrics:
     def __init__(self, board_snapshot: Callable[[], BoardSnapshot] | None = None) -> None:
         r = self.registry = CollectorRegistry()
@@ -73,6 +94,10 @@ class ServiceMetrics:
             self.phase.labels(p).set(1 if p == "idle" else 0)
         if board_snapshot is not None:
             r.register(_BoardCollector(board_snapshot))
+
+    def watch_budget(self, status: Callable[[], Mapping[str, float | int | bool] | None]) -> None:
+        """Export the power budget's gauges (budget, window average, headroom) from ``status`` at scrape time."""
+        self.registry.register(_BudgetCollector(status))
 
     # EngineMetrics
     def on_first_token(self, ttft_s: float) -> None:

@@ -211,6 +211,7 @@ class Service:
             listeners.append(self.board.twin)
         if self.controller is not None:
             listeners.append(self.controller)
+            metrics.watch_budget(self.controller.budget_status)
         core = EngineCore(ChainExecutor(chain), tokenizer, listener=FanOut(*listeners), meter=meter,
                           metrics=metrics)
         self.engine = EngineLoop(core, max_queue=cfg.max_queue, on_tick=self.notifier.watchdog)
@@ -245,7 +246,8 @@ class Service:
             # `auto` plans from the cost model of the model being served, in the precision an Orin's
             # engines run it (TensorRT FP16).
             shape = shape_of(cfg.model_dir.name, model_config)
-            ctl = PowerController.open(b.root, b.run_dir, cfg.profile, shape=shape, precision="fp16")
+            ctl = PowerController.open(b.root, b.run_dir, cfg.profile, shape=shape, precision="fp16",
+                                       power_cap_w=cfg.power_cap_w)
         except Exception as exc:  # noqa: BLE001 - any board/profile problem: log it and serve anyway
             log.warning("power controller not started (%s: %s): serving at the board's own clocks",
                         type(exc).__name__, exc)

@@ -245,9 +245,11 @@ class PowerLoop:
 
     def __init__(self, controller: DvfsController, profile: Profile, applier: ClockApplier | None,
                  zones: Callable[[], tuple[ZoneSample, ...]] | None, *, fan_ours: bool = False,
-                 sensor_period_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 sensor_period_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 power: Callable[[], float | None] | None = None) -> None:
         self.controller, self.profile, self.applier = controller, profile, applier
         self.zones, self.fan_ours, self.sensor_period_s = zones, fan_ours, sensor_period_s
+        self.power = power          # board power now (W), read at every decision when set (a budget's input)
         self.state = DvfsState()
         self.decision: Decision | None = None
         self.stats = LoopStats()
@@ -299,7 +301,7 @@ class PowerLoop:
         zones = None
         if self.zones is not None and now - self._sensed_t >= self.sensor_period_s:
             zones, self._sensed_t = self.zones(), now
-        readings = Readings(zones, self.fan_ours, steps)
+        readings = Readings(zones, self.fan_ours, steps, self.power() if self.power is not None else None)
         was_critical = self.state.thermal.critical
         d, self.state = self.controller.decide(readings, self._phase, self.profile, self.state, now)
         self.stats.decisions += 1

@@ -32,6 +32,8 @@ CHUNK_S = 0.05              # step integration: at most one podgov sample period
 SAMPLE_S = 0.5              # timeline resolution for the plot
 TRIP_C = 99.0               # fallback passive trip when the tree has none (ORIN.md)
 BASELINES = ("maxn+jetson_clocks", "stock-maxn", "stock-default")
+MODE_PREFIX = "stock-mode:"     # "stock-mode:MODE_15W": that nvpmodel mode, stock governors
+ENERGY_LOG_S = 0.05             # resolution of the cumulative energy log (sliding-window averages)
 
 
 @dataclass
@@ -68,10 +70,12 @@ class PolicyRun:
         create_twin(root, board, l4t)
         run_dir = root / "run" / "orin-agent"
         self.loop: PowerLoop | None = None
-        if policy in BASELINES:
+        if policy in BASELINES or policy.startswith(MODE_PREFIX):
             self.board = open_board(root)
             self.writer = self.board.writer(run_dir)
-            if policy != "stock-default":
+            if policy.startswith(MODE_PREFIX):      # a named nvpmodel mode under the stock governors
+                self.board.set_mode(policy[len(MODE_PREFIX):], self.writer)
+            elif policy != "stock-default":
                 self.board.set_mode("MAXN", self.writer)
             if policy == "maxn+jetson_clocks":
                 open_board(root).set_jetson_clocks(self.writer)     # on the rediscovered MAXN tree
@@ -94,6 +98,7 @@ class PolicyRun:
         self.above_trip_s = self.throttled_s = self.peak_w = self.max_c = 0.0
         self.tl: dict[str, list[float]] = {k: [] for k in ("t", "phase", "gpu_mhz", "emc_mhz", "power_w", "temp_c")}
         self._next_sample = 0.0
+        self.energy_log: list[tuple[float, float]] = [(0.0, self.twin.state.energy_j)]  # (t, board J so far)
         self._zone_meta: tuple[ZoneSample, ...] | None = None
         self.sensor_read_s: float | None = None
 
@@ -190,6 +195,8 @@ class PolicyRun:
         self.seconds[phase] += dt
         self.peak_w = max(self.peak_w, st.power.board_w)
         self.max_c = max(self.max_c, st.max_temp_c)
+        if self.t - self.energy_log[-1][0] >= ENERGY_LOG_S:
+            self.energy_log.append((self.t, st.energy_j))
         if st.max_temp_c >= self.trip_c:
             self.above_trip_s += dt
         if st.throttle_steps:

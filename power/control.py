@@ -129,11 +129,15 @@ class Applied:
 
 def apply_profile(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], name: str, *,
                   profile_dir: str | os.PathLike[str] | None = DEFAULT_PROFILE_DIR, dry_run: bool = False,
-                  echo: Callable[[str], None] | None = None, allow_reboot_modes: bool = False) -> Applied:
+                  echo: Callable[[str], None] | None = None, allow_reboot_modes: bool = False,
+                  power_cap_w: float | None = None) -> Applied:
     """``orin-agent power set``: apply a profile's power mode and idle clocks now, journaled (``power
     restore`` undoes it), leave the journal for that restore and record the state file (with the
-    warnings, so ``power status`` shows them)."""
-    prof = ProfileStore(None if profile_dir is None else os.fspath(profile_dir)).load(name)
+    warnings, so ``power status`` shows them, and the budget, ``power_cap_w`` over the profile's
+    ``[budget]``: the controller holds it while it runs)."""
+    from power.powercap import with_cap
+
+    prof = with_cap(ProfileStore(None if profile_dir is None else os.fspath(profile_dir)).load(name), power_cap_w)
     if not Path(root).is_dir():
         raise FileNotFoundError(f"--root {root}: no such directory")
     session = open_session(root, run_dir, prof, None, dry_run, profile_dir=profile_dir, echo=echo,
@@ -149,5 +153,7 @@ def apply_profile(root: str | os.PathLike[str], run_dir: str | os.PathLike[str],
                               "decision": {"gpu_min_hz": d.gpu_min_hz, "gpu_max_hz": d.gpu_max_hz,
                                            "emc_hz": d.emc_hz, "cpu_max_khz": d.cpu_max_khz,
                                            "reason": d.reason},
-                              "warnings": list(session.warnings)})
+                              "warnings": list(session.warnings),
+                              "budget": None if prof.budget is None else {"watts": prof.budget.watts,
+                                                                          "window_s": prof.budget.window_s}})
     return Applied(session.profile, d, session.warnings)

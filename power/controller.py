@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from power.applier import ClockApplier, PowerLoop
 from power.control import DEFAULT_PROFILE_DIR, open_session
+from power.powercap import budget_for, install, module_power_reader, status_dict
 from power.physics.costmodel import ModelShape
 from power.policy.dvfs import PhaseIn
 from power.policy.profiles import Profile
@@ -50,12 +51,15 @@ class PowerController:
     @classmethod
     def open(cls, root: str | os.PathLike[str], run_dir: str | os.PathLike[str], profile: str | Profile,
              *, profile_dir: str | None = DEFAULT_PROFILE_DIR, shape: str | ModelShape | None = None,
-             precision: str = "int4", fan_ours: bool = False) -> "PowerController":
+             precision: str = "int4", fan_ours: bool = False, power_cap_w: float | None = None) -> "PowerController":
         """The controller of a board session (:func:`power.control.open_session`). With a model shape
         (a preset name or the served model's ModelShape) `auto` plans from the cost model; without
         one it falls back to a fixed rule."""
         session = open_session(root, run_dir, profile, shape, profile_dir=profile_dir, precision=precision,
                                fan_ours=fan_ours)
+        budget = budget_for(session.profile, power_cap_w)     # [budget] / --power-cap: cap the clocks to it
+        if budget is not None:
+            install(session.loop, budget, module_power_reader(session.board))
         return cls(session.loop, session.applier, run_dir)
 
     # -- PhaseListener
@@ -111,6 +115,10 @@ class PowerController:
                 except OSError as exc:
                     log.warning("cannot write %s: %s", STATE_FILE, exc)
 
+    def budget_status(self) -> dict[str, float | int | bool] | None:
+        """The power budget's last status (``/metrics``), None without a budget."""
+        return status_dict(self.loop)
+
     def snapshot(self, d: Any) -> dict[str, Any]:
         v = self.loop.state.verdict
         return {"profile": self.loop.profile.name, "phase": self.loop.phase.kind, "pid": os.getpid(),
@@ -119,6 +127,7 @@ class PowerController:
                     "phase": d.phase, "gpu_min_hz": d.gpu_min_hz, "gpu_max_hz": d.gpu_max_hz,
                     "emc_hz": d.emc_hz, "cpu_max_khz": d.cpu_max_khz, "fan_pwm": d.fan_pwm,
                     "thermal_level": d.thermal_level, "critical": d.critical, "reason": d.reason},
+                "budget": status_dict(self.loop),
                 "thermal": None if v is None else {"hottest": v.hottest, "hottest_c": v.hottest_c,
                                                    "target_c": v.target_c, "critical_c": v.critical_c,
                                                    "offline": list(v.offline)},

@@ -37,6 +37,13 @@ def describe_state(state: dict[str, Any] | None) -> str:
                  f"({d.get('reason')})")
     if state.get("warnings"):
         line += "; warning: " + "; ".join(map(str, state["warnings"]))
+    b = state.get("budget")
+    if b:
+        line += f"; budget {b.get('watts')} W over {b.get('window_s')} s"
+        if b.get("window_avg_w") is not None:
+            line += f": window average {b['window_avg_w']:.2f} W, headroom {b.get('headroom_w', 0):.2f} W"
+            if b.get("unmet"):
+                line += " (cannot be met even at the floor: serving at the floor)"
     if state.get("failed"):
         line += f"; FAILED: {state['failed']}"
     return line

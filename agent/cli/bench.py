@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from agent.cli.common import cli_errors, print_json, profile_dir_option
+
+if TYPE_CHECKING:
+    from power.bench import BenchConfig
 
 app = typer.Typer(help="Benchmarks: `run` (end to end, real time, on the board or a twin) and `power` "
                   "(energy per token of the power policies on the twin, virtual time).", no_args_is_help=True)
@@ -82,7 +85,11 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
           json_out: bool = typer.Option(False, "--json", help="One JSON record per policy, one per line."),
           out: Path | None = typer.Option(None, "--out", help="Folder for the results JSON and the plot "
                                           "(default: ~/.cache/orin-agent/bench-power)."),
-          plot: bool = typer.Option(True, "--plot/--no-plot", help="Write the PNG plot.")) -> None:
+          plot: bool = typer.Option(True, "--plot/--no-plot", help="Write the PNG plot."),
+          power_cap: Optional[float] = typer.Option(None, "--power-cap", min=0.1, help="Watts: the budgeted "
+                                                    "controller beside the nvpmodel mode of that wattage."),
+          budget_window: float = typer.Option(10.0, "--budget-window", min=1.0, help="The budget's sliding "
+                                              "window, s (with --power-cap).")) -> None:
     """Energy per token, TTFT/TPOT, peak power and temperature per policy, side by side."""
     from agent.benchpower import run_power_bench
     from power.bench import BenchConfig, compare, default_out_dir, save_results
@@ -90,6 +97,9 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
     with cli_errors():
         cfg = BenchConfig(board, l4t, shape, precision, trace, ambient, duration, seed, max_batch, fan,
                           tuple(policy), str(profile_dir))
+        if power_cap is not None:
+            _capped(cfg, power_cap, budget_window, out or default_out_dir(), json_out)
+            return
         results = run_power_bench(cfg)
         doc = save_results(cfg, results, out or default_out_dir(), plot=plot)
         written = " and ".join(str(p) for p in doc["written"])
@@ -113,6 +123,33 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
                           "-" if r.switch_cost_us is None else f"{r.switch_cost_us:.0f} / {r.switch_cost_p95_us:.0f}")
         Console().print(table)
         typer.echo(f"wrote {written}")
+
+
+def _capped(cfg: BenchConfig, watts: float, window_s: float, out: Path, json_out: bool) -> None:
+    from agent.benchpower import run_power_budget_bench
+    from power.bench_budget import save_budget_results
+
+    rows = run_power_budget_bench(cfg, watts, window_s)
+    path = save_budget_results(cfg, watts, rows, out)
+    if json_out:
+        for r in rows:
+            sys.stdout.write(json.dumps(r, default=str) + "\n")
+        typer.echo(f"wrote {path}", err=True)
+        return
+    table = Table(title=f"{cfg.trace} trace, {cfg.duration_s:g} s, power cap {watts:g} W (twin: {cfg.board}, "
+                  f"{cfg.shape} {cfg.precision}); window averages over {rows[0]['measure_window_s']:g} s "
+                  f"and {window_s:g} s")
+    for col in ("policy", "tok/s", "x mode", "decode tok/s/stream", "TTFT p95 s", "TPOT p95 ms", "mean W",
+                "max window W", f"max {window_s:g}s W", "peak W"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in rows:
+        x = r.get("vs_nvpmodel", {}).get("tokens_per_s_x")
+        table.add_row(str(r["policy"]), f"{r['tokens_per_s']:.2f}", "-" if x is None else f"{x:.2f}x",
+                      f"{r['decode_tok_s_per_stream'] or 0:.1f}", f"{r['ttft_p95_s']:.2f}",
+                      f"{r['tpot_p95_s'] * 1e3:.0f}", f"{r['mean_power_w']:.2f}", f"{r['max_window_avg_w']:.2f}",
+                      f"{r['max_window_avg_control_w']:.2f}", f"{r['peak_power_w']:.1f}")
+    Console().print(table)
+    typer.echo(f"wrote {path}")
 
 
 def register(root_app: typer.Typer) -> None:

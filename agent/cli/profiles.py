@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Optional
+
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -74,6 +76,9 @@ def set_profile(name: str = typer.Argument(..., help="Profile name."),
                 allow_reboot_modes: bool = typer.Option(
                     False, "--allow-reboot-modes",
                     help="Also switch to a power mode that changes the GPU TPC mask (needs a reboot)."),
+                power_cap: Optional[float] = typer.Option(
+                    None, "--power-cap", help="Power budget, W (over the watts of the profile's budget section); "
+                    "recorded for the controller."),
                 json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Apply a profile's power mode and idle clocks now (journaled; `power restore` undoes it).
     What the board does not offer (no nvpmodel.conf, no debugfs, no such mode) is skipped with one
@@ -82,19 +87,26 @@ def set_profile(name: str = typer.Argument(..., help="Profile name."),
 
     with cli_errors():
         done = apply_profile(root, run_dir, name, profile_dir=profile_dir, dry_run=dry_run,
-                             echo=None if json_out else typer.echo, allow_reboot_modes=allow_reboot_modes)
+                             echo=None if json_out else typer.echo, allow_reboot_modes=allow_reboot_modes,
+                             power_cap_w=power_cap)
         if json_out:
             d = done.decision
             print_json({"profile": done.profile.name, "root": str(root), "dry_run": dry_run,
                         "decision": {"gpu_min_hz": d.gpu_min_hz, "gpu_max_hz": d.gpu_max_hz, "emc_hz": d.emc_hz,
                                      "cpu_max_khz": d.cpu_max_khz, "reason": d.reason},
-                        "warning": "; ".join(done.warnings) or None, "warnings": list(done.warnings)})
+                        "warning": "; ".join(done.warnings) or None, "warnings": list(done.warnings),
+                        "budget": None if done.profile.budget is None else {
+                            "watts": done.profile.budget.watts, "window_s": done.profile.budget.window_s}})
             return
         if done.warnings:
             typer.echo("warning: " + "; ".join(done.warnings), err=True)
         if not dry_run:
             typer.echo(f"profile {done.profile.name} applied to {root} (idle clocks; `orin-agent power restore` "
                        f"undoes it)")
+            if done.profile.budget is not None:
+                b = done.profile.budget
+                typer.echo(f"power budget {b.watts:g} W over {b.window_s:g} s: held by the controller while it "
+                           f"runs (`orin-agent serve --power-cap` or the profile's [budget])")
 
 
 def state(run_dir: Path = run_dir_option("The controller's run directory."),

@@ -30,6 +30,9 @@ def serve(
     kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="KV-cache storage: fp16 or int8 "
                                            "(torch backend; default from model.kv_cache, else fp16)."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),
+    power_cap: Optional[float] = typer.Option(None, "--power-cap", help="Power budget, W: the sliding-window "
+                                              "average board power the controller holds (over the watts of "
+                                              "the profile's budget section)."),
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM; then drain, restore the board and exit 0."""
     from agent.config import load_config
@@ -38,7 +41,8 @@ def serve(
     with cli_errors():
         cfg = load_config(config).replace(root=root, run_dir=run_dir, host=host, port=port, token=token,
                                           backend=backend, model_dir=model, max_batch=max_batch,
-                                          kv_cache=kv_cache, log_level=log_level)
+                                          kv_cache=kv_cache, log_level=log_level,
+                                          power_cap_w=power_cap)
         setup_logging(cfg.log_level)
         code = Service(cfg).run()
     raise typer.Exit(code)

@@ -72,6 +72,7 @@ class Readings:
     zones: tuple[ZoneSample, ...] | None = None
     fan_ours: bool = False
     steps: tuple[StepSample, ...] = ()
+    power_w: float | None = None        # board power of the interval that just ended (rails; a budget's input)
 
 
 @dataclass(frozen=True)

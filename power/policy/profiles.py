@@ -30,7 +30,7 @@ DEFAULT_USER_DIR = "/etc/orin-agent/profiles"
 PHASE_NAMES = ("prefill", "decode", "idle")
 CLOCK_KEYS = ("gpu_min", "gpu_max", "emc", "cpu_max")
 FAN_MODES = ("system", "managed")
-_TOP_KEYS = ("include", "description", "nvpmodel", *PHASE_NAMES, "latency", "thermal", "fan", "timing")
+_TOP_KEYS = ("include", "description", "nvpmodel", *PHASE_NAMES, "latency", "thermal", "fan", "timing", "budget")
 _CLOCK_ALLOWED = ('"auto", "min", "max", a fraction 0..1 (0.6 or "60%"), or a frequency '
                   '("1300 MHz", "2.2 GHz", or an integer in Hz)')
 _UNITS = {"hz": 1.0, "khz": 1e3, "mhz": 1e6, "ghz": 1e9}
@@ -95,6 +95,23 @@ class Timing:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """A power budget (power.policy.budget): the sliding-window average board power stays <= ``watts``;
+    ``peak_watts`` (optional) caps any point's predicted power."""
+    watts: float
+    window_s: float = 10.0
+    peak_watts: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.watts, (int, float)) and 0 < self.watts < float("inf")):
+            raise ValueError(f"power budget must be a positive number of watts, got {self.watts!r}")
+        if not (isinstance(self.window_s, (int, float)) and 1.0 <= self.window_s < float("inf")):
+            raise ValueError(f"budget window must be at least 1 s, got {self.window_s!r}")
+        if self.peak_watts is not None and not self.peak_watts >= self.watts:
+            raise ValueError(f"peak_watts ({self.peak_watts}) must be at least watts ({self.watts})")
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     description: str
@@ -107,6 +124,7 @@ class Profile:
     thermal: ThermalPolicy
     fan: FanPolicy
     timing: Timing
+    budget: Budget | None = None        # [budget]: a power budget the controller holds (None: none)
 
     def phase(self, name: str) -> PhasePolicy:
         return {"prefill": self.prefill, "decode": self.decode, "idle": self.idle}[name]
@@ -235,7 +253,21 @@ def build_profile(name: str, doc: dict[str, Any], sources: tuple[str, ...]) -> P
     if not isinstance(desc, str):
         raise ProfileError(f"{src}: description must be a string")
     return Profile(name, desc, sources, nvp, phases["prefill"], phases["decode"], phases["idle"],
-                   latency, thermal, fan, timing)
+                   latency, thermal, fan, timing, _budget(doc, src))
+
+
+def _budget(doc: dict[str, Any], src: str) -> Budget | None:
+    if "budget" not in doc:
+        return None
+    t = _table(doc, "budget", src)
+    _check_keys(t, ("watts", "window_s", "peak_watts"), f"{src}: [budget]")
+    if "watts" not in t:
+        raise ProfileError(f"{src}: [budget] lacks watts; allowed: a number from 0.5 to 500 (watts)")
+    w = f"{src}: budget"
+    watts = _num(t, "watts", w, 0, 0.5, 500)
+    window = _num(t, "window_s", w, 10.0, 1, 3600)
+    peak = None if "peak_watts" not in t else _num(t, "peak_watts", w, 0, watts, 1000)
+    return Budget(watts, window, peak)
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,159 @@
+"""The power-budget benchmark: under a cap of W watts, the budgeted controller beside the nvpmodel mode of
+that wattage under the stock governors, over the same seeded trace, each on a fresh twin tree, driven by
+an engine (agent.benchpower's scheduler driver from the CLI; power.bench.simple_driver in tests).
+
+Per policy the energy bench's record (power.bench.PolicyResult) plus: output tokens per second of the
+whole run, per-stream decode speed (1 / p50 time per output token), the maximum sliding-window average
+board power over every ``measure_window_s`` window (and over every window of the controller's own
+``window_s``), the cap and, for the capped run, how many plans could not meet the budget even at the floor.
+
+The nvpmodel mode of a wattage: the mode whose name carries the largest wattage at or below the cap
+(``MODE_15W`` for 15 and 20 W on AGX Orin, ``MODE_30W`` for 30 W; ``7W`` / ``15W`` on Orin Nano).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from power.bench import AUTO_DOC, BenchConfig, Driver, _tmp_base, result, simple_driver
+from power.bench_run import BASELINES, MODE_PREFIX, PolicyRun
+from power.physics.boards import BoardSpec, board_for
+from power.physics.costmodel import PRECISIONS, model_shape
+from power.policy.budget import Budget, BudgetState
+from power.policy.profiles import ProfileStore
+from power.powercap import install
+from power.traces import Request, make_trace
+
+MEASURE_WINDOW_S = 60.0         # the window the objective is measured over
+CAP_BASE_PROFILE = "balanced"   # the profile the budget caps (its latency targets: near full speed)
+
+
+def mode_watts(name: str) -> float | None:
+    """Rated watts in an nvpmodel mode's name (``MODE_15W``, ``7W``, ``MAXN_SUPER`` -> None)."""
+    m = re.search(r"(\d+(?:\.\d+)?)W$", name)
+    return float(m.group(1)) if m else None
+
+
+def mode_for_cap(spec: BoardSpec, watts: float) -> str | None:
+    """The nvpmodel mode named with the largest wattage at or below ``watts`` (None if none is)."""
+    rated = [(w, m.name) for m in spec.modes if (w := mode_watts(m.name)) is not None and w <= watts + 1e-9]
+    return max(rated)[1] if rated else None
+
+
+def capped_name(watts: float) -> str:
+    return f"cap-{watts:g}W"
+
+
+def max_window_average(log: list[tuple[float, float]], window_s: float) -> float:
+    """Largest average power over any window of ``window_s`` inside the log of (t, cumulative joules)."""
+    import numpy as np
+
+    if len(log) < 2:
+        return float("nan")
+    t = np.array([p[0] for p in log])
+    e = np.array([p[1] for p in log])
+    if t[-1] - t[0] < window_s:
+        return float((e[-1] - e[0]) / max(t[-1] - t[0], 1e-9))
+    ends = t[t >= t[0] + window_s]
+    starts = np.interp(ends - window_s, t, e)
+    return float(np.max((np.interp(ends, t, e) - starts) / window_s))
+
+
+def run_budget_bench(cfg: BenchConfig, watts: float, driver: Driver = simple_driver, *, window_s: float = 10.0,
+                     measure_window_s: float = MEASURE_WINDOW_S, peak_watts: float | None = None,
+                     iso_power: bool = True) -> list[dict[str, Any]]:
+    """The nvpmodel mode of ``watts`` (stock governors), the budgeted controller at ``watts`` and, with
+    ``iso_power`` when the mode averaged clearly less than ``watts``, the controller capped at the mode's
+    own average power (the equal-power comparison); then ``cfg.policies``."""
+    try:
+        spec = board_for(cfg.board, cfg.l4t)
+        model_shape(cfg.shape)
+    except KeyError as exc:                     # the message names the valid boards / shapes
+        raise ValueError(str(exc.args[0])) from None
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {cfg.precision!r}; allowed: {', '.join(PRECISIONS)}")
+    mode = mode_for_cap(spec, watts)
+    trace = make_trace(cfg.trace, cfg.duration_s, cfg.seed)
+    store = ProfileStore(cfg.profile_dir)
+    rows = []
+    if mode is not None:
+        rows.append(_run_one(cfg, MODE_PREFIX + mode, trace, store, None, driver, measure_window_s, window_s))
+    rows.append(_run_one(cfg, capped_name(watts), trace, store, Budget(watts, window_s, peak_watts), driver,
+                         measure_window_s, window_s))
+    if iso_power and rows[0]["policy"] != capped_name(watts) and rows[0]["mean_power_w"] < 0.97 * watts:
+        iso = math.floor(rows[0]["mean_power_w"] * 10) / 10
+        rows.append(_run_one(cfg, capped_name(iso) + "-iso", trace, store, Budget(iso, window_s, peak_watts), driver,
+                             measure_window_s, window_s))
+    for policy in cfg.policies:
+        rows.append(_run_one(cfg, policy, trace, store, None, driver, measure_window_s, window_s))
+    _ratios(rows)
+    return rows
+
+
+def _run_one(cfg: BenchConfig, policy: str, trace: tuple[Request, ...], store: ProfileStore, budget: Budget | None,
+             driver: Driver, measure_window_s: float, window_s: float) -> dict[str, Any]:
+    profile = None
+    if budget is not None:      # the base profile in the board's uncapped mode (MAXN; "15W" on an Orin Nano r35)
+        spec = board_for(cfg.board, cfg.l4t)
+        top = next((m for m in spec.modes if m.gpu_max_hz is None), spec.mode(spec.default_mode))
+        profile = dataclasses.replace(store.load(CAP_BASE_PROFILE), nvpmodel=top.name)
+    elif not policy.startswith(MODE_PREFIX) and policy not in BASELINES:
+        profile = store.load_doc("auto", AUTO_DOC) if policy == "auto" else store.load(policy)
+    with tempfile.TemporaryDirectory(prefix="orin-bench-", dir=_tmp_base()) as d:
+        run = PolicyRun(cfg.board, cfg.l4t, cfg.shape, cfg.precision, policy, Path(d),
+                        ambient_c=cfg.ambient_c, fan=cfg.fan, profile=profile)
+        if budget is not None:
+            assert run.loop is not None
+            install(run.loop, budget, lambda: run.twin.state.power.board_w)    # the rails as the twin has them
+        try:
+            res = result(run, driver(run, trace, cfg), len(trace), cfg.duration_s)
+        finally:
+            run.close()
+    row = res.record() | {
+        "nvpmodel_mode": policy[len(MODE_PREFIX):] if policy.startswith(MODE_PREFIX) else (
+            profile.nvpmodel if profile else None),
+        "tokens_per_s": res.output_tokens / res.duration_s,
+        "decode_tok_s_per_stream": 1.0 / res.tpot_p50_s if res.tpot_p50_s > 0 else None,
+        "max_window_avg_w": max_window_average(run.energy_log, measure_window_s),
+        "measure_window_s": measure_window_s,
+        "max_window_avg_control_w": max_window_average(run.energy_log, window_s),
+        "control_window_s": window_s,
+    }
+    st = run.loop.state if run.loop is not None else None
+    if budget is not None:          # only capped rows carry the cap (and the word), the baselines none
+        row["power_cap_w"] = budget.watts
+    if isinstance(st, BudgetState) and st.status is not None:
+        row |= {"budget_unmet_plans": st.status.unmet_decisions, "budget_capped_plans": st.status.capped_decisions}
+    return row
+
+
+def save_budget_results(cfg: BenchConfig, watts: float, rows: list[dict[str, Any]], out: Path) -> Path:
+    """Write ``power-cap-<W>W-<trace>.json`` into ``out``; returns its path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"power-cap-{watts:g}W-{cfg.trace}.json"
+    path.write_text(json.dumps({"config": cfg.__dict__ | {"power_cap_w": watts}, "results": rows}, indent=1,
+                               default=str))
+    return path
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    """Each capped row's tok/s and average power over the nvpmodel row's."""
+    base = next((r for r in rows if str(r["policy"]).startswith(MODE_PREFIX)), None)
+    if base is None:
+        return
+    for cap in rows:
+        if cap.get("power_cap_w") is None:
+            continue
+        cap["vs_nvpmodel"] = {
+            "mode": base["nvpmodel_mode"],
+            "tokens_per_s_x": cap["tokens_per_s"] / base["tokens_per_s"],
+            "decode_tok_s_per_stream_x": (cap["decode_tok_s_per_stream"] / base["decode_tok_s_per_stream"]
+                                          if cap["decode_tok_s_per_stream"] and base["decode_tok_s_per_stream"]
+                                          else None),
+            "mean_power_w_delta": cap["mean_power_w"] - base["mean_power_w"],
+        }

@@ -1,0 +1,276 @@
+"""A power budget as a service-level objective: most tokens per second while the board's average power over
+every sliding window of ``window_s`` stays at or below ``watts``.
+
+Composes with the phase-aware DVFS controller (``power.policy.dvfs``): :class:`BudgetController` wraps a
+:class:`DvfsController`, lets it decide (latency targets, thermal levels, critical floor, idle policy), then,
+where its busy clocks would overrun the budget, replaces them with the fastest point that keeps the window
+average predicted within it. Pure like
+``decide`` is: the board power measured by the rails comes in with the readings (``Readings.power_w``, the
+power of the interval that just ended), ``now`` is passed in, no I/O.
+
+- Accounting (:func:`account`): each reading's power times the time since the previous one is binned into
+  ``window_s / BINS`` slots; the slots older than a window are dropped.
+- Prediction: the cost model's board power at each (GPU, EMC) point for the phase at hand (the planner's
+  step energy over its time), times a per-phase correction learned from the rails: an EWMA of
+  log(measured / predicted) power of the intervals that ran a busy phase at a known point.
+- The cap (:func:`allowed_power`): for every window that will end within one window from now, the energy
+  already in it, plus the candidate's power over the decision's horizon, plus a *reserve* (what a large prefill
+  chunk or a full decode batch draws at its least-power point) for the rest of that window, must stay
+  <= ``watts x window_s``. The reserve keeps
+  the plan feasible later: once admitted, a burst can always be followed by the floor. Energy that idle time
+  left unused in the window is what prefill borrows: after an idle stretch the allowed power is high.
+- The choice: the DVFS decision's own point when its corrected power fits (the budget does not bind), else
+  the fastest point (predicted step time, corrected like dvfs corrects it) whose corrected power fits, and at
+  or below ``peak_watts``; any EMC rate the power mode allows, the GPU at or below the thermal cap when a
+  thermal level is in force. Thermal levels and the critical floor still override; idle passes through (a short idle-hold keeps
+  the capped clocks).
+- When even the least-power point does not fit, the floor is served and the verdict says the budget cannot
+  be met (``unmet``; the decision carries a message for the log).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Mapping
+
+from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, served_size
+from power.policy.profiles import Budget, Profile
+from power.policy.thermal import ThermalState, ThermalVerdict
+
+__all__ = ["Budget", "BudgetController", "BudgetState", "BudgetStatus", "account", "allowed_power"]
+
+BINS = 40                   # accounting slots per window
+RECHECK_S = 0.25            # re-plan the cap at least this often while a phase persists
+POWER_ALPHA = 0.2           # EWMA weight of a new measured/predicted power ratio
+BUSY = ("prefill", "decode")
+DECODE_AHEAD = 0.25         # decode is planned over at least this fraction of the window
+# the reserve is the least-power point of a large step of each kind (power at the floor grows with the work's
+# intensity, so a big prefill chunk and a full decode batch bound what a phase draws at the floor)
+RESERVE_PREFILL, RESERVE_CONTEXT, RESERVE_BATCH = 2048, 2048, 8
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    """What ``/metrics`` and ``power status`` show."""
+    watts: float
+    window_s: float
+    window_avg_w: float         # measured average over the last window (the part seen so far)
+    headroom_w: float           # watts - window average
+    allowed_w: float            # the power the last plan allowed for its horizon
+    unmet: bool                 # the last plan could not fit even the least-power point
+    unmet_decisions: int
+    capped_decisions: int
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    dvfs: DvfsState = DvfsState()
+    bins: tuple[tuple[int, float], ...] = ()        # (slot index, joules), oldest first
+    last_t: float | None = None
+    running: tuple[str, float] | None = None         # (phase kind, predicted W) of the point in force
+    power_log: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    planned_t: float = float("-inf")
+    plain: Decision | None = None                    # the DVFS decision the last plan capped
+    out: Decision | None = None                      # what the last plan returned
+    status: BudgetStatus | None = None
+
+    # what the loop and the service read from a DvfsState
+    @property
+    def thermal(self) -> ThermalState:
+        return self.dvfs.thermal
+
+    @property
+    def verdict(self) -> ThermalVerdict | None:
+        return self.dvfs.verdict
+
+
+def slot_s(budget: Budget) -> float:
+    return budget.window_s / BINS
+
+
+def account(budget: Budget, state: BudgetState, now: float, power_w: float | None) -> BudgetState:
+    """Add the interval since the last reading at ``power_w`` to the slots; drop slots older than a window;
+    learn the busy phase's power correction."""
+    if power_w is None or not math.isfinite(power_w):
+        return state if state.last_t is not None else replace(state, last_t=now)
+    if state.last_t is None or now <= state.last_t:
+        return replace(state, last_t=now if state.last_t is None else state.last_t)
+    w = slot_s(budget)
+    bins = dict(state.bins)
+    t0 = state.last_t
+    while t0 < now - 1e-12:
+        i = math.floor(t0 / w + 1e-9)
+        t1 = min(now, (i + 1) * w)
+        bins[i] = bins.get(i, 0.0) + power_w * (t1 - t0)
+        t0 = t1
+    first = math.floor((now - budget.window_s) / w) - 1
+    kept = tuple(sorted((i, j) for i, j in bins.items() if i >= first))
+    log = state.power_log
+    if state.running is not None and state.running[0] in BUSY and state.running[1] > 0 and power_w > 0:
+        kind, pred = state.running
+        x = math.log(power_w / pred)
+        old = log.get(kind)
+        log = MappingProxyType({**log, kind: x if old is None else old + POWER_ALPHA * (x - old)})
+    return replace(state, bins=kept, last_t=now, power_log=log)
+
+
+def window_energy(budget: Budget, state: BudgetState, start: float, end: float) -> float:
+    """Joules measured in [start, end] (slots partly inside count pro rata)."""
+    w = slot_s(budget)
+    e = 0.0
+    for i, j in state.bins:
+        a, b = i * w, (i + 1) * w
+        lo, hi = max(a, start), min(b, end)
+        if hi > lo:
+            e += j * (hi - lo) / w
+    return e
+
+
+def window_pasts(budget: Budget, state: BudgetState, now: float) -> tuple[tuple[float, float], ...]:
+    """For each window ending within a window from now (one per slot): (seconds ahead, joules measured in it)."""
+    w = slot_s(budget)
+    return tuple((k * w, window_energy(budget, state, now + k * w - budget.window_s, now)) for k in range(1, BINS + 1))
+
+
+def allowed_power(budget: Budget, pasts: tuple[tuple[float, float], ...], horizon_s: float, reserve_w: float) -> float:
+    """The most power a point may draw for ``horizon_s`` from now so that every window ending within a
+    window from now stays within the budget, the rest of each window served at ``reserve_w``."""
+    cap = budget.watts * budget.window_s
+    return min((cap - past - max(0.0, ahead - horizon_s) * reserve_w) / min(horizon_s, ahead) for ahead, past in pasts)
+
+
+def window_average(budget: Budget, state: BudgetState, now: float) -> float:
+    """Measured average over the window ending now (over the part seen, before a full window has passed)."""
+    if state.last_t is None or not state.bins:
+        return 0.0
+    span = min(budget.window_s, now - state.bins[0][0] * slot_s(budget))
+    return window_energy(budget, state, now - budget.window_s, now) / max(span, 1e-9)
+
+
+def pareto(points: list[tuple[float, float, int, int]]) -> list[tuple[float, float, int, int]]:
+    """The points no other point beats on both time and power, fastest first."""
+    out: list[tuple[float, float, int, int]] = []
+    for c in sorted(points, key=lambda c: (c[1], c[0])):        # by power, then time
+        if not out or c[0] < out[-1][0]:
+            out.append(c)
+    return out[::-1]
+
+
+class BudgetController:
+    """A :class:`DvfsController` whose busy clocks are capped to a power budget. ``decide`` is pure; the
+    state is a :class:`BudgetState` (it carries the DVFS state)."""
+
+    def __init__(self, dvfs: DvfsController, budget: Budget) -> None:
+        if dvfs.planner is None:
+            raise ValueError("a power budget needs the cost model (a model shape) to predict power per clock point")
+        self.dvfs, self.budget = dvfs, budget
+        self.tables, self.planner = dvfs.tables, dvfs.planner
+
+    def initial_state(self) -> BudgetState:
+        return BudgetState()
+
+    def max_level(self) -> int:
+        return self.dvfs.max_level()
+
+    def floor(self) -> tuple[int, int, int, int]:
+        return self.dvfs.floor()
+
+    def points(self, p: PhaseIn, dstate: DvfsState) -> list[tuple[float, float, int, int]]:
+        """(corrected seconds, predicted board W, gpu, emc) for every point the board's mode allows."""
+        assert self.planner is not None
+        t = self.tables
+        gpus = tuple(f for f in t.gpu_hz if f <= t.gpu_top)
+        emcs = tuple(f for f in t.emc_hz if f <= t.emc_top)
+        size, batch = served_size(p), max(1, p.batch)
+        tokens = size if p.kind == "prefill" else batch
+        return [(s * dstate.ratio(p.kind, g, e), jt * tokens / s, g, e)
+                for s, jt, g, e in self.planner.candidates(p.kind, size, batch, gpus, emcs)]
+
+    def horizon(self, p: PhaseIn, step_s: float) -> float:
+        """How long a point is planned to run: its step and a recheck; decode at least a quarter window (a
+        decode stretch lasts seconds: planning it whole keeps its speed even instead of fast-then-floor)."""
+        h = RECHECK_S + step_s
+        return max(h, self.budget.window_s * DECODE_AHEAD) if p.kind == "decode" else h
+
+    def step_power(self, p: PhaseIn, d: Decision) -> float:
+        """The cost model's board power of the step ``p`` at the decision's clocks (what the rails are compared with)."""
+        assert self.planner is not None
+        sec, j = self.planner.predict(p.kind, served_size(p), max(1, p.batch), d.gpu_max_hz, d.emc_hz)
+        return j / sec
+
+    def reserve(self, st: BudgetState) -> float:
+        """The power any busy phase draws at its least-power point (corrected): what the rest of a window is
+        planned at, so that after any admitted point the floor still fits."""
+        out = 0.0
+        for p in (PhaseIn("prefill", n_tokens=RESERVE_PREFILL), PhaseIn("decode", context=RESERVE_CONTEXT,
+                                                                          batch=RESERVE_BATCH)):
+            floor = min(w for _, w, _, _ in self.points(p, st.dvfs))
+            out = max(out, floor * math.exp(max(0.0, st.power_log.get(p.kind, 0.0))))
+        return out
+
+    def decide(self, readings: Readings, phase: PhaseIn, profile: Profile, state: BudgetState,
+               now: float) -> tuple[Decision, BudgetState]:
+        b = self.budget
+        st = account(b, state, now, readings.power_w)
+        d, dstate = self.dvfs.decide(readings, phase, profile, st.dvfs, now)
+        st = replace(st, dvfs=dstate)
+        if d.critical or d.phase not in (*BUSY, "idle-hold"):
+            status = self._status(st, now, st.status.allowed_w if st.status else b.watts, False, 0)
+            return d, replace(st, running=(d.phase, 0.0), plain=None, out=d, status=status)
+        if d.phase == "idle-hold":          # busy clocks held through a short gap: the capped ones
+            out = st.out if st.out is not None and st.out.phase in BUSY else d
+            held = replace(d, gpu_min_hz=min(d.gpu_min_hz, out.gpu_max_hz), gpu_max_hz=min(d.gpu_max_hz, out.gpu_max_hz),
+                           emc_hz=min(d.emc_hz, out.emc_hz))
+            return held, replace(st, running=("idle", 0.0))
+        if st.plain == d and st.out is not None and now - st.planned_t < RECHECK_S:
+            # the plan holds; what the rails will be compared with is this step's power at those clocks
+            return st.out, replace(st, running=(phase.kind, self.step_power(phase, st.out)))
+        return self._plan(d, phase, st, now)
+
+    def _plan(self, d: Decision, phase: PhaseIn, st: BudgetState, now: float) -> tuple[Decision, BudgetState]:
+        b = self.budget
+        pts = self.points(phase, st.dvfs)
+        corr = math.exp(st.power_log.get(phase.kind, 0.0))
+        reserve = self.reserve(st)
+        # any EMC rate the mode allows; the GPU under the thermal cap when one is in force (thermal overrides)
+        gpu_cap = d.gpu_max_hz if d.thermal_level > 0 else self.tables.gpu_top
+        mine = [c for c in pts if c[2] <= gpu_cap] or [min(pts, key=lambda c: c[1])]
+        pasts = window_pasts(b, st, now)
+        allowed, fits = b.watts, []
+        for c in pareto(mine):                  # fastest first: the first that fits is the choice
+            allowed = allowed_power(b, pasts, self.horizon(phase, c[0]), reserve)
+            if b.peak_watts is not None:
+                allowed = min(allowed, b.peak_watts)
+            if c[1] * corr <= allowed:
+                fits = [c]
+                break
+        unmet = not fits
+        cur = next((c for c in mine if (c[2], c[3]) == (d.gpu_max_hz, d.emc_hz)), None)
+        if unmet:
+            best = min(pts, key=lambda c: (c[1], c[0]))          # the least-power point of the whole board
+        elif cur is not None and cur[1] * corr <= min(allowed_power(b, pasts, self.horizon(phase, cur[0]), reserve),
+                                                       b.peak_watts or math.inf):
+            best = cur
+        else:
+            best = fits[0]
+        capped = cur is None or best != cur
+        out = d
+        if capped:
+            g, e = best[2], best[3]
+            out = replace(d, gpu_min_hz=min(d.gpu_min_hz, g), gpu_max_hz=g, emc_hz=e, predicted_s=best[0],
+                          reason=f"{d.reason}; budget {b.watts:g} W: {allowed:.1f} W allowed")
+        if unmet:
+            out = replace(out, message=f"power budget {b.watts:g} W over {b.window_s:g} s cannot be met even at "
+                          f"the floor ({best[1] * corr:.1f} W predicted, {allowed:.1f} W allowed): serving at the floor")
+        status = self._status(st, now, allowed, unmet, int(capped))
+        return out, replace(st, running=(phase.kind, self.step_power(phase, out)), plain=d, out=out, planned_t=now,
+                            status=status)
+
+    def _status(self, st: BudgetState, now: float, allowed: float, unmet: bool, capped: int) -> BudgetStatus:
+        b = self.budget
+        avg = window_average(b, st, now)
+        prev = st.status
+        return BudgetStatus(b.watts, b.window_s, avg, b.watts - avg, allowed, unmet,
+                            (prev.unmet_decisions if prev else 0) + int(unmet),
+                            (prev.capped_decisions if prev else 0) + capped)
