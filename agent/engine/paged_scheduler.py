@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from agent.engine.scheduler import Scheduler, _Seq, length_bucket
+from agent.engine.scheduler import Scheduler, _Seq
 from agent.engine.types import InvalidRequest, SeqChunk, SeqRequest, StepOutput, StepPlan, TokenEvent
 from kernels.paged import BlockManager, block_hash
 
@@ -184,12 +184,7 @@ class PagedScheduler(Scheduler):
                         None if seq.started else seq.req.sampling, blocks=tuple(seq.blocks))
 
     def _prefill_plan(self, cands: list[_Seq]) -> StepPlan:
-        order = sorted(cands, key=lambda s: s.req.priority)
-        head = order[0]
-        bucket = length_bucket(head.prompt_left)
-        group = [s for s in order if s.req.priority == head.req.priority and length_bucket(s.prompt_left) == bucket]
-        t = min(min(s.prompt_left for s in group), self.max_prefill_chunk)
-        group = group[:max(1, self.max_prefill_tokens // t)]
+        group, t = self._prefill_group(cands)
         chunks = []
         for s in group:
             assert isinstance(s, _PSeq)

@@ -140,14 +140,18 @@ class Scheduler:
         return SeqChunk(seq.req.req_id, seq.slot, tokens, seq.computed, sample,
                         None if seq.started else seq.req.sampling)
 
-    def _prefill_plan(self, cands: list[_Seq]) -> StepPlan:
-        # The first in line (class, then arrival via the running dict's insertion order) picks the bucket.
+    def _prefill_group(self, cands: list[_Seq]) -> tuple[list[_Seq], int]:
+        """The rows prefilled together and their chunk length: the first in line (class, then arrival
+        via the running dict's insertion order) picks the length bucket."""
         order = sorted(cands, key=lambda s: s.req.priority)
         head = order[0]
         bucket = length_bucket(head.prompt_left)
         group = [s for s in order if s.req.priority == head.req.priority and length_bucket(s.prompt_left) == bucket]
         t = min(min(s.prompt_left for s in group), self.max_prefill_chunk)
-        group = group[:max(1, self.max_prefill_tokens // t)]
+        return group[:max(1, self.max_prefill_tokens // t)], t
+
+    def _prefill_plan(self, cands: list[_Seq]) -> StepPlan:
+        group, t = self._prefill_group(cands)
         chunks = []
         for s in group:
             toks = s.req.prompt_ids[s.computed:s.computed + t]
