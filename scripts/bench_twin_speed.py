@@ -1,5 +1,5 @@
 """How fast the twin runs in virtual time: one hour of alternating prefill/decode/idle traffic at a
-100 ms step, with a flush every simulated second (what the energy benchmark of issue 4 will do).
+100 ms step, with a flush every simulated second (what the energy benchmark does).
 
 Usage: python scripts/bench_twin_speed.py [--board agx-orin-64gb] [--l4t r36] [--hours 1]
 """
