@@ -40,7 +40,7 @@ def find_fan(root: str | os.PathLike[str]) -> FanInfo:
     if pwm:
         cand = pwm.rsplit("/", 1)[0] + "/rpm"
         rpm = cand if sysfs.is_file(root, cand) else None
-    if rpm is None:     # the tachometer in its own hwmon device (r36 boards expose it as a hwmon device of its own)
+    if rpm is None:     # r36 boards expose the tachometer as a hwmon device of its own
         rpm = next((p for p in sysfs.glob_board(root, TACH_GLOB)
                     if "tach" in (sysfs.read_text(root, p.rsplit("/", 1)[0] + "/name") or "")), None)
     return FanInfo(pwm, rpm)
