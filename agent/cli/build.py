@@ -32,8 +32,12 @@ def build(
                                             "build in --out)."),
     engine: Optional[str] = typer.Option(None, "--engine", help="trt: also build a TensorRT engine per slice "
                                          "(needs TensorRT and the GPU; engines go to the engine cache)."),
-    precision: str = typer.Option("fp16", "--precision", help="Engine precision: fp32, fp16 (int8-wo, int4-wo "
-                                  "and auto need weight-only quantised slices, not in this build)."),
+    precision: str = typer.Option("fp16", "--precision", help="Engine precision: fp32, fp16, int8-wo, int4-wo "
+                                  "(weight-only engines need Q/DQ slices, not in this build) or auto: measure a "
+                                  "per-layer weight-only plan on held-out text (CPU, no TensorRT) and write it "
+                                  "to --out/precision_plan.json."),
+    max_ppl_increase: str = typer.Option("1%", "--max-ppl-increase", help="With --precision auto: the "
+                                         "perplexity increase the plan may cost (1% or 0.01)."),
     builder: str = typer.Option("api", "--builder", help="api (TensorRT's Python API) or trtexec."),
     workspace_mb: Optional[int] = typer.Option(None, "--workspace-mb", help="Builder workspace; default: "
                                                "sized from free GPU memory."),
@@ -59,6 +63,12 @@ def build(
             rules_for(check_trt)  # an unknown version fails here, before any export
         if engine and engine != "trt":
             raise ValueError(f"--engine {engine!r}: the only engine is trt")
+        if precision == "auto":
+            from partition.trt.autoquant import parse_budget
+            budget = parse_budget(max_ppl_increase)
+            if engine:  # engines from a mixed plan need weight-only Q/DQ slices: refused before any work
+                from partition.trt.precision import plan_for
+                plan_for("auto")
         if out.exists() and not out.is_dir():
             raise NotADirectoryError(f"--out {out} exists and is not a folder")
         console = Console(stderr=True)
@@ -85,6 +95,15 @@ def build(
             if check_trt else []
         if check_trt:
             data["trt_check"] = {"version": check_trt, "errors": trt_errors}
+        if precision == "auto":
+            from partition.trt.autoquant import auto_precision, write_plan
+            auto = auto_precision(model, budget)
+            plan_path = write_plan(auto, out)
+            data["precision_plan"] = {"file": plan_path.name, "plan": auto.plan, "budget": auto.budget,
+                                      "measured_ppl_increase": auto.measured_increase,
+                                      "predicted_ppl_increase": auto.predicted_increase,
+                                      "base_perplexity": auto.base_perplexity, "weight_bytes": auto.weight_bytes,
+                                      "fp16_bytes": auto.fp16_bytes, "bytes_vs_fp16": auto.bytes_ratio}
         if as_json:
             print_json(data)
         else:
@@ -98,6 +117,12 @@ def build(
                              + "; ".join(trt_errors))
         if check_trt and not as_json:
             typer.echo(f"TensorRT {check_trt} ONNX-parser rules: every slice passes (a static check; no engine built)")
+        if precision == "auto" and not as_json:
+            typer.echo(f"precision plan: {plan_path} ({auto.plan_key}); perplexity {auto.base_perplexity:.3f} "
+                       f"+{100 * auto.measured_increase:.3f}% measured (+{100 * auto.predicted_increase:.3f}% "
+                       f"predicted, budget {100 * auto.budget:.3f}%, {auto.calibration_tokens} held-out tokens); "
+                       f"decoder weights {auto.weight_bytes / 2**20:.2f} MiB vs {auto.fp16_bytes / 2**20:.2f} MiB "
+                       f"fp16 ({100 * auto.bytes_ratio:.1f}%)")
         if engine:
             from partition.trt.api import TrtUnavailable
             from partition.trt.builder import EngineBuildError

@@ -3,9 +3,8 @@ perplexity of the model on a calibration set (every other layer left alone), the
 plan whose summed increase stays within a budget, and measure the chosen plan as a whole.
 
 The weight-only quantiser is injected (`LayerQuantizer`: a context manager that swaps one layer's
-weights for their quantised values and puts them back), because it belongs to the weight-only
-quantisation work (partition.quantize) that is not in this tree yet; until it is, `--precision auto`
-is refused (precision.plan_for). Summing per-layer increases assumes they add up, the usual first-order
+weights for their quantised values and puts them back); partition.trt.autoquant supplies the one built
+on partition.quantize's round-to-nearest and runs the whole `--precision auto`. Summing per-layer increases assumes they add up, the usual first-order
 assumption of sensitivity-based mixed precision; `measure_plan` checks the chosen plan for real.
 """
 from __future__ import annotations

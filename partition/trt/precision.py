@@ -6,7 +6,8 @@ must already carry the quantised weights as DequantizeLinear nodes, TensorRT's e
 INT8 from 8.5, INT4 blocked DQ only from 10.x). This module does not quantise: the Q/DQ rewrite of
 the ONNX belongs to the weight-only quantisation work (partition.quantize), which is not in this tree
 yet, so an int*-wo plan on a graph without DequantizeLinear is refused with that message. "auto"
-(a measured per-layer plan) needs the same quantiser and is refused for now.
+(a measured per-layer plan, partition.trt.autoquant) is written as a plan file without TensorRT; an
+engine from it needs the same Q/DQ slices and is refused for now.
 """
 from __future__ import annotations
 
@@ -53,13 +54,13 @@ class PrecisionPlan:
 
 
 def plan_for(precision: str) -> PrecisionPlan:
-    """The plan for `--precision`; "auto" is refused until the weight-only quantiser exists."""
+    """The engine plan for `--precision`; "auto" is refused for engines until slices carry Q/DQ weights."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if precision == "auto":
-        raise PrecisionUnavailable("--precision auto needs per-layer sensitivities measured with weight-only "
-                                   "quantised layers (partition.quantize), which this build does not have yet; "
-                                   "use fp16")
+        raise PrecisionUnavailable("--precision auto writes a per-layer plan (precision_plan.json) but cannot "
+                                   "build engines from it yet: weight-only engines need ONNX slices with Q/DQ "
+                                   "weights, not in this build; drop --engine, or use fp16")
     return PrecisionPlan(precision)
 
 
