@@ -19,7 +19,8 @@ import jinja2
 import jinja2.sandbox
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from agent.engine.types import MAX_LOGPROBS, InvalidRequest, SamplingParams, Usage, check_prompt
+from agent.api.logprobs import parse_logprobs
+from agent.engine.types import InvalidRequest, SamplingParams, Usage, check_prompt
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -40,12 +41,6 @@ class PromptTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
     def encode(self, text: str) -> list[int]: ...
-
-
-class ServiceTokenizer(PromptTokenizer, Protocol):
-    """What the service needs: parsing, and token texts for logprobs."""
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 class _Base(BaseModel):
@@ -266,35 +261,6 @@ def _refuse_unsupported(body: "_Base") -> None:
         raise _unsupported("echo", "the prompt is not echoed")
 
 
-# OpenAI's API reference: the legacy completions' logprobs is at most 5.
-MAX_COMPLETION_LOGPROBS = 5
-
-
-def _logprobs(body: "_Base", kind: str) -> int | None:
-    """How many top alternatives to return with each token (None: no logprobs), by OpenAI's rules:
-    completions take `logprobs: int` in 0..5; chat takes `logprobs: bool` and `top_logprobs` in
-    0..20, the latter only with logprobs true."""
-    if kind == "completion":
-        if body.top_logprobs is not None:
-            raise BadRequest("top_logprobs is a chat field; /v1/completions takes logprobs (an integer 0..5)",
-                             "top_logprobs")
-        if body.logprobs is None:
-            return None
-        if isinstance(body.logprobs, bool) or not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
-            raise BadRequest(f"logprobs must be an integer in 0..{MAX_COMPLETION_LOGPROBS}, got {body.logprobs!r}",
-                             "logprobs")
-        return body.logprobs
-    if body.logprobs is not None and not isinstance(body.logprobs, bool):
-        raise BadRequest("logprobs must be a boolean on /v1/chat/completions (top_logprobs gives the count)",
-                         "logprobs")
-    if body.top_logprobs is not None:
-        if not body.logprobs:
-            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-            raise BadRequest(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {body.top_logprobs}", "top_logprobs")
-    return (body.top_logprobs or 0) if body.logprobs else None
-
-
 # OpenAI's API reference: logit_bias values are in [-100, 100].
 LOGIT_BIAS_RANGE = 100.0
 
@@ -350,7 +316,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
         top_k=0 if body.top_k is None else body.top_k, top_p=_finite("top_p", body.top_p, 1e-9, 1.0, 1.0),
         repetition_penalty=_finite("repetition_penalty", body.repetition_penalty, 1e-3, 10.0, 1.0),
         seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos),
-        logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size), logprobs=_logprobs(body, kind))
+        logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size), logprobs=parse_logprobs(kind, body.logprobs, body.top_logprobs))
     include_usage = bool(body.stream_options and body.stream_options.get("include_usage") is True)
 
     if isinstance(body, CompletionBody):

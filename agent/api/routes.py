@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.api.guard import BodyTooLarge, GuardMiddleware
 from agent.api.logprobs import chat_logprobs, completion_logprobs
-from agent.api.openai import (ChatBody, CompletionBody, Limits, ServiceTokenizer, completion_response, error_body,
+from agent.api.openai import (ChatBody, CompletionBody, Limits, PromptTokenizer, completion_response, error_body,
                               parse_request, stream_chunk)
 from agent.engine.loop import EngineLoop
 from agent.engine.types import (Delta, EngineStopped, Finished, InvalidRequest, QueueFull, TokenLogprob,
@@ -28,6 +28,12 @@ from agent.engine.types import (Delta, EngineStopped, Finished, InvalidRequest, 
 from agent.metrics import ServiceMetrics
 
 log = logging.getLogger("orin_agent.api")
+
+
+class ServiceTokenizer(PromptTokenizer, Protocol):
+    """Parsing's needs and token texts (logprobs)."""
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 @dataclass
