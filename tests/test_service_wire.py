@@ -1,7 +1,8 @@
 """The API's wire-level hardening against a twin: OpenAI fields this service cannot honour are 400s
-naming them, errors carry OpenAI's codes, logit_bias steers sampling, logprobs come back in both formats, 405 keeps its Allow header and
-HEAD /health answers; the browser defences (JSON content type, Host names, a token on non-loopback
-binds); and the installer and unit: hostile paths, unknown arguments, least-privilege settings."""
+naming them, errors carry OpenAI's codes, logit_bias steers sampling, logprobs come back in both
+OpenAI formats, 405 keeps its Allow header and HEAD /health answers; the browser defences (JSON
+content type, Host names, a token on non-loopback binds); and the installer and unit: hostile paths,
+unknown arguments, least-privilege settings."""
 from __future__ import annotations
 
 import json
