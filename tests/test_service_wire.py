@@ -1,9 +1,11 @@
 """The API's wire-level hardening against a twin: OpenAI fields this service cannot honour are 400s
-naming them, errors carry OpenAI's codes, logit_bias steers sampling, 405 keeps its Allow header and
-HEAD /health answers; the browser defences (JSON content type, Host names, a token on non-loopback
-binds); and the installer and unit: hostile paths, unknown arguments, least-privilege settings."""
+naming them, errors carry OpenAI's codes, logit_bias steers sampling, logprobs come back in both
+OpenAI formats, 405 keeps its Allow header and HEAD /health answers; the browser defences (JSON
+content type, Host names, a token on non-loopback binds); and the installer and unit: hostile paths,
+unknown arguments, least-privilege settings."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -33,13 +35,83 @@ def client(svc) -> Iterator[httpx.Client]:
 
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("functions", [{"name": "f"}]), ("response_format", {"type": "json_object"}), ("logprobs", 2),
-    ("top_logprobs", 3), ("suffix", "end"), ("best_of", 2), ("echo", True)])
+    ("functions", [{"name": "f"}]), ("response_format", {"type": "json_object"}),
+    ("suffix", "end"), ("best_of", 2), ("echo", True)])
 def test_fields_that_cannot_be_honoured_are_400_naming_them(client: httpx.Client, field: str, value: object) -> None:
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, field: value})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and err["code"] == "unsupported_parameter"
+
+
+def _sse(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def _check_sorted_and_top1(entries: list[tuple[int | str, float, list[tuple[str, float]]]], k: int) -> None:
+    """Every logprob <= 0, alternatives best first, and under greedy the top-1 is the emitted token."""
+    assert entries
+    for token, lp, top in entries:
+        assert lp <= 0 and len(top) == k
+        vals = [v for _, v in top]
+        assert all(v <= 0 for v in vals) and vals == sorted(vals, reverse=True)
+        assert top[0][0] == token and abs(top[0][1] - lp) < 1e-5
+
+
+GREEDY = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+
+def test_completion_logprobs(client: httpx.Client) -> None:
+    body = {**GREEDY, "prompt": [5, 6, 7], "logprobs": 3}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    # each map: the top 3 plus the sampled token, which under greedy is the best of them
+    for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert val <= 0 and len(top) <= 4 and max(top.values()) == pytest.approx(val, abs=1e-5) and top[tok] == val
+    chunks = _sse(client.post("/v1/completions", json={**body, "stream": True}))
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert sum((s["tokens"] for s in streamed), []) == lp["tokens"]
+    assert sum((s["text_offset"] for s in streamed), []) == lp["text_offset"]
+    assert sum((s["token_logprobs"] for s in streamed), []) == pytest.approx(lp["token_logprobs"], abs=1e-5)
+    plain = client.post("/v1/completions", json={**GREEDY, "prompt": [5, 6, 7]}).json()["choices"][0]
+    assert plain["logprobs"] is None and plain["text"] == choice["text"]  # logprobs change nothing sampled
+
+
+def test_chat_logprobs(client: httpx.Client) -> None:
+    body = {**GREEDY, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 4}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == 5 and "".join(e["token"] for e in content) == choice["message"]["content"]
+    for e in content:
+        assert e["bytes"] == list(e["token"].encode("utf-8"))
+    _check_sorted_and_top1([(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+                            for e in content], 4)
+    chunks = _sse(client.post("/v1/chat/completions", json={**body, "stream": True}))
+    streamed = sum((c["choices"][0]["logprobs"]["content"] for c in chunks
+                    if c["choices"] and c["choices"][0]["logprobs"]), [])
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-5)
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/completions", {"logprobs": 6}, "logprobs"), ("/v1/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs")])
+def test_logprobs_out_of_range_is_400(client: httpx.Client, path: str, extra: dict, param: str) -> None:
+    body = {"max_tokens": 2, **extra}
+    body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
+    r = client.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_error_codes_and_empty_model(client: httpx.Client, svc) -> None:

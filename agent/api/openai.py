@@ -19,6 +19,7 @@ import jinja2
 import jinja2.sandbox
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
+from agent.api.logprobs import parse_logprobs
 from agent.engine.types import InvalidRequest, SamplingParams, Usage, check_prompt
 
 Number = Union[StrictInt, StrictFloat]
@@ -63,14 +64,15 @@ class _Base(BaseModel):
     ignore_eos: Optional[StrictBool] = False
     user: Optional[StrictStr] = None
     logit_bias: Optional[dict[str, Number]] = None
+    # completions: an integer 0..5 (top alternatives); chat: a boolean, with top_logprobs 0..20
+    logprobs: Optional[Union[StrictBool, StrictInt]] = None
+    top_logprobs: Optional[StrictInt] = None
     # Accepted by OpenAI's API, not by this service: refused with 400 unless given as their no-op value.
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     response_format: Optional[dict[str, Any]] = None
-    logprobs: Optional[Union[StrictBool, StrictInt]] = None
-    top_logprobs: Optional[StrictInt] = None
     suffix: Optional[StrictStr] = None
     best_of: Optional[StrictInt] = None
 
@@ -251,9 +253,6 @@ def _refuse_unsupported(body: "_Base") -> None:
                            "no tool calling")
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise _unsupported("response_format", "text only; no JSON mode or schemas")
-    if body.logprobs not in (None, False, 0) or body.top_logprobs not in (None, 0):
-        raise _unsupported("logprobs" if body.logprobs not in (None, False, 0) else "top_logprobs",
-                           "token log-probabilities are not returned")
     if body.suffix:
         raise _unsupported("suffix", "no insertion")
     if body.best_of not in (None, 1):
@@ -317,7 +316,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
         top_k=0 if body.top_k is None else body.top_k, top_p=_finite("top_p", body.top_p, 1e-9, 1.0, 1.0),
         repetition_penalty=_finite("repetition_penalty", body.repetition_penalty, 1e-3, 10.0, 1.0),
         seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos),
-        logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size))
+        logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size), logprobs=parse_logprobs(kind, body.logprobs, body.top_logprobs))
     include_usage = bool(body.stream_options and body.stream_options.get("include_usage") is True)
 
     if isinstance(body, CompletionBody):
@@ -357,14 +356,15 @@ def finish_reason(reason: str) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
 
-def completion_response(rid: str, model: str, kind: str, text: str, reason: str, usage: Usage) -> dict[str, Any]:
+def completion_response(rid: str, model: str, kind: str, text: str, reason: str, usage: Usage,
+                        logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     now = int(time.time())
     if kind == "chat":
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": finish_reason(reason), "logprobs": None}
+                                  "finish_reason": finish_reason(reason), "logprobs": logprobs}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason(reason), "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason(reason), "logprobs": logprobs}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": now, "model": model, "choices": [choice],
             "usage": usage_dict(usage)}
@@ -372,17 +372,17 @@ def completion_response(rid: str, model: str, kind: str, text: str, reason: str,
 
 def stream_chunk(rid: str, model: str, kind: str, created: int, text: str | None = None,
                  reason: str | None = None, first: bool = False, usage: Usage | None = None,
-                 no_choices: bool = False) -> str:
+                 no_choices: bool = False, logprobs: dict[str, Any] | None = None) -> str:
     if kind == "chat":
         delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         obj = "text_completion"
     doc: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
                            "choices": [] if no_choices else [choice]}

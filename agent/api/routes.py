@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
@@ -19,18 +19,27 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.api.guard import BodyTooLarge, GuardMiddleware
-from agent.api.openai import ChatBody, CompletionBody, Limits, PromptTokenizer, completion_response, error_body, parse_request, stream_chunk
+from agent.api.logprobs import chat_logprobs, completion_logprobs
+from agent.api.openai import (ChatBody, CompletionBody, Limits, PromptTokenizer, completion_response, error_body,
+                              parse_request, stream_chunk)
 from agent.engine.loop import EngineLoop
-from agent.engine.types import Delta, EngineStopped, Finished, InvalidRequest, QueueFull, next_request_id
+from agent.engine.types import (Delta, EngineStopped, Finished, InvalidRequest, QueueFull, TokenLogprob,
+                                next_request_id)
 from agent.metrics import ServiceMetrics
 
 log = logging.getLogger("orin_agent.api")
 
 
+class ServiceTokenizer(PromptTokenizer, Protocol):
+    """Parsing's needs and token texts (logprobs)."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
 @dataclass
 class ApiState:
     engine: EngineLoop
-    tokenizer: PromptTokenizer
+    tokenizer: ServiceTokenizer
     model_name: str
     limits: Limits
     metrics: ServiceMetrics
@@ -142,11 +151,13 @@ def create_app(state: ApiState) -> FastAPI:
         except EngineStopped as exc:
             return _error(503, str(exc), "server_error", headers={"Retry-After": "5"})
         model = state.model_name
+        want_logprobs = p.sampling.logprobs is not None
         if p.stream:
-            return StreamingResponse(_stream(rid, kind, model, q, p.include_usage),
+            return StreamingResponse(_stream(rid, kind, model, q, p.include_usage, want_logprobs),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         parts: list[str] = []
+        lps: list[TokenLogprob] = []
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
@@ -159,12 +170,14 @@ def create_app(state: ApiState) -> FastAPI:
                 ev = get.result()
                 if isinstance(ev, Delta):
                     parts.append(ev.text)
+                    lps.extend(ev.logprobs)
                 elif isinstance(ev, Finished):
                     if ev.reason == "error":
                         return _error(500, ev.message or "generation failed", "server_error")
                     if ev.reason == "shutdown":
                         return _error(503, ev.message, "server_error", headers={"Retry-After": "5"})
-                    return JSONResponse(completion_response(rid, model, kind, "".join(parts), ev.reason, ev.usage))
+                    return JSONResponse(completion_response(rid, model, kind, "".join(parts), ev.reason, ev.usage,
+                                                            _logprobs(kind, lps, 0)[0] if want_logprobs else None))
         except asyncio.CancelledError:
             state.engine.cancel(rid)
             raise
@@ -172,16 +185,20 @@ def create_app(state: ApiState) -> FastAPI:
             gone.cancel()
 
     async def _stream(rid: str, kind: str, model: str, q: asyncio.Queue[object],
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, want_logprobs: bool) -> AsyncIterator[str]:
         created = int(time.time())
         done = False
+        offset = 0  # completion characters so far: the next chunk's first text_offset
         try:
             if kind == "chat":
                 yield stream_chunk(rid, model, kind, created, text="", first=True)
             while True:
                 ev = await q.get()
                 if isinstance(ev, Delta):
-                    yield stream_chunk(rid, model, kind, created, text=ev.text)
+                    lp = None
+                    if want_logprobs:
+                        lp, offset = _logprobs(kind, ev.logprobs, offset)
+                    yield stream_chunk(rid, model, kind, created, text=ev.text, logprobs=lp)
                 elif isinstance(ev, Finished):
                     done = True
                     if ev.reason in ("error", "shutdown"):
@@ -197,6 +214,14 @@ def create_app(state: ApiState) -> FastAPI:
         finally:
             if not done:  # the client went away (or the server is stopping): free the cache slot
                 state.engine.cancel(rid)
+
+    def _logprobs(kind: str, entries: Sequence[TokenLogprob], offset: int) -> tuple[dict[str, Any], int]:
+        def text(token: int) -> str:
+            return state.tokenizer.decode([token])
+
+        if kind == "chat":
+            return chat_logprobs(entries, text), offset
+        return completion_logprobs(entries, text, offset)
 
     base_openapi = app.openapi
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from agent.engine.core import EngineCore
-from agent.engine.types import SamplingParams, SeqChunk, StepOutput, StepPlan
+from agent.engine.types import SamplingParams, SeqChunk, StepOutput, StepPlan, TokenLogprob
 from partition.runners.chain import Chain
 from partition.tokenizer import Tokenizer
 
@@ -38,10 +38,33 @@ def sample(logits: np.ndarray | torch.Tensor, params: SamplingParams, history: l
     """Pick the next token from float32 logits (V,), in Hugging Face's order: repetition penalty,
     logit bias (OpenAI's, added to the logits), temperature, top-k, top-p, then a draw (or argmax when
     greedy)."""
+    return sample_with_logprob(logits, params, history, rng)[0]
+
+
+def sample_with_logprob(logits: np.ndarray | torch.Tensor, params: SamplingParams, history: list[int],
+                        rng: torch.Generator) -> tuple[int, TokenLogprob | None]:
+    """`sample`, and the token's `TokenLogprob` when `params.logprobs` is set (else None)."""
     x = warp(logits, params, history)
     if params.temperature == 0:
-        return int(torch.argmax(x))
-    return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=rng))
+        token = int(torch.argmax(x))
+    else:
+        token = int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=rng))
+    return token, None if params.logprobs is None else token_logprob(x, token, params.logprobs)
+
+
+def token_logprob(warped: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """The log-probability of `token` and the `k` most likely tokens under the distribution it was
+    drawn from: the log-softmax of the warped logits, i.e. after repetition penalty, logit bias and,
+    when sampling, temperature, top-k and top-p (greedy: no temperature). OpenAI documents its
+    logprobs as the model's; we report what the sampler actually used, so greedy's top-1 is the
+    emitted token even under logit_bias. Tokens masked out by top-k/top-p (-inf) are not listed, so
+    `top` may hold fewer than k entries."""
+    lp = torch.log_softmax(warped, dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        vals, ids = torch.topk(lp, min(k, lp.numel()))
+        top = tuple((int(i), float(v)) for i, v in zip(ids, vals) if math.isfinite(float(v)))
+    return TokenLogprob(token, float(lp[token]), top)
 
 
 def warp(logits: np.ndarray | torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
@@ -94,7 +117,8 @@ class ChainExecutor:
     def execute(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
         self._start(plan)
-        return StepOutput(self._forward(plan.chunks), time.perf_counter() - t0)
+        tokens, logprobs = self._forward(plan.chunks)
+        return StepOutput(tokens, time.perf_counter() - t0, logprobs=logprobs)
 
     def _start(self, plan: StepPlan) -> None:
         """Drop released requests' samplers; make new requests' ones."""
@@ -106,8 +130,9 @@ class ChainExecutor:
             elif c.req_id not in self.samplers:
                 raise KeyError(f"request {c.req_id}: a later chunk came before its first (no sampling params)")
 
-    def _forward(self, chunks: Sequence[SeqChunk]) -> dict[str, int]:
-        """Rows of equal length through the whole chain in one batch: their sampled tokens."""
+    def _forward(self, chunks: Sequence[SeqChunk]) -> tuple[dict[str, int], dict[str, tuple[TokenLogprob, ...]]]:
+        """Rows of equal length through the whole chain in one batch: their sampled tokens, and the
+        logprobs of those that asked."""
         t = len(chunks[0].token_ids)
         tokens = np.asarray([c.token_ids for c in chunks], dtype=np.int32)  # (B, T)
         positions = np.asarray([c.start_pos for c in chunks], dtype=np.int32)[:, None] + \
@@ -115,12 +140,15 @@ class ChainExecutor:
         tables = [c.blocks for c in chunks] if chunks[0].blocks else None  # paged KV-cache
         logits = self.chain.forward(tokens, positions, [c.slot for c in chunks], tables)  # (B, V)
         out: dict[str, int] = {}
+        lps: dict[str, tuple[TokenLogprob, ...]] = {}
         for i, c in enumerate(chunks):
             s = self.samplers[c.req_id]
             s.history.extend(c.token_ids)
             if c.sample:
-                out[c.req_id] = sample(logits[i], s.params, s.history, s.rng)
-        return out
+                out[c.req_id], lp = sample_with_logprob(logits[i], s.params, s.history, s.rng)
+                if lp is not None:
+                    lps[c.req_id] = (lp,)
+        return out, lps
 
 
 def load_core(model: Path, backend: str = "torch", slices: str | None = None, max_seq: int | None = None,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from agent.engine.types import (Delta, EngineMetrics, Finished, RequestOutput, SeqRequest, StepPlan, TokenEvent,
-                                Usage)
+                                TokenLogprob, Usage)
 from partition.tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -60,6 +60,12 @@ class _Live:
     t_last: float | None = None
     token_ids: list[int] = field(default_factory=list)
     joules: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # tokens whose text is not yet emitted
+
+    def delta(self, text: str) -> Delta:
+        d = Delta(text, tuple(self.logprobs))
+        self.logprobs.clear()
+        return d
 
 
 class OutputProcessor:
@@ -99,16 +105,18 @@ class OutputProcessor:
             elif self.metrics and live.t_last is not None:
                 self.metrics.on_token(now - live.t_last)
             live.t_last = now
+            if ev.logprob is not None:
+                live.logprobs.append(ev.logprob)
             text, hit = live.stops.feed(live.detok.push(ev.token))
             if text:
-                outs.append(RequestOutput(ev.req_id, Delta(text)))
+                outs.append(RequestOutput(ev.req_id, live.delta(text)))
         if hit:  # what was held back is the stop string itself: nothing more to emit
             outs.extend(self.finish(ev.req_id, "stop", energy_available))
         elif ev.finish_reason:
             tail, _ = live.stops.feed(live.detok.flush())
             tail += live.stops.flush()
-            if tail:
-                outs.append(RequestOutput(ev.req_id, Delta(tail)))
+            if tail or live.logprobs:  # the last tokens' logprobs, even where their text is empty
+                outs.append(RequestOutput(ev.req_id, live.delta(tail)))
             outs.extend(self.finish(ev.req_id, ev.finish_reason, energy_available))
         return outs, hit
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from agent.engine.types import (BACKGROUND, INTERACTIVE, QueueFull, SeqChunk, SeqRequest, StepOutput, StepPlan,
-                                TokenEvent, check_prompt)
+                                TokenEvent, TokenLogprob, check_prompt)
 
 
 @dataclass
@@ -172,13 +172,14 @@ class Scheduler:
             if not c.sample:
                 continue
             more = output.more.get(c.req_id, ())
+            lps = output.logprobs.get(c.req_id, ())
             for i, token in enumerate((output.tokens[c.req_id], *more)):
                 seq.computed += 1 if i else 0  # a speculative step fed every emitted token but the last
-                if self._emit(seq, token, events):
+                if self._emit(seq, token, events, lps[i] if i < len(lps) else None):
                     break
         return events
 
-    def _emit(self, seq: _Seq, token: int, events: list[TokenEvent]) -> bool:
+    def _emit(self, seq: _Seq, token: int, events: list[TokenEvent], logprob: TokenLogprob | None = None) -> bool:
         """One sampled token of a row: its event; True when it ended the request."""
         rid = seq.req.req_id
         if token in self.eos_ids and not seq.req.sampling.ignore_eos:
@@ -189,7 +190,7 @@ class Scheduler:
         # At most max_seq - prompt tokens of output: the cache holds no more.
         budget = min(seq.req.sampling.max_tokens, self.max_seq - len(seq.req.prompt_ids))
         full = len(seq.output) >= budget
-        events.append(TokenEvent(rid, token, "length" if full else None))
+        events.append(TokenEvent(rid, token, "length" if full else None, logprob))
         if full:
             self._release(rid)
         return full

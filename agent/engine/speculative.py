@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from agent.engine.executor import ChainExecutor, _Sampler, sample, warp
-from agent.engine.types import SeqChunk, StepOutput, StepPlan
+from agent.engine.types import SeqChunk, StepOutput, StepPlan, TokenLogprob
 from partition.config import ModelConfig
 from partition.exits.heads import Calibration, ExitHeads, pick_calibration, read_record
 from partition.exits.runtime import ExitChain, RowState
@@ -155,13 +155,16 @@ class ExitExecutor(ChainExecutor):
         plain = [c for c in plan.chunks if self._mode(c) is None]
         tokens: dict[str, int] = {}
         more: dict[str, tuple[int, ...]] = {}
+        logprobs: dict[str, tuple[TokenLogprob, ...]] = {}  # plain rows only: SamplingParams refuses
+        # logprobs with speculate / max_disagreement
         if plan.kind == "prefill" or not special:
-            tokens = self._forward(plan.chunks)  # every layer of every row: the rows' caches are whole
+            tokens, logprobs = self._forward(plan.chunks)  # every layer of every row: the caches are whole
             for c in special:
                 self.rows[c.req_id] = self.exits.new_row(c.start_pos + len(c.token_ids))
-            return StepOutput(tokens, time.perf_counter() - t0)
+            return StepOutput(tokens, time.perf_counter() - t0, logprobs=logprobs)
         if plain:
-            tokens.update(self._forward(plain))
+            plain_tokens, logprobs = self._forward(plain)
+            tokens.update(plain_tokens)
         for c in special:
             s = self.samplers[c.req_id]
             if s.params.speculate:
@@ -169,7 +172,7 @@ class ExitExecutor(ChainExecutor):
                 tokens[c.req_id], more[c.req_id] = emitted[0], tuple(emitted[1:])
             else:
                 tokens[c.req_id] = self._exit_step(c, s)
-        return StepOutput(tokens, time.perf_counter() - t0, more)
+        return StepOutput(tokens, time.perf_counter() - t0, more, logprobs)
 
     def _mode(self, c: SeqChunk) -> str | None:
         p = self.samplers[c.req_id].params

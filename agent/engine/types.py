@@ -43,6 +43,19 @@ class EngineStopped(RuntimeError):
     """The engine is shutting down (or stopped) and takes no new requests."""
 
 
+MAX_LOGPROBS = 20  # OpenAI's API reference: top_logprobs is 0..20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability and its row's `top` alternatives, (token id, logprob) best
+    first, under the distribution the token was drawn from (see agent.engine.executor.token_logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -56,6 +69,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
     speculate: int = 0  # draft tokens per self-speculative round (0 = off); the output is unchanged
     max_disagreement: float | None = None  # early exits allowed up to this rate of disagreement
+    logprobs: int | None = None  # each emitted token's log-probability and this many top alternatives; None = off
 
     def __post_init__(self) -> None:
         checks = [
@@ -74,6 +88,11 @@ class SamplingParams:
              f"max_disagreement must be in [0, 1), got {self.max_disagreement}"),
             (not (self.speculate and self.max_disagreement is not None), "speculate",
              "speculate (lossless) and max_disagreement (early exits) are two modes: give one"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"logprobs must be in 0..{MAX_LOGPROBS} top alternatives, got {self.logprobs}"),
+            (self.logprobs is None or (not self.speculate and self.max_disagreement is None), "logprobs",
+             "logprobs are not returned by speculative or early-exit decoding: drop speculate / "
+             "max_disagreement, or drop logprobs"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -148,6 +167,9 @@ class StepOutput:
     # req_id -> tokens accepted after tokens[req_id] in the same step (speculative decoding); every
     # emitted token but the row's last is already in the cache
     more: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # req_id -> one entry per emitted token (tokens[req_id], then more[req_id]), for rows whose
+    # SamplingParams.logprobs is set
+    logprobs: Mapping[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -155,6 +177,7 @@ class TokenEvent:
     req_id: str
     token: int | None  # None when the request ended without a new token (EOS)
     finish_reason: str | None = None  # "stop" (EOS), "length"; None while running
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 # -- what the caller of a request receives -------------------------------------------------------
@@ -172,6 +195,9 @@ class Usage:
 @dataclass(frozen=True)
 class Delta:
     text: str
+    # the tokens whose text this delta completes (when the request asked for logprobs); a token whose
+    # text is held back (a partial character, a possible stop string) comes with the next delta
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
