@@ -38,7 +38,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "openai>=1.30",
-                 "vermin>=1.6", "tomli>=2.0"],  # the 3.10 checks run under 3.11 too
+                 "vermin>=1.6", "tomli>=2.0", "schemathesis>=4.0"],  # the 3.10 checks run under 3.11 too
         # TensorRT itself comes from JetPack's apt packages (python3-libnvinfer), never pip.
         "jetson": ["jetson-stats>=4.2"],
         # the device side of offload (KServe v2 over gRPC); the edge server's own interpreter comes

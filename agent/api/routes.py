@@ -62,7 +62,22 @@ def body_schema(model: type[BaseModel]) -> dict[str, object]:
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     defs = schema.pop("$defs", {})
     _BODY_DEFS.update(defs)
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": _GENERATE_RESPONSES}
+
+
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_ERROR = {"description": "An OpenAI-style error", "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+# the generate endpoints answer JSON, or server-sent events when the body asks for "stream": true
+_GENERATE_RESPONSES = {
+    "200": {"description": "The completion (JSON), or its chunks as server-sent events",
+            "content": {"application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {  # schemathesis checks each event as {data, event}
+                            "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}}},
+    "4XX": _ERROR, "5XX": _ERROR}
 
 
 _BODY_DEFS: dict[str, object] = {}  # the body models' nested schemas, for /openapi.json's components
@@ -110,7 +125,8 @@ def create_app(state: ApiState) -> FastAPI:
         ok, why = state.ready()
         return JSONResponse({"ready": ok, "status": why}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}})
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
