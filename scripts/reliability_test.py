@@ -46,30 +46,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.is_symlink()}
-
-
-def twin_readings(work: Path) -> set[str]:
-    """Files a twin's own model rewrites as readings (a board's move by themselves too)."""
-    from agent.board import PHASE_LOAD
-    from power.twin import create_twin
-    from power.twin.model import Twin, Workload
-
-    root = work / "readings-twin"
-    create_twin(root, "agx-orin-64gb", "r36")
-    before = snapshot(root)
-    twin, changed = Twin(root, atomic_writes=True), set()
-    for phase in ("prefill", "decode", "idle"):
-        for _ in range(30):
-            twin.step(1.0, Workload(phase, *PHASE_LOAD[phase]))
-            twin.flush()
-        now = snapshot(root)
-        changed |= {k for k in set(before) | set(now) if before.get(k) != now.get(k)}
-    return changed
-
-
 class Tally:
     def __init__(self) -> None:
         self.requests = 0
@@ -210,11 +186,12 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     from power.twin import create_twin
+    from power.twin.driver import reading_files, tree_bytes
 
     tmp = Path(tempfile.mkdtemp(prefix="orin-agent-reliability-"))
     root = tmp / "root"
     create_twin(root, "agx-orin-64gb", "r36")
-    pristine, readings = snapshot(root), twin_readings(tmp)
+    pristine, readings = tree_bytes(root), reading_files(tmp)
     port = free_port()
     cfg = tmp / "agent.toml"
     cfg.write_text(f"[model]\nmax_seq = 256\n[server]\nheader_timeout_s = 5\nmax_in_flight = {args.clients + 24}\n"
@@ -249,7 +226,7 @@ def main() -> int:
     finally:
         if server.poll() is None:
             server.kill()
-    after = snapshot(root)
+    after = tree_bytes(root)
     leaked = sorted(k for k in set(pristine) | set(after) if pristine.get(k) != after.get(k) and k not in readings)
     text = log_path.read_text()
     summary = {

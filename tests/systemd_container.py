@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from power.twin.driver import tree_bytes
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("ORIN_AGENT_TEST_CACHE", "/var/cache/orin-agent-test"))
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
@@ -158,11 +160,6 @@ class Boot:
     seconds: dict
 
 
-def snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.is_symlink()}
-
-
 def _nspawn(rootfs: Path, binds: list[str]) -> list[str]:
     # --keep-unit --register=no: the host has no systemd to ask for a scope or a machine registration.
     # A machine name of our own: nspawn keeps per-machine state under /run/systemd/nspawn/ on the host.
@@ -236,7 +233,7 @@ orin-agent twin create {TWIN_ROOT} --board agx-orin-64gb --l4t r36
     (out / "settings.json").write_text(json.dumps(settings))
     shutil.copy(REPO / "tests" / "systemd_probe.py", out / "systemd_probe.py")
     twin = rootfs / TWIN_ROOT.lstrip("/")
-    pristine = snapshot(twin)
+    pristine = tree_bytes(twin)
     dbus = _start_dbus()
     try:
         t["boot"] = time.monotonic()
@@ -254,27 +251,8 @@ orin-agent twin create {TWIN_ROOT} --board agx-orin-64gb --l4t r36
     results["nspawn_rc"] = r.returncode
     seconds = {"rootfs": t["rootfs"] - t["start"], "install": t["install"] - t["rootfs"],
                "boot_to_poweroff": t["poweroff"] - t["boot"], "total": time.monotonic() - t["start"]}
-    after = snapshot(twin)
+    after = tree_bytes(twin)
     shutil.rmtree(rootfs, ignore_errors=True)  # ~330 MB per run; results, journal and console stay
     return Boot(results, journal, pristine, after, unit, settings, console, inst.stdout + inst.stderr, seconds)
 
 
-def twin_readings(work: Path, board: str = "agx-orin-64gb", l4t: str = "r36") -> set[str]:
-    """The files the twin's own model rewrites as readings (clocks it reports, loads, rails, temperatures,
-    the fan daemon's PWM), found by stepping a fresh twin through every phase: on a real board these
-    change by themselves too, so "the tree is back as it was" is about every other file."""
-    from agent.board import PHASE_LOAD
-    from power.twin import create_twin
-    from power.twin.model import Twin, Workload
-
-    root = work / "readings-twin"
-    create_twin(root, board, l4t)
-    before = snapshot(root)
-    twin, changed = Twin(root, atomic_writes=True), set()
-    for phase in ("prefill", "decode", "idle"):
-        for _ in range(30):
-            twin.step(1.0, Workload(phase, *PHASE_LOAD[phase]))
-            twin.flush()
-        now = snapshot(root)
-        changed |= {k for k in set(before) | set(now) if before.get(k) != now.get(k)}
-    return changed

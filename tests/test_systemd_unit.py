@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from systemd_container import REPO, VENV, Boot, boot_and_probe, twin_readings, unavailable
+from power.twin.driver import reading_files
+from systemd_container import REPO, VENV, Boot, boot_and_probe, unavailable
 
 pytestmark = pytest.mark.systemd
 UNIT = "orin-agent.service"
@@ -164,7 +165,7 @@ def test_stop_during_a_stream_drains_within_the_grace_and_restores_the_tree(boot
     # The twin's tree as before the boot, but for the files its own model rewrites as readings (a
     # board's clocks/loads/rails/temperatures move by themselves too; bpmp's emc/rate reports the
     # actual rate once unlocked).
-    readings = twin_readings(tmp_path)
+    readings = reading_files(tmp_path)
     assert set(boot.after) == set(boot.pristine)
     changed = sorted(k for k in boot.pristine if boot.pristine[k] != boot.after[k] and k not in readings)
     assert not changed, f"settings left changed after the stop: {changed}"

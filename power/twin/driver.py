@@ -27,6 +27,31 @@ class _PhaseEvent(Protocol):
 PHASE_LOAD = {"prefill": (0.95, 0.35), "decode": (0.45, 0.85), "idle": (0.0, 0.0)}
 
 
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """Every plain file under ``root`` (relative path -> content): a snapshot to compare a tree with."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink()}
+
+
+def reading_files(scratch: Path, board: str = "agx-orin-64gb", l4t: str = "r36") -> set[str]:
+    """The files the twin's own model rewrites as readings (clocks it reports, loads, rails, temperatures,
+    the fan daemon's PWM), found by stepping a fresh twin under ``scratch`` through every phase: on a real
+    board these change by themselves too, so "the tree is back as it was" is about every other file."""
+    from power.twin.layout import create_twin
+
+    root = scratch / "readings-twin"
+    create_twin(root, board, l4t)
+    before = tree_bytes(root)
+    twin, changed = Twin(root, atomic_writes=True), set()
+    for phase in ("prefill", "decode", "idle"):
+        for _ in range(30):
+            twin.step(1.0, Workload(phase, *PHASE_LOAD[phase]))
+            twin.flush()
+        now = tree_bytes(root)
+        changed |= {k for k in set(before) | set(now) if before.get(k) != now.get(k)}
+    return changed
+
+
 class TwinDriver:
     """Runs the twin's board model in real time next to the engine: every `period_s` it re-reads the
     limits written into the tree, steps the model with the engine's current phase, and flushes the
