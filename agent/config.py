@@ -1,7 +1,9 @@
 """The service's configuration: /etc/orin-agent/agent.toml (path overridable), validated on start into
 a frozen `ServiceConfig`; command-line flags override the file. Every error names the file and key.
 
-    [model]   dir, backend ("torch" | "ort" | "trt"), slices ("0:4,4:8"), max_seq, device, kv_cache ("fp16" | "int8")
+    [model]   dir, backend ("torch" | "ort" | "trt"), slices ("0:4,4:8"), max_seq, device, kv_cache ("fp16" | "int8"),
+              exits (load the exit heads: requests may ask for early exits / speculation), max_disagreement
+              and speculate (K or "auto"): the default of every request that asks for neither
     [server]  host, port, token, token_file, allowed_hosts, max_body_bytes, max_in_flight, keep_alive_s,
               header_timeout_s
     [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, lock_dir, profile, power_control
@@ -51,6 +53,9 @@ class ServiceConfig:
     device: str = "cpu"
     kv_cache: str = "fp16"  # "int8": group-wise INT8 KV-cache (torch backend)
     threads: int = 0  # CPU threads for the model's kernels; 0 = every core but one
+    exits: bool = False  # load the exit heads beside the model (implied by the next two)
+    max_disagreement: float | None = None  # default early-exit target of every request (None: full depth)
+    speculate: str | None = None  # default self-speculation: draft tokens "K" or "auto" (None: off)
     host: str = "127.0.0.1"
     port: int = 8000
     token: str | None = None
@@ -96,6 +101,11 @@ class ServiceConfig:
         return ()
 
     @property
+    def exits_enabled(self) -> bool:
+        """The exit heads are loaded (and requests may carry an `orin_agent` exit field)."""
+        return self.exits or self.max_disagreement is not None or self.speculate not in (None, "0")
+
+    @property
     def request_limit(self) -> int:
         """HTTP requests answered at once (the guard answers 503 past it)."""
         return self.max_in_flight or max(64, self.max_queue * 2 + 32)
@@ -116,6 +126,17 @@ class ServiceConfig:
             raise bad("model.threads", "must be >= 0 (0 = every core but one)", self.threads)
         if self.max_seq is not None and self.max_seq < 2:
             raise bad("model.max_seq", "must be >= 2", self.max_seq)
+        if self.max_disagreement is not None and not 0 <= self.max_disagreement < 1:
+            raise bad("model.max_disagreement", "must be a rate in [0, 1)", self.max_disagreement)
+        if self.speculate is not None and self.speculate != "auto" and \
+                not (self.speculate.isdigit() and int(self.speculate) <= 16):
+            raise bad("model.speculate", "must be 'auto' or draft tokens 0..16", self.speculate)
+        if self.max_disagreement is not None and self.speculate not in (None, "0"):
+            raise bad("model.speculate", "early exits (max_disagreement) and speculation are two modes: "
+                      "give one", self.speculate)
+        if self.exits_enabled and (self.backend != "torch" or self.kv_cache != "fp16"):
+            raise bad("model.exits", "early exits and speculation need model.backend = 'torch' and "
+                      "model.kv_cache = 'fp16'", (self.backend, self.kv_cache))
         if not 0 <= self.port <= 65535:
             raise bad("server.port", "must be in 0..65535 (0 = any free port)", self.port)
         if not self.host:
@@ -162,6 +183,9 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("model", "device"): ("device", (str,)),
     ("model", "threads"): ("threads", (int,)),
     ("model", "kv_cache"): ("kv_cache", (str,)),
+    ("model", "exits"): ("exits", (bool,)),
+    ("model", "max_disagreement"): ("max_disagreement", (int, float)),
+    ("model", "speculate"): ("speculate", (int, str)),
     ("server", "host"): ("host", (str,)),
     ("server", "port"): ("port", (int,)),
     ("server", "token"): ("token", (str,)),
@@ -228,6 +252,8 @@ def config_from_mapping(doc: Mapping[str, Any], source: str) -> ServiceConfig:
                 if not all(isinstance(h, str) for h in value):
                     raise ConfigError(f"{source}: {section}.{key}: must be a list of strings, got {value!r}")
                 value = tuple(value)
+            if field_name == "speculate":
+                value = str(value)
             values[field_name] = Path(value) if field_name == "model_dir" else value
     cfg = ServiceConfig(**values, source=source)
     cfg.validate()

@@ -13,10 +13,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from agent.board import BoardSnapshot
-from agent.engine.types import StepPlan, Usage
+from agent.engine.types import DepthStats, StepPlan, Usage
 
 PHASES = ("prefill", "decode", "idle")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+DRAFT_BUCKETS = tuple(range(17))  # accepted draft tokens per round: speculate is at most 16
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
@@ -92,6 +93,21 @@ class ServiceMetrics:
                                       "Energy per generated token of the last finished request", registry=r)
         for p in PHASES:
             self.phase.labels(p).set(1 if p == "idle" else 0)
+        # early exits and self-speculation (agent.engine.speculative): only rows that asked for them
+        self.exit_tokens = Counter("orin_agent_exit_tokens", "Tokens whose logits were read at an early exit "
+                                   "layer (max_disagreement requests)", ["layer"], registry=r)
+        self.full_depth_tokens = Counter("orin_agent_full_depth_tokens", "Tokens of exit-mode or speculative "
+                                         "requests read at full depth", registry=r)
+        self.deep_passes = Counter("orin_agent_deep_passes", "Runs of the last slice for exit-mode or "
+                                   "speculative requests (per token: / their tokens)", registry=r)
+        self.deep_passes_per_token = Gauge("orin_agent_deep_passes_per_token", "Deep passes per exit-mode or "
+                                           "speculative token since the start", registry=r)
+        self.drafted = Counter("orin_agent_speculative_drafted_tokens", "Draft tokens proposed by an exit "
+                               "head", registry=r)
+        self.accepted = Histogram("orin_agent_speculative_accepted_length", "Draft tokens the full model "
+                                  "accepted, per speculative round", buckets=DRAFT_BUCKETS, registry=r)
+        self._depth_tokens = 0
+        self._deep_passes = 0
         if board_snapshot is not None:
             r.register(_BoardCollector(board_snapshot))
 
@@ -118,6 +134,21 @@ class ServiceMetrics:
         self.completion_tokens.inc(usage.completion_tokens)
         if usage.energy_joules is not None and usage.completion_tokens:
             self.joules_per_token.set(usage.energy_joules / usage.completion_tokens)
+
+    def on_depth(self, depth: DepthStats) -> None:
+        for layer, n in depth.exits:
+            if layer == depth.n_layers:
+                self.full_depth_tokens.inc(n)
+            else:
+                self.exit_tokens.labels(str(layer)).inc(n)
+        self.deep_passes.inc(depth.deep_passes)
+        self.drafted.inc(depth.drafted)
+        for a in depth.accepted:
+            self.accepted.observe(a)
+        self._depth_tokens += depth.tokens
+        self._deep_passes += depth.deep_passes
+        if self._depth_tokens:
+            self.deep_passes_per_token.set(self._deep_passes / self._depth_tokens)
 
     def on_queue(self, waiting: int, running: int) -> None:
         self.queue_depth.set(waiting)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import uvicorn
 
+from agent.api.extension import ExitPolicy
 from agent.api.openai import Limits, prompt_char_limit
 from agent.api.routes import ApiState, create_app
 from agent.api.server import server_config
@@ -91,6 +92,20 @@ def build_chain(cfg: ServiceConfig) -> Chain:
     return load_chain(cfg.model_dir, backend=cfg.backend, slices=cfg.slices, max_seq=cfg.max_seq,
                       max_batch=cfg.max_batch, device=cfg.device, options=OrtOptions(threads=threads),
                       kv_cache=cfg.kv_cache)
+
+
+def build_executor(cfg: ServiceConfig) -> tuple[ChainExecutor, ExitPolicy]:
+    """The plain chain executor, or, with exits configured, the exit executor (the chain cut at the
+    exit heads, through the loader `generate` uses) and what it offers requests."""
+    if not cfg.exits_enabled:
+        return ChainExecutor(build_chain(cfg)), ExitPolicy()
+    from agent.engine.speculative import choose_draft, load_exit_executor
+
+    torch.set_num_threads(compute_threads(cfg))
+    ex = load_exit_executor(cfg.model_dir, cfg.backend, cfg.slices, cfg.max_seq, cfg.device, cfg.max_batch)
+    auto = choose_draft(cfg.model_dir, ex.exits.n_layers, None)[1]
+    k = auto if cfg.speculate == "auto" else int(cfg.speculate or 0)
+    return ex, ExitPolicy(True, auto, k, cfg.max_disagreement)
 
 
 @dataclass
@@ -202,9 +217,12 @@ class Service:
         model_config = load_config(cfg.model_dir)
         tokenizer = Tokenizer.from_dir(cfg.model_dir)
         self.controller = self._open_controller(model_config)
-        chain = build_chain(cfg)
-        log.info("model %s loaded (%s, %d slice(s), max_seq %d, max_batch %d) in %.1f s", cfg.model_dir,
-                 cfg.backend, len(chain.runners), chain.max_seq, chain.max_batch, time.monotonic() - t0)
+        executor, exit_policy = build_executor(cfg)
+        chain = executor.chain
+        log.info("model %s loaded (%s, %d slice(s), max_seq %d, max_batch %d%s) in %.1f s", cfg.model_dir,
+                 cfg.backend, len(chain.runners), chain.max_seq, chain.max_batch,
+                 f", exit heads; default speculate {exit_policy.default_speculate}, max_disagreement "
+                 f"{exit_policy.default_max_disagreement}" if exit_policy.available else "", time.monotonic() - t0)
         metrics = ServiceMetrics(reader.snapshot if reader is not None else None)
         listeners: list[Any] = [self.listener]
         if self.board.twin is not None:
@@ -212,12 +230,12 @@ class Service:
         if self.controller is not None:
             listeners.append(self.controller)
             metrics.watch_budget(self.controller.budget_status)
-        core = EngineCore(ChainExecutor(chain), tokenizer, listener=FanOut(*listeners), meter=meter,
+        core = EngineCore(executor, tokenizer, listener=FanOut(*listeners), meter=meter,
                           metrics=metrics)
         self.engine = EngineLoop(core, max_queue=cfg.max_queue, on_tick=self.notifier.watchdog)
         max_prompt = min(cfg.max_prompt_tokens or chain.max_seq - 1, chain.max_seq - 1)
         limits = Limits(chain.max_seq, max_prompt, cfg.max_output_tokens, cfg.default_max_tokens,
-                        max_prompt_chars=prompt_char_limit(tokenizer.tk.get_vocab(), max_prompt))
+                        max_prompt_chars=prompt_char_limit(tokenizer.tk.get_vocab(), max_prompt), exits=exit_policy)
         eos = next(iter(sorted(tokenizer.eos_ids)), None)
         eos_token = tokenizer.tk.id_to_token(eos) if eos is not None else ""
         state = ApiState(self.engine, tokenizer, cfg.model_dir.name, limits, metrics, cfg.token,

@@ -19,6 +19,7 @@ import jinja2
 import jinja2.sandbox
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
+from agent.api.extension import ExitPolicy, OrinAgentOptions, exit_mode
 from agent.api.logprobs import parse_logprobs
 from agent.engine.types import InvalidRequest, SamplingParams, Usage, check_prompt
 
@@ -75,6 +76,7 @@ class _Base(BaseModel):
     response_format: Optional[dict[str, Any]] = None
     suffix: Optional[StrictStr] = None
     best_of: Optional[StrictInt] = None
+    orin_agent: Optional[OrinAgentOptions] = None  # this service's extension (agent.api.extension)
 
 
 class CompletionBody(_Base):
@@ -116,6 +118,7 @@ class Limits:
     max_stop_strings: int = 8
     max_stop_chars: int = 256
     max_prompt_chars: int = 0  # a text longer than this cannot fit max_prompt_tokens (0 = no check)
+    exits: ExitPolicy = ExitPolicy()  # early exits / self-speculation: offered or not, and the defaults
 
 
 def prompt_char_limit(vocab: Iterable[str], max_prompt_tokens: int) -> int:
@@ -311,12 +314,15 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
     if len(stop) > limits.max_stop_strings or any(len(s) > limits.max_stop_chars for s in stop):
         raise BadRequest(f"stop: at most {limits.max_stop_strings} non-empty strings of at most "
                          f"{limits.max_stop_chars} characters", "stop")
+    logprobs = parse_logprobs(kind, body.logprobs, body.top_logprobs)
+    speculate, max_disagreement = exit_mode(body.orin_agent, limits.exits, logprobs is not None)
     sampling = SamplingParams(
         max_tokens=max_tokens, temperature=_temperature(body.temperature),
         top_k=0 if body.top_k is None else body.top_k, top_p=_finite("top_p", body.top_p, 1e-9, 1.0, 1.0),
         repetition_penalty=_finite("repetition_penalty", body.repetition_penalty, 1e-3, 10.0, 1.0),
         seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos),
-        logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size), logprobs=parse_logprobs(kind, body.logprobs, body.top_logprobs))
+        logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size), logprobs=logprobs,
+        speculate=speculate, max_disagreement=max_disagreement)
     include_usage = bool(body.stream_options and body.stream_options.get("include_usage") is True)
 
     if isinstance(body, CompletionBody):

@@ -29,6 +29,12 @@ def serve(
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Sequences decoded together (cache rows)."),
     kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="KV-cache storage: fp16 or int8 "
                                            "(torch backend; default from model.kv_cache, else fp16)."),
+    exits: Optional[bool] = typer.Option(None, "--exits/--no-exits", help="Load the exit heads beside the model "
+                                         "so requests may ask for early exits or speculation (orin_agent field)."),
+    max_disagreement: Optional[float] = typer.Option(None, "--max-disagreement", help="Default early-exit "
+                                                     "target of every request (calibrated; implies --exits)."),
+    speculate: Optional[str] = typer.Option(None, "--speculate", help="Default self-speculation of every "
+                                            "request: K draft tokens or 'auto' (lossless; implies --exits)."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="Power budget, W: the sliding-window "
                                               "average board power the controller holds (over the watts of "
@@ -41,7 +47,8 @@ def serve(
     with cli_errors():
         cfg = load_config(config).replace(root=root, run_dir=run_dir, host=host, port=port, token=token,
                                           backend=backend, model_dir=model, max_batch=max_batch,
-                                          kv_cache=kv_cache, log_level=log_level,
+                                          kv_cache=kv_cache, log_level=log_level, exits=exits,
+                                          max_disagreement=max_disagreement, speculate=speculate,
                                           power_cap_w=power_cap)
         setup_logging(cfg.log_level)
         code = Service(cfg).run()

@@ -85,6 +85,8 @@ class EngineCore:
             self.output.add_energy(plan, joules)
         if self.metrics:
             self.metrics.on_step(plan, out.elapsed_s, joules)
+            if out.depth is not None:
+                self.metrics.on_depth(out.depth)
         outputs: list[RequestOutput] = []
         for ev in self.scheduler.update(plan, out):
             outs, stopped = self.output.process(ev, self.energy_available)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from agent.engine.executor import ChainExecutor, _Sampler, sample, warp
-from agent.engine.types import SeqChunk, StepOutput, StepPlan, TokenLogprob
+from agent.engine.types import DepthStats, SeqChunk, StepOutput, StepPlan, TokenLogprob
 from partition.config import ModelConfig
 from partition.exits.heads import Calibration, ExitHeads, pick_calibration, read_record
 from partition.exits.runtime import ExitChain, RowState
@@ -31,7 +31,7 @@ from partition.runners.chain import Chain
 
 @dataclass
 class ExitStats:
-    """Counts over every exit-mode or speculative token since the executor started."""
+    """Counts over every exit-mode or speculative token since the executor started (or reset)."""
 
     n_layers: int
     tokens: int = 0
@@ -40,7 +40,19 @@ class ExitStats:
     rounds: int = 0  # speculative rounds
     drafted: int = 0
     accepted: int = 0
+    accepted_lengths: dict[int, int] = field(default_factory=dict)  # accepted drafts in a round -> rounds
     targets: dict[str, str] = field(default_factory=dict)  # request -> calibration used
+
+    def add(self, step: DepthStats) -> None:
+        for layer, n in step.exits:
+            self.exits[layer] = self.exits.get(layer, 0) + n
+        self.tokens += step.tokens
+        self.deep_passes += step.deep_passes
+        self.rounds += len(step.accepted)
+        self.drafted += step.drafted
+        self.accepted += sum(step.accepted)
+        for a in step.accepted:
+            self.accepted_lengths[a] = self.accepted_lengths.get(a, 0) + 1
 
     def as_dict(self) -> dict[str, object]:
         n = max(1, self.tokens)
@@ -48,14 +60,35 @@ class ExitStats:
             "decode_tokens": self.tokens,
             "exits_per_layer": {str(l): c for l, c in sorted(self.exits.items())},
             "exit_rate_per_layer": {str(l): round(c / n, 4) for l, c in sorted(self.exits.items())},
+            "full_depth_tokens": self.exits.get(self.n_layers, 0),
             "deep_passes": self.deep_passes,
             "deep_passes_per_token": round(self.deep_passes / n, 4),
             "speculative_rounds": self.rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "mean_accepted_draft_length": round(self.accepted / self.rounds, 3) if self.rounds else None,
+            "accepted_draft_length_rounds": {str(a): c for a, c in sorted(self.accepted_lengths.items())},
             "calibration": dict(self.targets),
         }
+
+
+class _StepDepth:
+    """One step's `DepthStats`, added to as the rows run."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.n_layers = n_layers
+        self.exits: dict[int, int] = {}
+        self.deep_passes = self.drafted = 0
+        self.accepted: list[int] = []
+
+    def token(self, layer: int, n: int = 1) -> None:
+        self.exits[layer] = self.exits.get(layer, 0) + n
+
+    def freeze(self) -> DepthStats | None:
+        if not self.exits:
+            return None
+        return DepthStats(self.n_layers, tuple(sorted(self.exits.items())), self.deep_passes, self.drafted,
+                          tuple(self.accepted))
 
 
 def step_costs(cfg: ModelConfig) -> tuple[float, float, float]:
@@ -165,14 +198,18 @@ class ExitExecutor(ChainExecutor):
         if plain:
             plain_tokens, logprobs = self._forward(plain)
             tokens.update(plain_tokens)
+        depth = _StepDepth(self.exits.n_layers)
         for c in special:
             s = self.samplers[c.req_id]
             if s.params.speculate:
-                emitted = self._speculate(c, s)
+                emitted = self._speculate(c, s, depth)
                 tokens[c.req_id], more[c.req_id] = emitted[0], tuple(emitted[1:])
             else:
-                tokens[c.req_id] = self._exit_step(c, s)
-        return StepOutput(tokens, time.perf_counter() - t0, more, logprobs)
+                tokens[c.req_id] = self._exit_step(c, s, depth)
+        step = depth.freeze()
+        if step is not None:
+            self.stats.add(step)
+        return StepOutput(tokens, time.perf_counter() - t0, more, logprobs, step)
 
     def _mode(self, c: SeqChunk) -> str | None:
         p = self.samplers[c.req_id].params
@@ -185,7 +222,7 @@ class ExitExecutor(ChainExecutor):
         return st
 
     # -- early exits ----------------------------------------------------------------------------
-    def _exit_step(self, c: SeqChunk, s: _Sampler) -> int:
+    def _exit_step(self, c: SeqChunk, s: _Sampler, depth: _StepDepth) -> int:
         st = self._row(c)
         if c.req_id not in self.calibration:
             assert s.params.max_disagreement is not None
@@ -201,13 +238,12 @@ class ExitExecutor(ChainExecutor):
         s.history.extend(c.token_ids)
         before = st.deep_passes
         res = self.exits.step(st, c.slot, c.token_ids[0], c.start_pos, decide if thresholds else None)
-        self.stats.deep_passes += st.deep_passes - before
-        self.stats.tokens += 1
-        self.stats.exits[res.layer] = self.stats.exits.get(res.layer, 0) + 1
+        depth.deep_passes += st.deep_passes - before
+        depth.token(res.layer)
         return sample(res.logits, s.params, s.history, s.rng)
 
     # -- self-speculation -----------------------------------------------------------------------
-    def _speculate(self, c: SeqChunk, s: _Sampler) -> list[int]:
+    def _speculate(self, c: SeqChunk, s: _Sampler, depth: _StepDepth) -> list[int]:
         st = self._row(c)
         p = c.start_pos
         if s.params.speculate not in self.draft_layer:
@@ -231,7 +267,7 @@ class ExitExecutor(ChainExecutor):
             drafts.append(token)
         before = st.deep_passes
         logits = self.exits.finish(st, c.slot)[-(k + 1):]  # (k + 1, V): positions p .. p + k
-        self.stats.deep_passes += st.deep_passes - before
+        depth.deep_passes += st.deep_passes - before
         # target i sees the drafts before it: it only matters when all of them were accepted
         targets = [warp(logits[i], s.params, hist + drafts[:i]) for i in range(k + 1)]
         out = accept(drafts, q, targets, s.params.temperature == 0, s.rng)
@@ -239,11 +275,9 @@ class ExitExecutor(ChainExecutor):
         self.exits.rollback(st, p + len(out))  # cache: t0 and the accepted drafts, not the last token
         s.history.extend(c.token_ids)
         s.history.extend(out[:-1])
-        self.stats.rounds += 1
-        self.stats.drafted += k
-        self.stats.accepted += accepted
-        self.stats.tokens += len(out)
-        self.stats.exits[self.exits.n_layers] = self.stats.exits.get(self.exits.n_layers, 0) + len(out)
+        depth.drafted += k
+        depth.accepted.append(accepted)
+        depth.token(self.exits.n_layers, len(out))  # every emitted token is the full model's
         return out
 
 

@@ -161,6 +161,22 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class DepthStats:
+    """What early exits and self-speculation did in one step (agent.engine.speculative), for metrics:
+    the depth each emitted token's logits were read at, deep passes, drafts and accepted lengths."""
+
+    n_layers: int
+    exits: tuple[tuple[int, int], ...] = ()  # (layer the logits were read after, tokens); n_layers = full depth
+    deep_passes: int = 0  # runs of the last slice
+    drafted: int = 0  # draft tokens proposed
+    accepted: tuple[int, ...] = ()  # per speculative round: draft tokens the full model accepted
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.exits)
+
+
+@dataclass(frozen=True)
 class StepOutput:
     tokens: Mapping[str, int]  # req_id -> sampled token, for chunks with sample=True
     elapsed_s: float = 0.0
@@ -170,6 +186,7 @@ class StepOutput:
     # req_id -> one entry per emitted token (tokens[req_id], then more[req_id]), for rows whose
     # SamplingParams.logprobs is set
     logprobs: Mapping[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+    depth: DepthStats | None = None  # rows that exited early or speculated in this step (None: none did)
 
 
 @dataclass(frozen=True)
@@ -257,6 +274,7 @@ class EngineMetrics(Protocol):
     def on_finished(self, reason: str, usage: Usage) -> None: ...
     def on_queue(self, waiting: int, running: int) -> None: ...
     def on_phase(self, kind: str) -> None: ...
+    def on_depth(self, depth: DepthStats) -> None: ...
 
 
 _ids = itertools.count()
