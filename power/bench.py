@@ -27,6 +27,7 @@ from typing import Any, Callable
 from power.bench_run import BASELINES, PolicyRun, Tally, pct
 from power.physics.boards import board_for
 from power.physics.costmodel import PRECISIONS, model_shape
+from power.physics.exitcost import parse_exit_rates
 from power.policy.dvfs import PhaseIn
 from power.policy.profiles import ProfileStore
 from power.traces import Request, make_trace
@@ -54,6 +55,8 @@ class BenchConfig:
     fan: str = "daemon"             # "daemon": nvfancontrol drives it; "off": no fan / failed fan
     policies: tuple[str, ...] = ()  # empty: every baseline, every shipped profile, auto
     profile_dir: str | None = None
+    exit_rates: str | None = None   # early exits credited in decode steps: "2/8:0.034,..." (power.physics.exitcost)
+    exit_gate: bool = False         # price an ideal gate (an exit head computed only where a token leaves)
 
 
 @dataclass
@@ -173,6 +176,7 @@ def run_bench(cfg: BenchConfig, driver: Driver = simple_driver) -> list[PolicyRe
         raise ValueError(str(exc.args[0])) from None
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"unknown precision {cfg.precision!r}; allowed: {', '.join(PRECISIONS)}")
+    exits = parse_exit_rates(cfg.exit_rates) if cfg.exit_rates else None
     if cfg.fan not in ("daemon", "off", "ours"):
         raise ValueError(f"unknown fan setting {cfg.fan!r}; allowed: daemon, ours, off")
     known = (*BASELINES, *ProfileStore(cfg.profile_dir).names(), "auto")
@@ -187,7 +191,8 @@ def run_bench(cfg: BenchConfig, driver: Driver = simple_driver) -> list[PolicyRe
             store.load_doc("auto", AUTO_DOC) if policy == "auto" else store.load(policy))
         with tempfile.TemporaryDirectory(prefix="orin-bench-", dir=_tmp_base()) as d:
             run = PolicyRun(cfg.board, cfg.l4t, cfg.shape, cfg.precision, policy, Path(d),
-                            ambient_c=cfg.ambient_c, fan=cfg.fan, profile=profile)
+                            ambient_c=cfg.ambient_c, fan=cfg.fan, profile=profile, exits=exits,
+                            exit_gate=cfg.exit_gate)
             try:
                 results.append(result(run, driver(run, trace, cfg), len(trace), cfg.duration_s))
             finally:

@@ -24,6 +24,7 @@ from power.bench import AUTO_DOC, BenchConfig, Driver, _tmp_base, result, simple
 from power.bench_run import BASELINES, MODE_PREFIX, PolicyRun
 from power.physics.boards import BoardSpec, board_for
 from power.physics.costmodel import PRECISIONS, model_shape
+from power.physics.exitcost import parse_exit_rates
 from power.policy.budget import Budget, BudgetState
 from power.policy.profiles import ProfileStore
 from power.powercap import install
@@ -106,7 +107,8 @@ def _run_one(cfg: BenchConfig, policy: str, trace: tuple[Request, ...], store: P
         profile = store.load_doc("auto", AUTO_DOC) if policy == "auto" else store.load(policy)
     with tempfile.TemporaryDirectory(prefix="orin-bench-", dir=_tmp_base()) as d:
         run = PolicyRun(cfg.board, cfg.l4t, cfg.shape, cfg.precision, policy, Path(d),
-                        ambient_c=cfg.ambient_c, fan=cfg.fan, profile=profile)
+                        ambient_c=cfg.ambient_c, fan=cfg.fan, profile=profile,
+                        exits=parse_exit_rates(cfg.exit_rates) if cfg.exit_rates else None, exit_gate=cfg.exit_gate)
         if budget is not None:
             assert run.loop is not None
             install(run.loop, budget, lambda: run.twin.state.power.board_w)    # the rails as the twin has them

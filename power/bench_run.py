@@ -21,6 +21,7 @@ from power.control import open_session
 from power.hw.backends import open_board
 from power.physics.boards import board_for
 from power.physics.costmodel import OperatingPoint, StepCost, decode_step, model_shape, prefill_step
+from power.physics.exitcost import ExitRates, exit_decode_step
 from power.policy.dvfs import PhaseIn
 from power.policy.profiles import Profile
 from power.policy.thermal import ZoneSample
@@ -63,8 +64,10 @@ class PolicyRun:
     """One policy on one twin tree (made fresh under ``root``)."""
 
     def __init__(self, board: str, l4t: str, shape: str, precision: str, policy: str, root: Path, *,
-                 ambient_c: float = 25.0, fan: str = "daemon", profile: Profile | None = None) -> None:
+                 ambient_c: float = 25.0, fan: str = "daemon", profile: Profile | None = None,
+                 exits: ExitRates | None = None, exit_gate: bool = False) -> None:
         self.policy, self.precision = policy, precision
+        self.exits, self.exit_gate = exits, exit_gate  # decode steps priced with early exits
         self.spec = board_for(board, l4t)
         self.shape = model_shape(shape)
         create_twin(root, board, l4t)
@@ -216,8 +219,12 @@ class PolicyRun:
         c = self._costs.get(key)
         if c is None:
             op = OperatingPoint(gpu, emc, tpcs)
-            c = (prefill_step(self.spec, self.shape, self.precision, op, size, context) if kind == "prefill"
-                 else decode_step(self.spec, self.shape, self.precision, op, size, batch))
+            if kind == "prefill":
+                c = prefill_step(self.spec, self.shape, self.precision, op, size, context)
+            elif self.exits is not None:
+                c = exit_decode_step(self.spec, self.shape, self.precision, op, size, batch, self.exits, self.exit_gate)
+            else:
+                c = decode_step(self.spec, self.shape, self.precision, op, size, batch)
             self._costs[key] = c
         return c
 

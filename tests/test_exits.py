@@ -144,9 +144,14 @@ def test_cli_speculate_keeps_greedy_text_and_json_reports_exit_statistics(tiny_e
 
     plain, spec = gen(), gen("--speculate", "3")
     assert spec["token_ids"] == plain["token_ids"]
-    assert spec["exit_stats"]["speculative_rounds"] > 0
+    st = spec["exit_stats"]
+    assert st["speculative_rounds"] > 0 and st["full_depth_tokens"] == st["decode_tokens"] == 23
+    assert sum(st["accepted_draft_length_rounds"].values()) == st["speculative_rounds"]
+    assert sum(int(a) * n for a, n in st["accepted_draft_length_rounds"].items()) == st["accepted"]
+    assert st["drafted"] >= st["accepted"] and st["deep_passes"] == st["speculative_rounds"]
     early = gen("--max-disagreement", "0.05")
     assert set(early["exit_stats"]["exits_per_layer"]) == {"1"}  # the record's threshold 0 at layer 1
+    assert early["exit_stats"]["full_depth_tokens"] == 0 and early["exit_stats"]["deep_passes_per_token"] == 0
     bad = CliRunner().invoke(app, ["generate", "x", "--model", str(tiny_exits), "--speculate", "many"])
     assert bad.exit_code == 2 and "--speculate takes" in bad.output
 

@@ -89,14 +89,19 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
           power_cap: Optional[float] = typer.Option(None, "--power-cap", min=0.1, help="Watts: the budgeted "
                                                     "controller beside the nvpmodel mode of that wattage."),
           budget_window: float = typer.Option(10.0, "--budget-window", min=1.0, help="The budget's sliding "
-                                              "window, s (with --power-cap).")) -> None:
+                                              "window, s (with --power-cap)."),
+          exit_rates: Optional[str] = typer.Option(None, "--exit-rates", help="Credit early exits in decode: "
+                                                   "measured rates as LAYER/LAYERS:RATE, e.g. 2/8:0.034,4/8:0.027,"
+                                                   "6/8:0.035 (exits.json's held_out exit_rate_per_layer)."),
+          exit_gate: bool = typer.Option(False, "--exit-gate", help="With --exit-rates: price an ideal gate "
+                                         "(exit heads computed only where a token leaves).")) -> None:
     """Energy per token, TTFT/TPOT, peak power and temperature per policy, side by side."""
     from agent.benchpower import run_power_bench
     from power.bench import BenchConfig, compare, default_out_dir, save_results
 
     with cli_errors():
         cfg = BenchConfig(board, l4t, shape, precision, trace, ambient, duration, seed, max_batch, fan,
-                          tuple(policy), str(profile_dir))
+                          tuple(policy), str(profile_dir), exit_rates, exit_gate)
         if power_cap is not None:
             _capped(cfg, power_cap, budget_window, out or default_out_dir(), json_out)
             return

@@ -168,6 +168,7 @@ class ExitExecutor(ChainExecutor):
         self.exits = ExitChain(chain, heads)
         self.model_dir = model_dir
         self.rows: dict[str, RowState] = {}
+        self.prompt_len: dict[str, int] = {}  # tokens prefilled: how many a row has emitted follows from its position
         self.calibration: dict[str, Calibration | None] = {}
         self.stats = ExitStats(self.exits.n_layers)
         self.draft_layer: dict[int, int] = {}  # k -> the exit layer that drafts
@@ -183,6 +184,7 @@ class ExitExecutor(ChainExecutor):
         for rid in plan.released:
             self.rows.pop(rid, None)
             self.calibration.pop(rid, None)
+            self.prompt_len.pop(rid, None)
         self._start(plan)
         special = [c for c in plan.chunks if self._mode(c) is not None]
         plain = [c for c in plan.chunks if self._mode(c) is None]
@@ -194,6 +196,7 @@ class ExitExecutor(ChainExecutor):
             tokens, logprobs = self._forward(plan.chunks)  # every layer of every row: the caches are whole
             for c in special:
                 self.rows[c.req_id] = self.exits.new_row(c.start_pos + len(c.token_ids))
+                self.prompt_len[c.req_id] = c.start_pos + len(c.token_ids)
             return StepOutput(tokens, time.perf_counter() - t0, logprobs=logprobs)
         if plain:
             plain_tokens, logprobs = self._forward(plain)
@@ -250,7 +253,10 @@ class ExitExecutor(ChainExecutor):
             self.draft_layer[s.params.speculate] = choose_draft(self.model_dir, self.exits.n_layers,
                                                                 s.params.speculate)[0]
         layer = self.draft_layer[s.params.speculate]
-        k = max(0, min(s.params.speculate, self.max_seq - 2 - p))
+        # no drafts past the request's budget: a round emits up to k + 1 tokens, and the row has emitted
+        # p - prompt + 1 (the token fed now is its latest)
+        left = s.params.max_tokens - (p - self.prompt_len.get(c.req_id, p) + 1)
+        k = max(0, min(s.params.speculate, self.max_seq - 2 - p, left - 1))
         hist = list(s.history) + list(c.token_ids)
         drafts: list[int] = []
         q: list[torch.Tensor] = []  # the draft distributions (sampling only)
