@@ -112,6 +112,25 @@ def speedup_estimate(agreement: float, k: int, draft_layer: int, cfg: ModelConfi
     return tokens / cost
 
 
+def paying_layers(cal: Calibration, cfg: ModelConfig) -> frozenset[int]:
+    """The exit layers whose head is worth computing for this calibration: a finite threshold, and,
+    where the calibration measured held-out exit rates, expected savings over the head's cost in
+    weights read (`step_costs`): rate(l) * (N - l) layers > P(a token reaches l) * (LM head +
+    translator). The skipped layers of an exited token still run later (the backlog), batched, so
+    they are counted as saved weight reads, not saved compute. Leaving a layer out can only lower
+    the disagreement: each layer's threshold is certified on its own (Bonferroni split)."""
+    layer, head, translator = step_costs(cfg)
+    n, reach, out = cfg.n_layers, 1.0, set()
+    for l in sorted(cal.thresholds):
+        if cal.thresholds[l] == float("inf"):
+            continue
+        r = cal.exit_rates.get(l)
+        if r is None or r * (n - l) * layer > reach * (head + translator):
+            out.add(l)
+        reach -= r or 0.0
+    return frozenset(out)
+
+
 def choose_draft(model_dir: Path, n_layers: int, k: int | None) -> tuple[int, int]:
     """(draft exit layer, k): for a given k the layer whose held-out agreement gives the best
     `speedup_estimate`; for k=None (auto) the best pair with k in 1..8, or k=0 (no speculation)
@@ -163,10 +182,20 @@ def accept(drafts: list[int], q: list[torch.Tensor], targets: list[torch.Tensor]
 
 
 class ExitExecutor(ChainExecutor):
-    def __init__(self, chain: Chain, heads: ExitHeads, model_dir: Path) -> None:
+    """exit_heads: "paying" computes an exit head only at the layers `paying_layers` finds worth it
+    (a request with none runs as a plain row, batched with the others); "all" at every exit layer."""
+
+    def __init__(self, chain: Chain, heads: ExitHeads, model_dir: Path, exit_heads: str = "paying") -> None:
         super().__init__(chain)
+        if exit_heads not in ("paying", "all"):
+            raise ValueError(f"exit_heads must be 'paying' or 'all', got {exit_heads!r}")
         self.exits = ExitChain(chain, heads)
         self.model_dir = model_dir
+        self.exit_heads = exit_heads
+        from partition.config import load_config
+
+        self.cfg = load_config(model_dir)
+        self.heads_at: dict[str, frozenset[int] | None] = {}  # request -> exit layers it computes heads at
         self.rows: dict[str, RowState] = {}
         self.prompt_len: dict[str, int] = {}  # tokens prefilled: how many a row has emitted follows from its position
         self.calibration: dict[str, Calibration | None] = {}
@@ -185,6 +214,7 @@ class ExitExecutor(ChainExecutor):
             self.rows.pop(rid, None)
             self.calibration.pop(rid, None)
             self.prompt_len.pop(rid, None)
+            self.heads_at.pop(rid, None)
         self._start(plan)
         special = [c for c in plan.chunks if self._mode(c) is not None]
         plain = [c for c in plan.chunks if self._mode(c) is None]
@@ -197,11 +227,13 @@ class ExitExecutor(ChainExecutor):
             for c in special:
                 self.rows[c.req_id] = self.exits.new_row(c.start_pos + len(c.token_ids))
                 self.prompt_len[c.req_id] = c.start_pos + len(c.token_ids)
-            return StepOutput(tokens, time.perf_counter() - t0, logprobs=logprobs)
+            step = self._count_plain(plan.chunks) if plan.kind == "decode" else None
+            return StepOutput(tokens, time.perf_counter() - t0, logprobs=logprobs, depth=step)
+        depth = _StepDepth(self.exits.n_layers)
         if plain:
             plain_tokens, logprobs = self._forward(plain)
             tokens.update(plain_tokens)
-        depth = _StepDepth(self.exits.n_layers)
+            self._count_plain(plain, depth)
         for c in special:
             s = self.samplers[c.req_id]
             if s.params.speculate:
@@ -214,9 +246,42 @@ class ExitExecutor(ChainExecutor):
             self.stats.add(step)
         return StepOutput(tokens, time.perf_counter() - t0, more, logprobs, step)
 
+    def _count_plain(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], depth: _StepDepth | None = None
+                     ) -> DepthStats | None:
+        """Exit-mode rows that compute no head ran plain, at full depth: count them as such (into
+        `depth`, or into a step record of their own, added to the stats, when `depth` is None)."""
+        own = depth is None
+        d = _StepDepth(self.exits.n_layers) if depth is None else depth
+        for c in chunks:
+            if self.samplers[c.req_id].params.max_disagreement is not None:
+                d.token(self.exits.n_layers)
+                d.deep_passes += 1
+        if not own:
+            return None
+        step = d.freeze()
+        if step is not None:
+            self.stats.add(step)
+        return step
+
     def _mode(self, c: SeqChunk) -> str | None:
         p = self.samplers[c.req_id].params
-        return "speculate" if p.speculate else ("exit" if p.max_disagreement is not None else None)
+        if p.speculate:
+            return "speculate"
+        if p.max_disagreement is None:
+            return None
+        at = self._heads_at(c.req_id, p.max_disagreement)
+        return None if at is not None and not at else "exit"
+
+    def _heads_at(self, rid: str, max_disagreement: float) -> frozenset[int] | None:
+        """The exit layers this request computes heads at (None: every one; empty: none, so it runs plain)."""
+        if rid not in self.calibration:
+            cal = pick_calibration(self.model_dir, max_disagreement)
+            self.calibration[rid] = cal
+            at = None if self.exit_heads == "all" else (paying_layers(cal, self.cfg) if cal else frozenset())
+            self.heads_at[rid] = at
+            self.stats.targets[rid] = (f"target {cal.target}" if cal else "none that strict") + \
+                ("" if at is None else f"; heads at {sorted(at)}" if at else "; no exit layer pays for its head: full depth")
+        return self.heads_at[rid] if self.calibration[rid] is not None else frozenset()
 
     def _row(self, c: SeqChunk) -> RowState:
         st = self.rows.get(c.req_id)
@@ -227,11 +292,6 @@ class ExitExecutor(ChainExecutor):
     # -- early exits ----------------------------------------------------------------------------
     def _exit_step(self, c: SeqChunk, s: _Sampler, depth: _StepDepth) -> int:
         st = self._row(c)
-        if c.req_id not in self.calibration:
-            assert s.params.max_disagreement is not None
-            cal = pick_calibration(self.model_dir, s.params.max_disagreement)
-            self.calibration[c.req_id] = cal
-            self.stats.targets[c.req_id] = f"target {cal.target}" if cal else "none that strict: full depth"
         cal = self.calibration[c.req_id]
         thresholds = cal.thresholds if cal else {}
 
@@ -240,7 +300,8 @@ class ExitExecutor(ChainExecutor):
 
         s.history.extend(c.token_ids)
         before = st.deep_passes
-        res = self.exits.step(st, c.slot, c.token_ids[0], c.start_pos, decide if thresholds else None)
+        res = self.exits.step(st, c.slot, c.token_ids[0], c.start_pos, decide if thresholds else None,
+                              heads_at=self.heads_at.get(c.req_id))
         depth.deep_passes += st.deep_passes - before
         depth.token(res.layer)
         return sample(res.logits, s.params, s.history, s.rng)
@@ -288,7 +349,8 @@ class ExitExecutor(ChainExecutor):
 
 
 def load_exit_executor(model: Path, backend: str = "torch", slices: str | None = None,
-                       max_seq: int | None = None, device: str = "cpu", max_batch: int = 1) -> ExitExecutor:
+                       max_seq: int | None = None, device: str = "cpu", max_batch: int = 1,
+                       exit_heads: str = "paying") -> ExitExecutor:
     """A chain cut at the exit layers (and any slices asked for) with the heads beside the model."""
     from partition.checkpoint import load_model
     from partition.config import load_config
@@ -304,4 +366,4 @@ def load_exit_executor(model: Path, backend: str = "torch", slices: str | None =
     bounds = [0, *sorted(cuts), n]
     chain = load_chain(model, backend=backend, slices=",".join(f"{a}:{b}" for a, b in zip(bounds, bounds[1:])),
                        max_seq=max_seq, max_batch=max_batch, device=device, cuda_graphs=False)
-    return ExitExecutor(chain, heads, Path(model))
+    return ExitExecutor(chain, heads, Path(model), exit_heads)

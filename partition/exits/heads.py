@@ -9,7 +9,7 @@ adds: target disagreement -> per-layer thresholds).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -88,6 +88,8 @@ class Calibration:
     target: float  # the disagreement with the full model that was asked for
     confidence: float  # 1 - delta of the Learn-then-Test guarantee
     thresholds: dict[int, float]  # exit layer -> lowest certified threshold (inf: never exit there)
+    # exit layer -> share of held-out tokens that left there with these thresholds (empty: not measured)
+    exit_rates: dict[int, float] = field(default_factory=dict)
 
 
 def read_record(model_dir: str | Path) -> dict[str, object]:
@@ -114,7 +116,9 @@ def calibrations(model_dir: str | Path) -> list[Calibration]:
     out = []
     for c in read_record(model_dir).get("calibrations", []):  # type: ignore[union-attr]
         th = {int(k): (float("inf") if v is None else float(v)) for k, v in c["thresholds"].items()}
-        out.append(Calibration(float(c["target"]), float(c["confidence"]), th))
+        rates = dict(c.get("held_out", {}).get("exit_rate_per_layer", {}))
+        out.append(Calibration(float(c["target"]), float(c["confidence"]), th,
+                               {int(l): float(r) for l, r in rates.items() if int(l) in th}))
     return sorted(out, key=lambda c: c.target)
 
 

@@ -15,7 +15,7 @@ are written by position, so forgetting a position is moving `filled` back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 import torch
@@ -76,9 +76,10 @@ class ExitChain:
 
     @torch.inference_mode()
     def step(self, st: RowState, slot: int, token: int, pos: int, decide: Decide | None = None,
-             stop_at: int | None = None) -> StepResult:
+             stop_at: int | None = None, heads_at: Collection[int] | None = None) -> StepResult:
         """Feed `token` at `pos`; leave after the first exit layer where `decide` says so (or at
-        `stop_at`, without computing its head: a draft's last token), else run to full depth."""
+        `stop_at`, without computing its head: a draft's last token), else run to full depth.
+        heads_at: the exit layers whose head is computed at all (None: every one)."""
         if st.filled[0] != pos:
             raise ValueError(f"row is at position {st.filled[0]}, asked to feed position {pos}")
         res = StepResult(torch.empty(0), self.n_layers)
@@ -93,7 +94,7 @@ class ExitChain:
             if layer is not None and layer == stop_at:
                 res.layer = layer
                 return res
-            if layer is not None and decide is not None:
+            if layer is not None and decide is not None and (heads_at is None or layer in heads_at):
                 logits = self.heads(layer, out[0, -1]).float()
                 res.head_evals += 1
                 if decide(layer, logits):
