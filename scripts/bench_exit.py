@@ -6,11 +6,16 @@
   prefix, from one teacher-forced full-depth pass), exit rate per layer, deep passes per token;
 - self-speculation for each k: speedup, mean accepted draft length, and whether the greedy output
   equals full depth token for token;
-- the LM head's share of a full-depth decode step (what an exit pays for its head).
+- the LM head's share of a full-depth decode step, the cost of one exit-head evaluation (translator,
+  final norm, LM head, softmax max) in full-step units, and from them and the calibrated held-out exit
+  rates the ceiling speedup of each target (with and without paying for the heads);
+- exits with the head computed at every exit layer ("all heads") beside the default, where a head is
+  computed only at layers whose held-out exit rate pays for it (`paying_layers`).
 
     python scripts/bench_exit.py --prompts 8 --new-tokens 64 --json > /tmp/bench_exit.json
 
-Timing on a shared machine is noisy: variants are interleaved per prompt and the medians reported.
+Timing on a shared machine is noisy: variants are interleaved per prompt (full depth first and last)
+and the medians reported.
 """
 from __future__ import annotations
 
@@ -59,23 +64,56 @@ def disagreement(model: torch.nn.Module, prompt: list[int], out: tuple[int, ...]
 
 
 @torch.no_grad()
-def lm_head_share(model_dir: Path, reps: int = 200) -> float:
-    """Time of norm + LM head for one token over a whole one-token decode step (8 layers + head)."""
+def step_shares(model_dir: Path, reps: int = 200) -> dict[str, float]:
+    """Times of one full-depth one-token decode step (8 layers + head), of its norm + LM head, and of
+    one exit-head evaluation as the runtime does it (translator, norm, LM head, softmax max), median
+    of 5 interleaved rounds; the last two as shares of the step."""
+    import numpy as np
+
+    from partition.exits.heads import load_heads
+
     core = load_core(model_dir)
     chain = core.executor.chain  # type: ignore[attr-defined]
-    import numpy as np
     chain.forward(np.zeros((1, 16), np.int32), np.arange(16, dtype=np.int32)[None])
     m = chain.runners[0].module
+    heads = load_heads(load_model(model_dir), model_dir)
     h = torch.randn(1, 1, m.config.hidden_size)
-    t0 = time.perf_counter()
-    for i in range(reps):
-        chain.forward(np.zeros((1, 1), np.int32), np.array([[16]], np.int32))
-    step = (time.perf_counter() - t0) / reps
-    t0 = time.perf_counter()
-    for i in range(reps):
-        m.lm_head(m.norm(h))
-    head = (time.perf_counter() - t0) / reps
-    return head / step
+    layer = heads.layers[0]
+
+    def timed(fn: object) -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()  # type: ignore[operator]
+        return (time.perf_counter() - t0) / reps
+
+    rounds = [(timed(lambda: chain.forward(np.zeros((1, 1), np.int32), np.array([[16]], np.int32))),
+               timed(lambda: m.lm_head(m.norm(h))),
+               timed(lambda: float(torch.softmax(heads(layer, h[0, -1]).float(), -1).max())))
+              for _ in range(5)]
+    step, head, exit_head = (statistics.median(r[i] for r in rounds) for i in range(3))
+    return {"step_ms": round(step * 1e3, 3), "lm_head_share_of_step": round(head / step, 4),
+            "exit_head_share_of_step": round(exit_head / step, 4)}
+
+
+def ceilings(model_dir: Path, head_share: float, exit_head_share: float) -> list[dict[str, object]]:
+    """Per calibrated target, from its held-out exit rates r_l: the speedup if skipped layers were free
+    and heads cost nothing, 1 / (1 - sum r_l (N - l) / N * body), body = 1 - LM-head share; and the same
+    paying one exit head per exit layer a token reaches (what computing every head costs)."""
+    from partition.config import load_config
+
+    n = load_config(model_dir).n_layers
+    out = []
+    for c in calibrations(model_dir):
+        saved = sum(r * (n - l) / n for l, r in c.exit_rates.items()) * (1 - head_share)
+        reach, heads = 1.0, 0.0
+        for l in sorted(c.exit_rates):
+            heads += reach
+            reach -= c.exit_rates[l]
+        out.append({"target": c.target, "held_out_exit_rate_per_layer": {str(l): r for l, r in sorted(c.exit_rates.items())},
+                    "ceiling_free_heads": round(1 / (1 - saved), 3),
+                    "ceiling_paying_every_head": round(1 / (1 - saved + heads * exit_head_share), 3),
+                    "heads_per_token": round(heads, 3)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,10 +134,14 @@ def main(argv: list[str] | None = None) -> None:
     ks = [int(k) for k in args.speculate.split(",") if k]
     plain = load_core(args.model)
     exit_core = load_core(args.model, exits=True)
+    from agent.engine.core import EngineCore
+    from agent.engine.speculative import load_exit_executor
+
+    all_core = EngineCore(load_exit_executor(args.model, exit_heads="all"), plain.tokenizer)
     model = load_model(args.model)
     base = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     times: dict[str, list[float]] = {"full": []}
-    wrong = {t: [0, 0] for t in targets}
+    wrong: dict[object, list[int]] = {t: [0, 0] for t in targets}
     same = {k: True for k in ks}
     stats: dict[str, dict[str, object]] = {}
     for p in prompts:
@@ -114,12 +156,22 @@ def main(argv: list[str] | None = None) -> None:
             wrong[t][0] += w
             wrong[t][1] += n
             _merge(stats.setdefault(f"exit {t}", {}), exit_core.executor.exit_stats())  # type: ignore[attr-defined]
+            all_core.executor.reset_stats()  # type: ignore[attr-defined]
+            out, dt = run(all_core, p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, max_disagreement=t))
+            times.setdefault(f"exit {t} all heads", []).append(dt)
+            w, n = disagreement(model, p, out)
+            wrong.setdefault(f"{t} all", [0, 0])
+            wrong[f"{t} all"][0] += w
+            wrong[f"{t} all"][1] += n
+            _merge(stats.setdefault(f"exit {t} all heads", {}), all_core.executor.exit_stats())  # type: ignore[attr-defined]
         for k in ks:
             exit_core.executor.reset_stats()  # type: ignore[attr-defined]
             out, dt = run(exit_core, p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, speculate=k))
             times.setdefault(f"speculate {k}", []).append(dt)
             same[k] &= out == ref
             _merge(stats.setdefault(f"speculate {k}", {}), exit_core.executor.exit_stats())  # type: ignore[attr-defined]
+        # full depth again, last: the first variant after a prompt's teacher-forced passes runs slower
+        times["full"].append(run(plain, p, base)[1])
     full = statistics.median(times["full"])
     rows = []
     for name, ts in times.items():
@@ -127,22 +179,26 @@ def main(argv: list[str] | None = None) -> None:
         row: dict[str, object] = {"variant": name, "decode_tok_s": round(1 / med, 1), "speedup": round(full / med, 3)}
         if name.startswith("exit"):
             t = float(name.split()[1])
-            row["measured_disagreement"] = round(wrong[t][0] / max(1, wrong[t][1]), 4)
+            key: object = f"{t} all" if name.endswith("all heads") else t
+            row["measured_disagreement"] = round(wrong[key][0] / max(1, wrong[key][1]), 4)
         if name.startswith("speculate"):
             row["greedy_identical"] = same[int(name.split()[1])]
         if name in stats:
             row.update(_summary(stats[name]))
         rows.append(row)
+    shares = step_shares(args.model)
     result = {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
-              "date": time.strftime("%Y-%m-%d"), "prompts": args.prompts, "new_tokens": args.new_tokens,
-              "lm_head_share_of_step": round(lm_head_share(args.model), 3), "rows": rows}
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prompts": args.prompts,
+              "new_tokens": args.new_tokens, **shares,
+              "ceilings": ceilings(args.model, shares["lm_head_share_of_step"], shares["exit_head_share_of_step"]),
+              "rows": rows}
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         for r in rows:
             print(r)
-        print("LM head share of a decode step:", result["lm_head_share_of_step"])
+        print({k: v for k, v in result.items() if k != "rows"})
 
 
 def _merge(acc: dict[str, object], s: dict[str, object]) -> None:
