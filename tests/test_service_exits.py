@@ -142,3 +142,20 @@ def test_exit_mode_rules() -> None:
 def test_config_refuses_bad_exit_settings(over: dict) -> None:
     with pytest.raises(ConfigError):
         ServiceConfig(**over).validate()
+
+
+def test_heads_are_computed_only_where_the_exit_rate_pays() -> None:
+    from agent.engine.speculative import paying_layers, step_costs
+    from partition.config import load_config
+    from partition.exits.heads import Calibration, calibrations
+    from partition.paths import DEFAULT_MODEL_DIR
+
+    cfg = load_config(DEFAULT_MODEL_DIR)
+    layer, head, translator = step_costs(cfg)
+    pays = (head + translator) / ((cfg.n_layers - 2) * layer)  # the rate at which layer 2 breaks even
+    inf = float("inf")
+    assert paying_layers(Calibration(0.01, 0.9, {2: 0.9, 4: inf}, {2: pays * 1.1}), cfg) == {2}
+    assert paying_layers(Calibration(0.01, 0.9, {2: 0.9, 4: inf}, {2: pays * 0.9}), cfg) == frozenset()
+    assert paying_layers(Calibration(0.01, 0.9, {2: 0.9, 6: 0.5}), cfg) == {2, 6}  # no measured rates: all
+    # the shipped model's measured rates pay for no head at either target (docs/BENCHMARKS.md)
+    assert [paying_layers(c, cfg) for c in calibrations(DEFAULT_MODEL_DIR)] == [frozenset(), frozenset()]

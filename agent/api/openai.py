@@ -304,9 +304,8 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
         v = getattr(body, name)
         if v not in (None, 0, 0.0):
             raise BadRequest(f"{name} is not supported (use repetition_penalty)", name)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:
-        max_tokens = limits.default_max_tokens
+    max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                      limits.default_max_tokens)
     if max_tokens > limits.max_output_tokens:
         raise BadRequest(f"max_tokens must be between 1 and {limits.max_output_tokens}, got {max_tokens}",
                          "max_tokens")
@@ -315,14 +314,13 @@ def parse_request(kind: Literal["completion", "chat"], raw: bytes, tokenizer: Pr
         raise BadRequest(f"stop: at most {limits.max_stop_strings} non-empty strings of at most "
                          f"{limits.max_stop_chars} characters", "stop")
     logprobs = parse_logprobs(kind, body.logprobs, body.top_logprobs)
-    speculate, max_disagreement = exit_mode(body.orin_agent, limits.exits, logprobs is not None)
+    speculate, md = exit_mode(body.orin_agent, limits.exits, logprobs is not None)
     sampling = SamplingParams(
         max_tokens=max_tokens, temperature=_temperature(body.temperature),
         top_k=0 if body.top_k is None else body.top_k, top_p=_finite("top_p", body.top_p, 1e-9, 1.0, 1.0),
         repetition_penalty=_finite("repetition_penalty", body.repetition_penalty, 1e-3, 10.0, 1.0),
-        seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos),
-        logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size), logprobs=logprobs,
-        speculate=speculate, max_disagreement=max_disagreement)
+        seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos), speculate=speculate, max_disagreement=md,
+        logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size), logprobs=logprobs)
     include_usage = bool(body.stream_options and body.stream_options.get("include_usage") is True)
 
     if isinstance(body, CompletionBody):

@@ -279,8 +279,9 @@ class ExitExecutor(ChainExecutor):
             self.calibration[rid] = cal
             at = None if self.exit_heads == "all" else (paying_layers(cal, self.cfg) if cal else frozenset())
             self.heads_at[rid] = at
-            self.stats.targets[rid] = (f"target {cal.target}" if cal else "none that strict") + \
-                ("" if at is None else f"; heads at {sorted(at)}" if at else "; no exit layer pays for its head: full depth")
+            heads = "" if at is None else f"; heads at {sorted(at)}" if at else \
+                "; no exit layer pays for its head: full depth"
+            self.stats.targets[rid] = (f"target {cal.target}" if cal else "none that strict") + heads
         return self.heads_at[rid] if self.calibration[rid] is not None else frozenset()
 
     def _row(self, c: SeqChunk) -> RowState:
