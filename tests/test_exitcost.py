@@ -64,3 +64,13 @@ def test_energy_bench_credits_exits(tmp_path) -> None:  # noqa: ANN001
     plain = jpt()
     assert jpt(exit_rates="2/8:0.3,4/8:0.3,6/8:0.3", exit_gate=True) < 0.9 * plain
     assert jpt(exit_rates="2/8:0.0,4/8:0.0,6/8:0.0") > plain  # heads, nothing leaving: pure cost
+
+
+def test_bench_power_refuses_bad_exit_rates_in_one_line() -> None:
+    from typer.testing import CliRunner
+
+    from agent.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "power", "--policy", "balanced", "--duration", "5", "--no-plot",
+                                   "--exit-rates", "2:0.1"])
+    assert res.exit_code == 2 and "LAYER/LAYERS:RATE" in res.output and "Traceback" not in res.output
