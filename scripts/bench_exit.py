@@ -1,4 +1,4 @@
-"""Early exit and self-speculation on CPU, shipped model, held-out prompts (corpus 'test' split):
+"""Early exit and self-speculation on CPU or CUDA (`--device cuda`), shipped model, held-out prompts (corpus 'test' split):
 
 - full depth: decode tok/s (the plain one-slice chain, what `generate` runs without flags);
 - exits at each calibrated target: decode tok/s, speedup, and the disagreement actually measured on
@@ -64,7 +64,7 @@ def disagreement(model: torch.nn.Module, prompt: list[int], out: tuple[int, ...]
 
 
 @torch.no_grad()
-def step_shares(model_dir: Path, reps: int = 200) -> dict[str, float]:
+def step_shares(model_dir: Path, device: str = "cpu", reps: int = 200) -> dict[str, float]:
     """Times of one full-depth one-token decode step (8 layers + head), of its norm + LM head, and of
     one exit-head evaluation as the runtime does it (translator, norm, LM head, softmax max), median
     of 5 interleaved rounds; the last two as shares of the step."""
@@ -72,18 +72,20 @@ def step_shares(model_dir: Path, reps: int = 200) -> dict[str, float]:
 
     from partition.exits.heads import load_heads
 
-    core = load_core(model_dir)
+    core = load_core(model_dir, device=device)
     chain = core.executor.chain  # type: ignore[attr-defined]
     chain.forward(np.zeros((1, 16), np.int32), np.arange(16, dtype=np.int32)[None])
     m = chain.runners[0].module
-    heads = load_heads(load_model(model_dir), model_dir)
-    h = torch.randn(1, 1, m.config.hidden_size)
+    heads = load_heads(load_model(model_dir, device=device), model_dir)
+    h = torch.randn(1, 1, m.config.hidden_size, device=device, dtype=m.lm_head.weight.dtype)
     layer = heads.layers[0]
 
     def timed(fn: object) -> float:
+        _sync(device)
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()  # type: ignore[operator]
+        _sync(device)
         return (time.perf_counter() - t0) / reps
 
     rounds = [(timed(lambda: chain.forward(np.zeros((1, 1), np.int32), np.array([[16]], np.int32))),
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--speculate", default="2,4")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the H200 numbers in docs/BENCHMARKS.md)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -132,12 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     prompts = token_windows(tok, split_texts(args.model, "test", None, 7), args.prompt_len, args.prompts, 7).tolist()
     targets = [c.target for c in calibrations(args.model)]
     ks = [int(k) for k in args.speculate.split(",") if k]
-    plain = load_core(args.model)
-    exit_core = load_core(args.model, exits=True)
+    plain = load_core(args.model, device=args.device)
+    exit_core = load_core(args.model, device=args.device, exits=True)
     from agent.engine.core import EngineCore
     from agent.engine.speculative import load_exit_executor
 
-    all_core = EngineCore(load_exit_executor(args.model, exit_heads="all"), plain.tokenizer)
+    all_core = EngineCore(load_exit_executor(args.model, device=args.device, exit_heads="all"), plain.tokenizer)
     model = load_model(args.model)
     base = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     times: dict[str, list[float]] = {"full": []}
@@ -186,8 +189,10 @@ def main(argv: list[str] | None = None) -> None:
         if name in stats:
             row.update(_summary(stats[name]))
         rows.append(row)
-    shares = step_shares(args.model)
-    result = {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
+    shares = step_shares(args.model, args.device)
+    machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+               else f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip())
+    result = {"machine": machine, "device": args.device,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prompts": args.prompts,
               "new_tokens": args.new_tokens, **shares,
               "ceilings": ceilings(args.model, shares["lm_head_share_of_step"], shares["exit_head_share_of_step"]),
@@ -199,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(r)
         print({k: v for k, v in result.items() if k != "rows"})
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def _merge(acc: dict[str, object], s: dict[str, object]) -> None:
