@@ -62,17 +62,41 @@ if triton is not None:
         tl.store(s_ptr + row * ss_b + h * ss_h + slot * ss_s + tl.arange(0, N_GROUPS), scale)
 
     @triton.jit
-    def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, o_ptr, m_ptr, l_ptr,
-                             sq_b, sq_h, sk_b, sk_h, sk_s, ss_b, ss_h, ss_s, so_b, so_h, so_sp, sm_b, sm_h,
-                             sm_scale, split_len,
-                             HPK: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_N: tl.constexpr, IS_INT8: tl.constexpr):
+    def _online_softmax(s, m_i, l_i):
+        """One block of scores s (rows, BLOCK_N) into the running max m_i and sum l_i: returns the new max,
+        the rescale factor of the old accumulator, the block's probabilities and the new sum. A row that
+        has seen only masked slots (-inf) keeps m = -inf and gets p = 0, alpha = 0 (no NaN)."""
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+    @triton.jit
+    def _int8_to_fp16(x, FAST: tl.constexpr):
+        """int8 -> fp16, exactly. FAST: through the bits instead of a conversion instruction (which runs
+        at a quarter of the FP32 rate on Hopper): x + 128 as a byte under the exponent of 1024.0
+        (0x6400) is the fp16 number 1024 + x + 128, and one fp16 subtraction of 1152 leaves x (the trick
+        of FasterTransformer's and Marlin's dequantisers)."""
+        if FAST:
+            u = (x.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16) | 0x6400
+            return u.to(tl.float16, bitcast=True) - tl.full((1, 1), 1152.0, tl.float16)
+        else:
+            return x.to(tl.float16)
+
+    @triton.jit
+    def _decode_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, m_ptr, l_ptr,
+                             sq_b, sq_h, sk_b, sk_h, sk_s, so_b, so_h, so_sp, sm_b, sm_h, sm_scale, split_len, n_iter,
+                             HPK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+        """FP16 cache: one (row, KV head, split) per program, its HPK query heads as the rows of tl.dot.
+        The loop runs `n_iter` = split_len / BLOCK_N times (a plain scalar: Triton 3.6's interpreter cannot
+        iterate between bounds computed from program ids or loaded values, which are 1-element arrays
+        there, and numpy >= 2.5 refuses to turn those into ints) and masks slots past the row's length."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
-        length = tl.load(len_ptr + b)
         lo = sp * split_len
-        hi = tl.minimum(lo + split_len, length)
+        hi = tl.minimum(lo + split_len, tl.load(len_ptr + b))
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HD)
         h_ok = offs_h < HPK
@@ -82,29 +106,96 @@ if triton is not None:
         l_i = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, HD), tl.float32)
         kbase = b * sk_b + kvh * sk_h
-        sbase = b * ss_b + kvh * ss_h
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
+        for it in range(0, n_iter):
+            offs_n = lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < hi
             kv_off = kbase + offs_n[:, None] * sk_s + offs_d[None, :]  # (BLOCK_N, HD)
-            k = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0)
-            v = tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0)
-            if IS_INT8:  # dequantise in registers: one fp16 scale per (slot, group)
-                s_off = sbase + offs_n[:, None] * ss_s + (offs_d // G)[None, :]
-                k = (k.to(tl.float32) * tl.load(ks_ptr + s_off, mask=n_ok[:, None], other=0.0).to(tl.float32))
-                v = (v.to(tl.float32) * tl.load(vs_ptr + s_off, mask=n_ok[:, None], other=0.0).to(tl.float32))
+            k = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k.to(tl.float16))) * sm_scale  # (BLOCK_H, BLOCK_N), fp32 accumulate
             s = tl.where(n_ok[None, :], s, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
-            m_i = m_new
         heads = kvh * HPK + offs_h
         tl.store(o_ptr + b * so_b + heads[:, None] * so_h + sp * so_sp + offs_d[None, :], acc, mask=h_ok[:, None])
         tl.store(m_ptr + b * sm_b + heads * sm_h + sp, m_i, mask=h_ok)
         tl.store(l_ptr + b * sm_b + heads * sm_h + sp, l_i, mask=h_ok)
+
+    @triton.jit
+    def _decode_split_int8_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, o_ptr, m_ptr, l_ptr,
+                                  sq_b, sq_h, sk_b, sk_h, sk_s, ss_b, ss_h, ss_s, so_b, so_h, so_sp, sm_b, sm_h,
+                                  sm_scale, split_len, n_iter, HPK: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
+                                  NG: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HH: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, DENSE_SCALES: tl.constexpr, FAST_CVT: tl.constexpr):
+        """INT8 cache with no per-element dequantisation: row r = h * NG + g of the dot holds query head h
+        masked to channel group g, so Q' @ K8^T gives each group's partial score, which is scaled by that
+        slot's K scale and summed over the NG rows of a head. For V, row (h, g) gets p[h] times the V
+        scale of group g, P' @ V8 accumulates (BLOCK_R, HD), and at the end head h keeps, of each
+        channel, the row of that channel's group. The int8 tiles only go through an int8 -> fp16 cast.
+        BLOCK_R = BLOCK_HH * NG >= HPK * NG, BLOCK_R >= 16 (tl.dot's smallest M)."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        lo = sp * split_len
+        hi = tl.minimum(lo + split_len, tl.load(len_ptr + b))
+        offs_r = tl.arange(0, BLOCK_R)
+        h_r = offs_r // NG
+        g_r = offs_r % NG
+        offs_d = tl.arange(0, HD)
+        sel = (offs_d // G)[None, :] == g_r[:, None]  # (BLOCK_R, HD): channel d belongs to row r's group
+        qr = tl.load(q_ptr + b * sq_b + (kvh * HPK + h_r)[:, None] * sq_h + offs_d[None, :],
+                     mask=(h_r < HPK)[:, None] & sel, other=0.0).to(tl.float16)  # (BLOCK_R, HD)
+        m_i = tl.full((BLOCK_HH,), -float("inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_HH,), tl.float32)
+        acc = tl.zeros((BLOCK_R, HD), tl.float32)
+        kbase = b * sk_b + kvh * sk_h
+        sbase = b * ss_b + kvh * ss_h
+        for it in range(0, n_iter):
+            offs_n = lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < hi
+            kv_off = kbase + offs_n[:, None] * sk_s + offs_d[None, :]  # (BLOCK_N, HD)
+            k = _int8_to_fp16(tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0), FAST_CVT)
+            v = _int8_to_fp16(tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0), FAST_CVT)
+            part = tl.dot(qr, tl.trans(k))  # (BLOCK_R, BLOCK_N): row (h, g) = group g's share of head h's score
+            if DENSE_SCALES:  # one contiguous (BLOCK_N, NG) tile per tensor, spread over rows in registers
+                s_off = sbase + offs_n[:, None] * ss_s + tl.arange(0, NG)[None, :]
+                ksc = tl.trans(tl.load(ks_ptr + s_off, mask=n_ok[:, None], other=0.0).to(tl.float32))  # (NG, BLOCK_N)
+                vsc = tl.trans(tl.load(vs_ptr + s_off, mask=n_ok[:, None], other=0.0).to(tl.float32))
+                s = tl.sum(tl.reshape(part, (BLOCK_HH, NG, BLOCK_N)) * ksc[None, :, :], axis=1) * sm_scale
+                s = tl.where(n_ok[None, :], s, -float("inf"))  # (BLOCK_HH, BLOCK_N)
+                m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
+                p_r = tl.reshape(p[:, None, :] * vsc[None, :, :], (BLOCK_R, BLOCK_N))
+            else:  # gather: the scale of (slot, row's group) for every element of the (BLOCK_R, BLOCK_N) tile
+                s_off = sbase + offs_n[None, :] * ss_s + g_r[:, None]
+                ksc = tl.load(ks_ptr + s_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
+                vsc = tl.load(vs_ptr + s_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
+                s = tl.sum(tl.reshape(part * ksc, (BLOCK_HH, NG, BLOCK_N)), axis=1) * sm_scale
+                s = tl.where(n_ok[None, :], s, -float("inf"))
+                m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
+                p_r = tl.reshape(tl.broadcast_to(p[:, None, :], (BLOCK_HH, NG, BLOCK_N)), (BLOCK_R, BLOCK_N)) * vsc
+            a_r = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_HH, NG)), (BLOCK_R,))
+            acc = acc * a_r[:, None] + tl.dot(p_r.to(tl.float16), v)
+        out = tl.sum(tl.reshape(tl.where(sel, acc, 0.0), (BLOCK_HH, NG, HD)), axis=1)  # (BLOCK_HH, HD)
+        offs_h = tl.arange(0, BLOCK_HH)
+        h_ok = offs_h < HPK
+        heads = kvh * HPK + offs_h
+        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + sp * so_sp + offs_d[None, :], out, mask=h_ok[:, None])
+        tl.store(m_ptr + b * sm_b + heads * sm_h + sp, m_i, mask=h_ok)
+        tl.store(l_ptr + b * sm_b + heads * sm_h + sp, l_i, mask=h_ok)
+
+    @triton.jit
+    def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, n_splits, HD: tl.constexpr, BLOCK_S: tl.constexpr):
+        pid = tl.program_id(0)  # one (b, head); o (B, H, splits, HD), m and l (B, H, splits), contiguous
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, HD)
+        ok = offs_s < n_splits
+        m = tl.load(m_ptr + pid * n_splits + offs_s, mask=ok, other=-float("inf"))
+        l_s = tl.load(l_ptr + pid * n_splits + offs_s, mask=ok, other=0.0)
+        o = tl.load(o_ptr + (pid * n_splits + offs_s)[:, None] * HD + offs_d[None, :], mask=ok[:, None], other=0.0)
+        big = tl.max(m, axis=0)
+        w = tl.where(m > -float("inf"), tl.exp(m - big), 0.0)  # empty splits (m = -inf) weigh nothing
+        out = tl.sum(o * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+        tl.store(out_ptr + pid * HD + offs_d, out)
 
 
 def _need_triton() -> None:
@@ -128,12 +219,17 @@ def quantize_write(fresh: Tensor, q_cache: Tensor, s_cache: Tensor, rows: Tensor
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: Tensor | None = None,
-                     v_scale: Tensor | None = None, n_splits: int | None = None, block_n: int = 64) -> Tensor:
+                     v_scale: Tensor | None = None, n_splits: int | None = None, block_n: int = 64,
+                     num_warps: int = 4, num_stages: int = 3, waves: float = 2.0, dense_scales: bool = True,
+                     fast_cvt: bool = True) -> Tensor:
     """q (B, H, hd); k, v (B, KV, S, hd) int8 with scales (B, KV, S, hd / G), or fp16 with no scales;
     lengths (B,) int32: row b attends to slots [0, lengths[b]). Returns (B, H, hd) float32.
 
-    The sequence is cut into `n_splits` pieces (default: enough programs for ~2 waves over the SMs);
-    each gives a partial max, sum and output, merged here (flash-decoding's reduction)."""
+    The sequence is cut into `n_splits` pieces (default: enough programs for `waves` waves over the
+    SMs); each gives a partial max, sum and output, merged by a second kernel (flash-decoding's
+    reduction). `block_n`, `num_warps`, `num_stages`: the split kernel's tile and launch settings;
+    `dense_scales`, `fast_cvt`: the INT8 kernel's scale loads and int8 -> fp16 conversion (both on by
+    default; off = the simpler variants that the GPU benchmark measures them against)."""
     _need_triton()
     b, h, hd = q.shape
     kv, s_max = k.shape[1], k.shape[2]
@@ -143,22 +239,29 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     is_int8 = k_scale is not None
     if n_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        n_splits = max(1, min(math.ceil(2 * sms / (b * kv)), math.ceil(s_max / 256)))
+        n_splits = max(1, min(math.ceil(waves * sms / (b * kv)), math.ceil(s_max / 256)))
     split_len = math.ceil(s_max / n_splits / block_n) * block_n
     n_splits = math.ceil(s_max / split_len)
     o = torch.empty((b, h, n_splits, hd), dtype=torch.float32, device=q.device)
-    m = torch.full((b, h, n_splits), -math.inf, dtype=torch.float32, device=q.device)
-    l_sum = torch.zeros((b, h, n_splits), dtype=torch.float32, device=q.device)
-    ks = k_scale if is_int8 else k  # dummy pointers when the cache is fp16 (never read)
-    vs = v_scale if is_int8 else v
-    g = hd // ks.shape[-1] if is_int8 else hd
+    m = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)  # every split writes its m, l, o
+    l_sum = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)
     q = q.contiguous()
-    _decode_split_kernel[(b, kv, n_splits)](
-        q, k, v, ks, vs, lengths.to(torch.int32).contiguous(), o, m, l_sum,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2), o.stride(0), o.stride(1), o.stride(2), m.stride(0), m.stride(1),
-        1.0 / math.sqrt(hd), split_len, HPK=hpk, HD=hd, G=g, BLOCK_H=BLOCK_H, BLOCK_N=block_n, IS_INT8=is_int8)
+    lengths = lengths.to(torch.int32).contiguous()
+    common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2))
+    out_strides = (o.stride(0), o.stride(1), o.stride(2), m.stride(0), m.stride(1), 1.0 / math.sqrt(hd), split_len,
+                   split_len // block_n)
+    if is_int8:
+        ng = k_scale.shape[-1]
+        block_r = max(16, triton.next_power_of_2(hpk * ng))
+        _decode_split_int8_kernel[(b, kv, n_splits)](
+            q, k, v, k_scale, v_scale, lengths, o, m, l_sum, *common, k_scale.stride(0), k_scale.stride(1),
+            k_scale.stride(2), *out_strides, HPK=hpk, HD=hd, G=hd // ng, NG=ng, BLOCK_R=block_r, BLOCK_HH=block_r // ng,
+            BLOCK_N=block_n, DENSE_SCALES=dense_scales, FAST_CVT=fast_cvt, num_warps=num_warps, num_stages=num_stages)
+    else:
+        _decode_split_kernel[(b, kv, n_splits)](
+            q, k, v, lengths, o, m, l_sum, *common, *out_strides, HPK=hpk, HD=hd, BLOCK_H=BLOCK_H,
+            BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     # Merge the splits: out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j (empty splits: m = -inf).
-    big = m.amax(-1, keepdim=True)  # (B, H, 1)
-    w = torch.exp(m - big).nan_to_num(0.0)  # (B, H, splits)
-    return (o * w[..., None]).sum(2) / (l_sum * w).sum(-1, keepdim=True)
+    out = torch.empty((b, h, hd), dtype=torch.float32, device=q.device)
+    _merge_kernel[(b * h,)](o, m, l_sum, out, n_splits, HD=hd, BLOCK_S=max(2, triton.next_power_of_2(n_splits)))
+    return out

@@ -47,8 +47,8 @@ def check_decode_attention(device: str) -> None:
         kq, ks = quantize(k, group)
         vq, vs = quantize(v, group)
         want = attention_reference(q, kq, ks, vq, vs, lengths)
-        for splits in (1, 4):
-            got = decode_attention(q, kq, vq, lengths, ks, vs, n_splits=splits)
+        for splits, variant in ((1, {}), (4, {}), (4, {"dense_scales": False, "fast_cvt": False})):
+            got = decode_attention(q, kq, vq, lengths, ks, vs, n_splits=splits, **variant)
             assert torch.allclose(got, want, atol=3e-3), float((got - want).abs().max())
     # FP16 cache through the same kernel, against plain softmax attention
     kk, vv = k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1)
