@@ -21,9 +21,12 @@ verified on a board here; until it is, the CPU/PyTorch path (kernels.kv_quant) i
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from kernels.kv_quant import Int8KVCache
 
 try:
     import triton
@@ -53,11 +56,16 @@ if triton is not None:
         slot = tl.load(starts_ptr + b) + t
         offs = tl.arange(0, N_GROUPS)[:, None] * G + tl.arange(0, G)[None, :]  # (N_GROUPS, G)
         x = tl.load(x_ptr + b * sx_b + h * sx_h + t * sx_t + offs).to(tl.float32)
-        scale = (tl.max(tl.abs(x), axis=1) / 127.0).to(tl.float16)  # (N_GROUPS,), fp16 like the reference
+        # IEEE divisions (Triton's `/` is an approximate one on CUDA) and round-half-to-even, as
+        # torch.round: the codes and scales equal kernels.kv_quant.quantize's bit for bit.
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)).to(tl.float16)  # (N_GROUPS,)
         s32 = scale.to(tl.float32)
         safe = tl.where(s32 > 0, s32, 1.0)
-        y = x / safe[:, None]
-        q = tl.minimum(tl.maximum(tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5)), -127.0), 127.0)
+        y = tl.math.div_rn(x, tl.broadcast_to(safe[:, None], x.shape))
+        r = tl.floor(y + 0.5)
+        r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie to the even side
+        q = tl.minimum(tl.maximum(r, -127.0), 127.0)
         tl.store(q_ptr + row * sq_b + h * sq_h + slot * sq_s + offs, q.to(tl.int8))
         tl.store(s_ptr + row * ss_b + h * ss_h + slot * ss_s + tl.arange(0, N_GROUPS), scale)
 
@@ -73,25 +81,37 @@ if triton is not None:
         return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
 
     @triton.jit
-    def _int8_to_fp16(x, FAST: tl.constexpr):
-        """int8 -> fp16, exactly. FAST: through the bits instead of a conversion instruction (which runs
-        at a quarter of the FP32 rate on Hopper): x + 128 as a byte under the exponent of 1024.0
-        (0x6400) is the fp16 number 1024 + x + 128, and one fp16 subtraction of 1152 leaves x (the trick
-        of FasterTransformer's and Marlin's dequantisers)."""
-        if FAST:
+    def _int8_to_fp16(x, CVT: tl.constexpr):
+        """int8 -> fp16, exactly. CVT 0: the conversion instruction (a quarter of the FP32 rate on Hopper,
+        one element each). CVT 1 and 2 go through the bits instead: x + 128 as a byte under the exponent
+        of 1024.0 (0x64) is the fp16 number 1024 + x + 128, and one fp16 subtraction of 1152 leaves x
+        (the trick of FasterTransformer's and Marlin's dequantisers); 1 in plain Triton (integer ops on
+        each element), 2 in PTX on four packed bytes at once (one xor, two byte permutes, two
+        sub.f16x2: five instructions for four values; CUDA only)."""
+        if CVT == 2:
+            return tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 t, m;
+                xor.b32 t, $2, 0x80808080;
+                prmt.b32 $0, t, 0x64646464, 0x4140;
+                prmt.b32 $1, t, 0x64646464, 0x4342;
+                mov.b32 m, 0x64806480;
+                sub.f16x2 $0, $0, m;
+                sub.f16x2 $1, $1, m;
+                }""",
+                constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=4)
+        elif CVT == 1:
             u = (x.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16) | 0x6400
             return u.to(tl.float16, bitcast=True) - tl.full((1, 1), 1152.0, tl.float16)
         else:
             return x.to(tl.float16)
 
     @triton.jit
-    def _decode_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, m_ptr, l_ptr,
-                             sq_b, sq_h, sk_b, sk_h, sk_s, so_b, so_h, so_sp, sm_b, sm_h, sm_scale, split_len, n_iter,
+    def _decode_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
+                             sq_b, sq_h, sk_b, sk_h, sk_s, so_b, so_h, so_sp, sm_b, sm_h, sm_scale, split_len,
                              HPK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
         """FP16 cache: one (row, KV head, split) per program, its HPK query heads as the rows of tl.dot.
-        The loop runs `n_iter` = split_len / BLOCK_N times (a plain scalar: Triton 3.6's interpreter cannot
-        iterate between bounds computed from program ids or loaded values, which are 1-element arrays
-        there, and numpy >= 2.5 refuses to turn those into ints) and masks slots past the row's length."""
+        The loop stops at the row's length: splits past it only write an empty partial (m = -inf)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -105,9 +125,10 @@ if triton is not None:
         m_i = tl.full((BLOCK_H,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, HD), tl.float32)
-        kbase = b * sk_b + kvh * sk_h
-        for it in range(0, n_iter):
-            offs_n = lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
+        row = tl.load(rows_ptr + b)  # the cache row of query row b
+        kbase = row * sk_b + kvh * sk_h
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
             n_ok = offs_n < hi
             kv_off = kbase + offs_n[:, None] * sk_s + offs_d[None, :]  # (BLOCK_N, HD)
             k = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0.0)
@@ -122,11 +143,11 @@ if triton is not None:
         tl.store(l_ptr + b * sm_b + heads * sm_h + sp, l_i, mask=h_ok)
 
     @triton.jit
-    def _decode_split_int8_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, o_ptr, m_ptr, l_ptr,
+    def _decode_split_int8_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
                                   sq_b, sq_h, sk_b, sk_h, sk_s, ss_b, ss_h, ss_s, so_b, so_h, so_sp, sm_b, sm_h,
-                                  sm_scale, split_len, n_iter, HPK: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
+                                  sm_scale, split_len, HPK: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
                                   NG: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HH: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, DENSE_SCALES: tl.constexpr, FAST_CVT: tl.constexpr):
+                                  BLOCK_N: tl.constexpr, DENSE_SCALES: tl.constexpr, CVT: tl.constexpr):
         """INT8 cache with no per-element dequantisation: row r = h * NG + g of the dot holds query head h
         masked to channel group g, so Q' @ K8^T gives each group's partial score, which is scaled by that
         slot's K scale and summed over the NG rows of a head. For V, row (h, g) gets p[h] times the V
@@ -148,14 +169,15 @@ if triton is not None:
         m_i = tl.full((BLOCK_HH,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_HH,), tl.float32)
         acc = tl.zeros((BLOCK_R, HD), tl.float32)
-        kbase = b * sk_b + kvh * sk_h
-        sbase = b * ss_b + kvh * ss_h
-        for it in range(0, n_iter):
-            offs_n = lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
+        row = tl.load(rows_ptr + b)  # the cache row of query row b
+        kbase = row * sk_b + kvh * sk_h
+        sbase = row * ss_b + kvh * ss_h
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
             n_ok = offs_n < hi
             kv_off = kbase + offs_n[:, None] * sk_s + offs_d[None, :]  # (BLOCK_N, HD)
-            k = _int8_to_fp16(tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0), FAST_CVT)
-            v = _int8_to_fp16(tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0), FAST_CVT)
+            k = _int8_to_fp16(tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0), CVT)
+            v = _int8_to_fp16(tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0), CVT)
             part = tl.dot(qr, tl.trans(k))  # (BLOCK_R, BLOCK_N): row (h, g) = group g's share of head h's score
             if DENSE_SCALES:  # one contiguous (BLOCK_N, NG) tile per tensor, spread over rows in registers
                 s_off = sbase + offs_n[:, None] * ss_s + tl.arange(0, NG)[None, :]
@@ -184,8 +206,14 @@ if triton is not None:
         tl.store(l_ptr + b * sm_b + heads * sm_h + sp, l_i, mask=h_ok)
 
     @triton.jit
-    def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, n_splits, HD: tl.constexpr, BLOCK_S: tl.constexpr):
-        pid = tl.program_id(0)  # one (b, head); o (B, H, splits, HD), m and l (B, H, splits), contiguous
+    def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, kn_ptr, vn_ptr, n_splits, sm_scale, sq_b, sq_h, sn_b, sn_h,
+                      H: tl.constexpr, HPK: tl.constexpr, HD: tl.constexpr, BLOCK_S: tl.constexpr,
+                      HAS_NEW: tl.constexpr):
+        """One (b, head): out = sum_j exp(m_j - M) o_j / sum_j exp(m_j - M) l_j over the splits (flash-
+        decoding's reduction); o (B, H, splits, HD), m and l (B, H, splits), contiguous. HAS_NEW: the
+        step's own K/V (B, KV, HD), unquantised, join as one more term, as the reference attention
+        concatenates the fresh K/V to the dequantised past."""
+        pid = tl.program_id(0)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, HD)
         ok = offs_s < n_splits
@@ -193,9 +221,22 @@ if triton is not None:
         l_s = tl.load(l_ptr + pid * n_splits + offs_s, mask=ok, other=0.0)
         o = tl.load(o_ptr + (pid * n_splits + offs_s)[:, None] * HD + offs_d[None, :], mask=ok[:, None], other=0.0)
         big = tl.max(m, axis=0)
+        if HAS_NEW:
+            b = pid // H
+            kvh = (pid % H) // HPK
+            qv = tl.load(q_ptr + b * sq_b + (pid % H) * sq_h + offs_d).to(tl.float32)
+            kn = tl.load(kn_ptr + b * sn_b + kvh * sn_h + offs_d).to(tl.float32)
+            vn = tl.load(vn_ptr + b * sn_b + kvh * sn_h + offs_d).to(tl.float32)
+            s_new = tl.sum(qv * kn, axis=0) * sm_scale
+            big = tl.maximum(big, s_new)
+            w_new = tl.exp(s_new - big)
         w = tl.where(m > -float("inf"), tl.exp(m - big), 0.0)  # empty splits (m = -inf) weigh nothing
-        out = tl.sum(o * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-        tl.store(out_ptr + pid * HD + offs_d, out)
+        num = tl.sum(o * w[:, None], axis=0)
+        den = tl.sum(l_s * w, axis=0)
+        if HAS_NEW:
+            num = num + w_new * vn
+            den = den + w_new
+        tl.store(out_ptr + pid * HD + offs_d, num / den)
 
 
 def _need_triton() -> None:
@@ -219,17 +260,21 @@ def quantize_write(fresh: Tensor, q_cache: Tensor, s_cache: Tensor, rows: Tensor
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: Tensor | None = None,
-                     v_scale: Tensor | None = None, n_splits: int | None = None, block_n: int = 64,
-                     num_warps: int = 4, num_stages: int = 3, waves: float = 2.0, dense_scales: bool = True,
-                     fast_cvt: bool = True) -> Tensor:
+                     v_scale: Tensor | None = None, rows: Tensor | None = None, k_new: Tensor | None = None,
+                     v_new: Tensor | None = None, n_splits: int | None = None, block_n: int = 64,
+                     num_warps: int = 4, num_stages: int = 4, waves: float = 4.0, dense_scales: bool = True,
+                     cvt: int | None = None) -> Tensor:
     """q (B, H, hd); k, v (B, KV, S, hd) int8 with scales (B, KV, S, hd / G), or fp16 with no scales;
     lengths (B,) int32: row b attends to slots [0, lengths[b]). Returns (B, H, hd) float32.
+    rows (B,): the cache row of each query row (default 0..B-1; the cache may have more rows).
+    k_new, v_new (B, KV, hd): the step's own K/V, attended unquantised besides the cache's slots.
 
     The sequence is cut into `n_splits` pieces (default: enough programs for `waves` waves over the
     SMs); each gives a partial max, sum and output, merged by a second kernel (flash-decoding's
     reduction). `block_n`, `num_warps`, `num_stages`: the split kernel's tile and launch settings;
-    `dense_scales`, `fast_cvt`: the INT8 kernel's scale loads and int8 -> fp16 conversion (both on by
-    default; off = the simpler variants that the GPU benchmark measures them against)."""
+    `dense_scales`, `cvt`: the INT8 kernel's scale loads and int8 -> fp16 conversion (`_int8_to_fp16`;
+    default 2, the PTX one, on CUDA and 1 elsewhere, i.e. in Triton's interpreter); the simpler variants
+    are there for the GPU benchmark to measure against."""
     _need_triton()
     b, h, hd = q.shape
     kv, s_max = k.shape[1], k.shape[2]
@@ -247,21 +292,55 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     l_sum = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)
     q = q.contiguous()
     lengths = lengths.to(torch.int32).contiguous()
+    rows = (torch.arange(b, dtype=torch.int32, device=q.device) if rows is None
+            else rows.to(torch.int32).contiguous())
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2))
-    out_strides = (o.stride(0), o.stride(1), o.stride(2), m.stride(0), m.stride(1), 1.0 / math.sqrt(hd), split_len,
-                   split_len // block_n)
+    out_strides = (o.stride(0), o.stride(1), o.stride(2), m.stride(0), m.stride(1), 1.0 / math.sqrt(hd), split_len)
     if is_int8:
         ng = k_scale.shape[-1]
         block_r = max(16, triton.next_power_of_2(hpk * ng))
         _decode_split_int8_kernel[(b, kv, n_splits)](
-            q, k, v, k_scale, v_scale, lengths, o, m, l_sum, *common, k_scale.stride(0), k_scale.stride(1),
+            q, k, v, k_scale, v_scale, lengths, rows, o, m, l_sum, *common, k_scale.stride(0), k_scale.stride(1),
             k_scale.stride(2), *out_strides, HPK=hpk, HD=hd, G=hd // ng, NG=ng, BLOCK_R=block_r, BLOCK_HH=block_r // ng,
-            BLOCK_N=block_n, DENSE_SCALES=dense_scales, FAST_CVT=fast_cvt, num_warps=num_warps, num_stages=num_stages)
+            BLOCK_N=block_n, DENSE_SCALES=dense_scales, CVT=(2 if q.is_cuda else 1) if cvt is None else cvt, num_warps=num_warps, num_stages=num_stages)
     else:
         _decode_split_kernel[(b, kv, n_splits)](
-            q, k, v, lengths, o, m, l_sum, *common, *out_strides, HPK=hpk, HD=hd, BLOCK_H=BLOCK_H,
+            q, k, v, lengths, rows, o, m, l_sum, *common, *out_strides, HPK=hpk, HD=hd, BLOCK_H=BLOCK_H,
             BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     # Merge the splits: out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j (empty splits: m = -inf).
     out = torch.empty((b, h, hd), dtype=torch.float32, device=q.device)
-    _merge_kernel[(b * h,)](o, m, l_sum, out, n_splits, HD=hd, BLOCK_S=max(2, triton.next_power_of_2(n_splits)))
+    has_new = k_new is not None
+    kn = k_new.contiguous() if has_new else q  # dummy pointers when there is no fresh token (never read)
+    vn = v_new.contiguous() if has_new else q
+    _merge_kernel[(b * h,)](o, m, l_sum, out, q, kn, vn, n_splits, 1.0 / math.sqrt(hd), q.stride(0), q.stride(1),
+                            kn.stride(0), kn.stride(1), H=h, HPK=hpk, HD=hd,
+                            BLOCK_S=max(2, triton.next_power_of_2(n_splits)), HAS_NEW=has_new)
     return out
+
+
+@dataclass(frozen=True)
+class Int8DecodePast:
+    """A layer's past K or V for one decode step over an INT8 cache on the GPU: the whole cache, the
+    cache row of each query row, its past length (the slots before the new token) and the longest one.
+    `attend` runs the Triton kernels; `dequantize` (partition.model's PastKV protocol) gives the dense
+    (B, KV, max_len, hd) past for any other use."""
+
+    cache: Int8KVCache
+    rows: Tensor  # (B,) int32
+    lengths: Tensor  # (B,) int32
+    max_len: int
+
+    @property
+    def shape(self) -> torch.Size:
+        b, kv, _, hd = self.cache.shape
+        return torch.Size((self.rows.numel(), kv, self.max_len, hd))
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        return self.cache[:, :, :self.max_len].index_select(0, self.rows.long()).dequantize(dtype)
+
+    def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, past_v: "Int8DecodePast") -> Tensor:
+        """q (B, H, hd) and the step's own K/V (B, KV, hd), unquantised -> (B, H, hd) float32."""
+        n = max(1, self.max_len)  # no past at all: the kernels see one masked slot
+        kc, vc = self.cache, past_v.cache
+        return decode_attention(q, kc.q[:, :, :n], vc.q[:, :, :n], self.lengths, kc.scale[:, :, :n],
+                                vc.scale[:, :, :n], rows=self.rows, k_new=k_new, v_new=v_new)

@@ -4,7 +4,8 @@ machine with Triton; `scripts/bench_kv.py --gpu` calls `gpu_bench` here.
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head dim 128), one new token per row, contexts
 4k / 16k / 32k, batch 1 and 8. Contenders, all over the same K/V values:
   - int8_triton: kernels.kv_triton.decode_attention over the INT8 cache (+ FP16 group scales);
-  - fp16_triton: the same kernel over an FP16 cache;
+  - fp16_triton: the same kernel's FP16 version (no scales, no conversion); fp16_triton_tuned: with the
+    settings that were best for it in the sweep;
   - fp16_sdpa_gqa: torch's scaled_dot_product_attention, q (B, H, 1, hd), enable_gqa=True;
   - fp16_sdpa_packed: the same attention with the query heads of a KV head packed as the query length,
     q (B, KV, H / KV, hd) against k, v (B, KV, S, hd), non-causal: no K/V expansion, torch picks its
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 H200_BANDWIDTH = 4.8e12
 SHAPE = {"n_heads": 32, "n_kv_heads": 8, "head_dim": 128}  # Llama-3-8B (Meta's config.json)
 ROTATE_BYTES = 1 << 30
+# The FP16 kernel's best settings in the sweep at batch 8 / 32k (docs/BENCHMARKS.md), as a second baseline.
+FP16_TUNED = {"block_n": 64, "num_warps": 2, "num_stages": 3, "waves": 1.0}
 
 
 def graph_time_us(fns: list[Callable[[], object]], replays: int = 7) -> float:
@@ -97,6 +100,7 @@ def contenders(kw: dict[str, object]) -> dict[str, Callable[[dict[str, torch.Ten
     return {
         "int8_triton": lambda c: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"], **kw),
         "fp16_triton": lambda c: decode_attention(c["q"], c["k"], c["v"], c["len"], **kw),
+        "fp16_triton_tuned": lambda c: decode_attention(c["q"], c["k"], c["v"], c["len"], **FP16_TUNED),
         "fp16_sdpa_gqa": lambda c: F.scaled_dot_product_attention(c["q"][:, :, None], c["k"], c["v"], enable_gqa=True),
         "fp16_sdpa_packed": packed,
         "fp16_sdpa_flash": flash,
@@ -179,9 +183,9 @@ def sweep(group: int = 32) -> list[dict[str, object]]:
 
     out = []
     kv, hd = SHAPE["n_kv_heads"], SHAPE["head_dim"]
-    variants = [{"dense_scales": d, "fast_cvt": f} for d in (False, True) for f in (False, True)]
+    variants = [{"dense_scales": d, "cvt": c} for d in (False, True) for c in (0, 1, 2)]
     grid = [{"block_n": n, "num_warps": w, "num_stages": st, "waves": wv}
-            for n in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3, 4) for wv in (1.0, 2.0, 4.0)]
+            for n in (32, 64, 128) for w in (2, 4, 8) for st in (3, 4) for wv in (1.0, 4.0, 8.0)]
     for b, ctx in ((1, 16384), (8, 32768)):
         nbytes = {"int8": 2 * b * kv * ctx * (hd + 2 * hd // group), "fp16": 2 * b * kv * ctx * hd * 2}
         cs = make_caches(b, ctx, group, max(2, math.ceil(ROTATE_BYTES / nbytes["fp16"])))
