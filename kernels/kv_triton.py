@@ -147,13 +147,15 @@ if triton is not None:
                                   sq_b, sq_h, sk_b, sk_h, sk_s, ss_b, ss_h, ss_s, so_b, so_h, so_sp, sm_b, sm_h,
                                   sm_scale, split_len, HPK: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
                                   NG: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HH: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, DENSE_SCALES: tl.constexpr, CVT: tl.constexpr):
+                                  BLOCK_N: tl.constexpr, DENSE_SCALES: tl.constexpr, CVT: tl.constexpr,
+                                  PREFETCH: tl.constexpr):
         """INT8 cache with no per-element dequantisation: row r = h * NG + g of the dot holds query head h
         masked to channel group g, so Q' @ K8^T gives each group's partial score, which is scaled by that
         slot's K scale and summed over the NG rows of a head. For V, row (h, g) gets p[h] times the V
         scale of group g, P' @ V8 accumulates (BLOCK_R, HD), and at the end head h keeps, of each
         channel, the row of that channel's group. The int8 tiles only go through an int8 -> fp16 cast.
-        BLOCK_R = BLOCK_HH * NG >= HPK * NG, BLOCK_R >= 16 (tl.dot's smallest M)."""
+        BLOCK_R = BLOCK_HH * NG >= HPK * NG, BLOCK_R >= 16 (tl.dot's smallest M). PREFETCH: load the
+        next block's int8 tiles before working on this one (registers double-buffered by hand)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -172,12 +174,25 @@ if triton is not None:
         row = tl.load(rows_ptr + b)  # the cache row of query row b
         kbase = row * sk_b + kvh * sk_h
         sbase = row * ss_b + kvh * ss_h
+        offs_b = tl.arange(0, BLOCK_N)
+        if PREFETCH:
+            first = kbase + (lo + offs_b)[:, None] * sk_s + offs_d[None, :]
+            nk = tl.load(k_ptr + first, mask=((lo + offs_b) < hi)[:, None], other=0)
+            nv = tl.load(v_ptr + first, mask=((lo + offs_b) < hi)[:, None], other=0)
         for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
+            offs_n = start + offs_b
             n_ok = offs_n < hi
             kv_off = kbase + offs_n[:, None] * sk_s + offs_d[None, :]  # (BLOCK_N, HD)
-            k = _int8_to_fp16(tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0), CVT)
-            v = _int8_to_fp16(tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0), CVT)
+            if PREFETCH:
+                k8, v8 = nk, nv
+                n_next = (offs_n + BLOCK_N < hi)[:, None]
+                nk = tl.load(k_ptr + kv_off + BLOCK_N * sk_s, mask=n_next, other=0)
+                nv = tl.load(v_ptr + kv_off + BLOCK_N * sk_s, mask=n_next, other=0)
+            else:
+                k8 = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0)
+                v8 = tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0)
+            k = _int8_to_fp16(k8, CVT)
+            v = _int8_to_fp16(v8, CVT)
             part = tl.dot(qr, tl.trans(k))  # (BLOCK_R, BLOCK_N): row (h, g) = group g's share of head h's score
             if DENSE_SCALES:  # one contiguous (BLOCK_N, NG) tile per tensor, spread over rows in registers
                 s_off = sbase + offs_n[:, None] * ss_s + tl.arange(0, NG)[None, :]
@@ -262,8 +277,8 @@ def quantize_write(fresh: Tensor, q_cache: Tensor, s_cache: Tensor, rows: Tensor
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: Tensor | None = None,
                      v_scale: Tensor | None = None, rows: Tensor | None = None, k_new: Tensor | None = None,
                      v_new: Tensor | None = None, n_splits: int | None = None, block_n: int = 64,
-                     num_warps: int = 4, num_stages: int = 4, waves: float = 4.0, dense_scales: bool = True,
-                     cvt: int | None = None) -> Tensor:
+                     num_warps: int = 4, num_stages: int = 3, waves: float = 8.0, dense_scales: bool = True,
+                     cvt: int | None = None, prefetch: bool = False) -> Tensor:
     """q (B, H, hd); k, v (B, KV, S, hd) int8 with scales (B, KV, S, hd / G), or fp16 with no scales;
     lengths (B,) int32: row b attends to slots [0, lengths[b]). Returns (B, H, hd) float32.
     rows (B,): the cache row of each query row (default 0..B-1; the cache may have more rows).
@@ -274,7 +289,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     reduction). `block_n`, `num_warps`, `num_stages`: the split kernel's tile and launch settings;
     `dense_scales`, `cvt`: the INT8 kernel's scale loads and int8 -> fp16 conversion (`_int8_to_fp16`;
     default 2, the PTX one, on CUDA and 1 elsewhere, i.e. in Triton's interpreter); the simpler variants
-    are there for the GPU benchmark to measure against."""
+    are there for the GPU benchmark to measure against; `prefetch`: the INT8 kernel's hand double-buffering.
+    Defaults: the INT8 kernel's best settings in the sweep on an H200 (docs/BENCHMARKS.md)."""
     _need_triton()
     b, h, hd = q.shape
     kv, s_max = k.shape[1], k.shape[2]
@@ -302,7 +318,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
         _decode_split_int8_kernel[(b, kv, n_splits)](
             q, k, v, k_scale, v_scale, lengths, rows, o, m, l_sum, *common, k_scale.stride(0), k_scale.stride(1),
             k_scale.stride(2), *out_strides, HPK=hpk, HD=hd, G=hd // ng, NG=ng, BLOCK_R=block_r, BLOCK_HH=block_r // ng,
-            BLOCK_N=block_n, DENSE_SCALES=dense_scales, CVT=(2 if q.is_cuda else 1) if cvt is None else cvt, num_warps=num_warps, num_stages=num_stages)
+            BLOCK_N=block_n, DENSE_SCALES=dense_scales, CVT=(2 if q.is_cuda else 1) if cvt is None else cvt,
+            PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
     else:
         _decode_split_kernel[(b, kv, n_splits)](
             q, k, v, lengths, rows, o, m, l_sum, *common, *out_strides, HPK=hpk, HD=hd, BLOCK_H=BLOCK_H,

@@ -4,6 +4,7 @@ machine with Triton; `scripts/bench_kv.py --gpu` calls `gpu_bench` here.
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head dim 128), one new token per row, contexts
 4k / 16k / 32k, batch 1 and 8. Contenders, all over the same K/V values:
   - int8_triton: kernels.kv_triton.decode_attention over the INT8 cache (+ FP16 group scales);
+    int8_triton_prefetch: the same with the next block's tiles loaded by hand one iteration ahead;
   - fp16_triton: the same kernel's FP16 version (no scales, no conversion); fp16_triton_tuned: with the
     settings that were best for it in the sweep;
   - fp16_sdpa_gqa: torch's scaled_dot_product_attention, q (B, H, 1, hd), enable_gqa=True;
@@ -99,6 +100,8 @@ def contenders(kw: dict[str, object]) -> dict[str, Callable[[dict[str, torch.Ten
 
     return {
         "int8_triton": lambda c: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"], **kw),
+        "int8_triton_prefetch": lambda c: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"],
+                                                           **{**kw, "prefetch": True}),
         "fp16_triton": lambda c: decode_attention(c["q"], c["k"], c["v"], c["len"], **kw),
         "fp16_triton_tuned": lambda c: decode_attention(c["q"], c["k"], c["v"], c["len"], **FP16_TUNED),
         "fp16_sdpa_gqa": lambda c: F.scaled_dot_product_attention(c["q"][:, :, None], c["k"], c["v"], enable_gqa=True),
@@ -159,6 +162,8 @@ def gpu_bench(group: int = 32, contexts: tuple[int, ...] = (4096, 16384, 32768),
                 row["best_fp16_us"] = min(fp16)  # type: ignore[type-var]
                 row["speedup_int8_vs_best_fp16"] = round(min(fp16) / row["int8_triton_us"], 2)  # type: ignore[operator]
                 row["speedup_int8_vs_fp16_triton"] = round(row["fp16_triton_us"] / row["int8_triton_us"], 2)  # type: ignore[operator]
+                if "int8_triton_prefetch_us" in row:
+                    row["speedup_int8_prefetch_vs_best_fp16"] = round(min(fp16) / row["int8_triton_prefetch_us"], 2)  # type: ignore[operator]
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
             del cs

@@ -74,6 +74,7 @@ def check_decode_attention(device: str) -> None:
         vq, vs = quantize(v, group)
         want = attention_reference(q, kq, ks, vq, vs, lengths)
         variants = [{"dense_scales": d, "cvt": c} for d in (True, False) for c in (0, 1, 2) if c < 2 or device == "cuda"]
+        variants.append({"prefetch": True})
         for splits, variant in [(1, {})] + [(4, v) for v in variants]:
             got = decode_attention(q, kq, vq, lengths, ks, vs, n_splits=splits, **variant)
             assert torch.allclose(got, want, atol=3e-3), float((got - want).abs().max())
