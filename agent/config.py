@@ -1,7 +1,8 @@
 """The service's configuration: /etc/orin-agent/agent.toml (path overridable), validated on start into
 a frozen `ServiceConfig`; command-line flags override the file. Every error names the file and key.
 
-    [model]   dir, backend ("torch" | "ort" | "trt"), slices ("0:4,4:8"), max_seq, device, kv_cache ("fp16" | "int8")
+    [model]   dir, backend ("torch" | "ort" | "trt"), slices ("0:4,4:8"), max_seq, device, kv_cache ("fp16" | "int8"),
+              kv_blocks (paged cache: blocks of 16 tokens)
     [server]  host, port, token, token_file, allowed_hosts, max_body_bytes, max_in_flight, keep_alive_s,
               header_timeout_s
     [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, lock_dir, profile, power_control
@@ -50,6 +51,7 @@ class ServiceConfig:
     max_seq: int | None = None  # None: the model's context, at most 2048
     device: str = "cpu"
     kv_cache: str = "fp16"  # "int8": group-wise INT8 KV-cache (torch backend)
+    kv_blocks: int | None = None  # a paged KV-cache of this many blocks of 16 tokens (torch, fp16 cache); None: rows
     threads: int = 0  # CPU threads for the model's kernels; 0 = every core but one
     host: str = "127.0.0.1"
     port: int = 8000
@@ -112,6 +114,9 @@ class ServiceConfig:
             raise bad("model.kv_cache", "must be 'fp16' or 'int8'", self.kv_cache)
         if self.kv_cache == "int8" and self.backend != "torch":
             raise bad("model.kv_cache", "'int8' needs model.backend = 'torch'", self.kv_cache)
+        if self.kv_blocks is not None and (self.kv_blocks < 1 or self.backend != "torch" or self.kv_cache != "fp16"):
+            raise bad("model.kv_blocks", "must be >= 1, with model.backend = 'torch' and kv_cache = 'fp16'",
+                      self.kv_blocks)
         if self.threads < 0:
             raise bad("model.threads", "must be >= 0 (0 = every core but one)", self.threads)
         if self.max_seq is not None and self.max_seq < 2:
@@ -162,6 +167,7 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("model", "device"): ("device", (str,)),
     ("model", "threads"): ("threads", (int,)),
     ("model", "kv_cache"): ("kv_cache", (str,)),
+    ("model", "kv_blocks"): ("kv_blocks", (int,)),
     ("server", "host"): ("host", (str,)),
     ("server", "port"): ("port", (int,)),
     ("server", "token"): ("token", (str,)),

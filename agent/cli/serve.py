@@ -29,6 +29,9 @@ def serve(
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Sequences decoded together (cache rows)."),
     kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="KV-cache storage: fp16 or int8 "
                                            "(torch backend; default from model.kv_cache, else fp16)."),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="Paged KV-cache of N blocks of 16 tokens "
+                                            "per layer (torch backend, fp16 cache; default from "
+                                            "model.kv_blocks, else per-row caches)."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="Power budget, W: the sliding-window "
                                               "average board power the controller holds (over the watts of "
@@ -41,7 +44,7 @@ def serve(
     with cli_errors():
         cfg = load_config(config).replace(root=root, run_dir=run_dir, host=host, port=port, token=token,
                                           backend=backend, model_dir=model, max_batch=max_batch,
-                                          kv_cache=kv_cache, log_level=log_level,
+                                          kv_cache=kv_cache, kv_blocks=kv_blocks, log_level=log_level,
                                           power_cap_w=power_cap)
         setup_logging(cfg.log_level)
         code = Service(cfg).run()
