@@ -3,9 +3,15 @@ row) over the INT8 cache with INT8 reads, FP32 accumulation and an online softma
 sequence (flash-decoding) so that a batch of 1 still fills the GPU. `kernels.kv_quant` is the plain-
 PyTorch reference of both (`quantize`, `attention_reference`); tests/test_kv_triton.py compares them.
 
-Layouts are kernels.kv_quant's: cache int8 (B, KV, S, hd), scales fp16 (B, KV, S, hd / G). The same
-attention kernel also reads an FP16 cache (`k_scale=None`), so a benchmark compares INT8 and FP16 with
-one code path (scripts/bench_kv.py).
+Layouts are kernels.kv_quant's: cache int8 (B, KV, S, hd), scales fp16 (B, KV, S, hd / G). The INT8
+attention kernel never dequantises element by element: the dot's rows are (query head, channel group)
+pairs, so the group scales apply to per-group partial scores and to the probabilities, and the int8
+tiles only go through an int8 -> fp16 conversion (in PTX on packed bytes on CUDA). An FP16 kernel of the
+same structure reads an FP16 cache (`k_scale=None`) for the benchmark (scripts/bench_kv_gpu.py). A
+second kernel merges the splits and, in the model, the step's own unquantised K/V (`Int8DecodePast`,
+what partition.runners.torch_runner uses on CUDA). Measured on an H200 (docs/BENCHMARKS.md): 1.13x the
+best FP16 decode attention at batch 8 and 16k-32k context, on par at batch 1; it is latency-bound, not
+bandwidth-bound.
 
 Why Triton rather than CUDA C++ through torch's extension loader: no host compiler or CUDA toolkit at
 run time, the kernel is JIT-compiled for the GPU it finds, and it runs on CPU in Triton's interpreter
