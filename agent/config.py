@@ -3,7 +3,8 @@ a frozen `ServiceConfig`; command-line flags override the file. Every error name
 
     [model]   dir, backend ("torch" | "ort" | "trt"), slices ("0:4,4:8"), max_seq, device, kv_cache ("fp16" | "int8"),
               exits (load the exit heads: requests may ask for early exits / speculation), max_disagreement
-              and speculate (K or "auto"): the default of every request that asks for neither
+              and speculate (K or "auto"): the default of every request that asks for neither,
+              kv_blocks (paged cache: blocks of 16 tokens)
     [server]  host, port, token, token_file, allowed_hosts, max_body_bytes, max_in_flight, keep_alive_s,
               header_timeout_s
     [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, lock_dir, profile, power_control
@@ -52,6 +53,7 @@ class ServiceConfig:
     max_seq: int | None = None  # None: the model's context, at most 2048
     device: str = "cpu"
     kv_cache: str = "fp16"  # "int8": group-wise INT8 KV-cache (torch backend)
+    kv_blocks: int | None = None  # a paged KV-cache of this many blocks of 16 tokens (torch, fp16 cache); None: rows
     threads: int = 0  # CPU threads for the model's kernels; 0 = every core but one
     exits: bool = False  # load the exit heads beside the model (implied by the next two)
     max_disagreement: float | None = None  # default early-exit target of every request (None: full depth)
@@ -122,6 +124,9 @@ class ServiceConfig:
             raise bad("model.kv_cache", "must be 'fp16' or 'int8'", self.kv_cache)
         if self.kv_cache == "int8" and self.backend != "torch":
             raise bad("model.kv_cache", "'int8' needs model.backend = 'torch'", self.kv_cache)
+        if self.kv_blocks is not None and (self.kv_blocks < 1 or self.backend != "torch" or self.kv_cache != "fp16"):
+            raise bad("model.kv_blocks", "must be >= 1, with model.backend = 'torch' and kv_cache = 'fp16'",
+                      self.kv_blocks)
         if self.threads < 0:
             raise bad("model.threads", "must be >= 0 (0 = every core but one)", self.threads)
         if self.max_seq is not None and self.max_seq < 2:
@@ -134,9 +139,9 @@ class ServiceConfig:
         if self.max_disagreement is not None and self.speculate not in (None, "0"):
             raise bad("model.speculate", "early exits (max_disagreement) and speculation are two modes: "
                       "give one", self.speculate)
-        if self.exits_enabled and (self.backend != "torch" or self.kv_cache != "fp16"):
-            raise bad("model.exits", "early exits and speculation need model.backend = 'torch' and "
-                      "model.kv_cache = 'fp16'", (self.backend, self.kv_cache))
+        if self.exits_enabled and (self.backend != "torch" or self.kv_cache != "fp16" or self.kv_blocks is not None):
+            raise bad("model.exits", "early exits and speculation need model.backend = 'torch', "
+                      "model.kv_cache = 'fp16' and no model.kv_blocks", (self.backend, self.kv_cache, self.kv_blocks))
         if not 0 <= self.port <= 65535:
             raise bad("server.port", "must be in 0..65535 (0 = any free port)", self.port)
         if not self.host:
@@ -186,6 +191,7 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("model", "exits"): ("exits", (bool,)),
     ("model", "max_disagreement"): ("max_disagreement", (int, float)),
     ("model", "speculate"): ("speculate", (int, str)),
+    ("model", "kv_blocks"): ("kv_blocks", (int,)),
     ("server", "host"): ("host", (str,)),
     ("server", "port"): ("port", (int,)),
     ("server", "token"): ("token", (str,)),

@@ -31,7 +31,7 @@ from power.hw.rootlock import RootLock, default_lock_dir
 from power.physics.costmodel import shape_of
 from agent.config import ServiceConfig
 from agent.engine.core import EngineCore
-from agent.engine.executor import ChainExecutor
+from agent.engine.executor import ChainExecutor, paged_scheduler
 from agent.engine.loop import EngineLoop
 from agent.metrics import ServiceMetrics
 from agent.phases import FanOut, NullListener, PhaseListener
@@ -91,7 +91,7 @@ def build_chain(cfg: ServiceConfig) -> Chain:
     torch.set_num_threads(threads)
     return load_chain(cfg.model_dir, backend=cfg.backend, slices=cfg.slices, max_seq=cfg.max_seq,
                       max_batch=cfg.max_batch, device=cfg.device, options=OrtOptions(threads=threads),
-                      kv_cache=cfg.kv_cache)
+                      kv_cache=cfg.kv_cache, kv_blocks=cfg.kv_blocks)
 
 
 def build_executor(cfg: ServiceConfig) -> tuple[ChainExecutor, ExitPolicy]:
@@ -231,7 +231,7 @@ class Service:
             listeners.append(self.controller)
             metrics.watch_budget(self.controller.budget_status)
         core = EngineCore(executor, tokenizer, listener=FanOut(*listeners), meter=meter,
-                          metrics=metrics)
+                          metrics=metrics, scheduler=paged_scheduler(chain, tokenizer))
         self.engine = EngineLoop(core, max_queue=cfg.max_queue, on_tick=self.notifier.watchdog)
         max_prompt = min(cfg.max_prompt_tokens or chain.max_seq - 1, chain.max_seq - 1)
         limits = Limits(chain.max_seq, max_prompt, cfg.max_output_tokens, cfg.default_max_tokens,

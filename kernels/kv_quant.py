@@ -105,6 +105,19 @@ class Int8KVCache:
     def __getitem__(self, key: Index) -> QuantizedPast:
         return QuantizedPast(self.q[key], self.scale[key])
 
+    def write_rows(self, fresh: Tensor, rows: Tensor, starts: Tensor, use_triton: bool = False) -> None:
+        """Quantise new K or V (B, KV, T, hd) into cache row rows[b] at slots starts[b] .. + T - 1.
+        use_triton: one launch of kernels.kv_triton.quantize_write (CUDA; equal to `quantize` bit for
+        bit); else row by row through `__setitem__`."""
+        if use_triton:
+            from kernels.kv_triton import quantize_write
+
+            quantize_write(fresh, self.q, self.scale, rows, starts)
+            return
+        t = fresh.shape[2]
+        for i, (row, start) in enumerate(zip(rows.tolist(), starts.tolist())):
+            self[row, :, start:start + t] = fresh[i]
+
     def __setitem__(self, key: Index, value: Tensor) -> None:
         """Quantise on write: `value` is float K or V with the indexed shape (..., hd)."""
         q, scale = quantize(value, self.group)

@@ -3,9 +3,15 @@ row) over the INT8 cache with INT8 reads, FP32 accumulation and an online softma
 sequence (flash-decoding) so that a batch of 1 still fills the GPU. `kernels.kv_quant` is the plain-
 PyTorch reference of both (`quantize`, `attention_reference`); tests/test_kv_triton.py compares them.
 
-Layouts are kernels.kv_quant's: cache int8 (B, KV, S, hd), scales fp16 (B, KV, S, hd / G). The same
-attention kernel also reads an FP16 cache (`k_scale=None`), so a benchmark compares INT8 and FP16 with
-one code path (scripts/bench_kv.py).
+Layouts are kernels.kv_quant's: cache int8 (B, KV, S, hd), scales fp16 (B, KV, S, hd / G). The INT8
+attention kernel never dequantises element by element: the dot's rows are (query head, channel group)
+pairs, so the group scales apply to per-group partial scores and to the probabilities, and the int8
+tiles only go through an int8 -> fp16 conversion (in PTX on packed bytes on CUDA). An FP16 kernel of the
+same structure reads an FP16 cache (`k_scale=None`) for the benchmark (scripts/bench_kv_gpu.py). A
+second kernel merges the splits and, in the model, the step's own unquantised K/V (`Int8DecodePast`,
+what partition.runners.torch_runner uses on CUDA). Measured on an H200 (docs/BENCHMARKS.md): 1.13x the
+best FP16 decode attention at batch 8 and 16k-32k context, on par at batch 1; it is latency-bound, not
+bandwidth-bound.
 
 Why Triton rather than CUDA C++ through torch's extension loader: no host compiler or CUDA toolkit at
 run time, the kernel is JIT-compiled for the GPU it finds, and it runs on CPU in Triton's interpreter
@@ -21,9 +27,12 @@ verified on a board here; until it is, the CPU/PyTorch path (kernels.kv_quant) i
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from kernels.kv_quant import Int8KVCache
 
 try:
     import triton
@@ -53,26 +62,67 @@ if triton is not None:
         slot = tl.load(starts_ptr + b) + t
         offs = tl.arange(0, N_GROUPS)[:, None] * G + tl.arange(0, G)[None, :]  # (N_GROUPS, G)
         x = tl.load(x_ptr + b * sx_b + h * sx_h + t * sx_t + offs).to(tl.float32)
-        scale = (tl.max(tl.abs(x), axis=1) / 127.0).to(tl.float16)  # (N_GROUPS,), fp16 like the reference
+        # IEEE divisions (Triton's `/` is an approximate one on CUDA) and round-half-to-even, as
+        # torch.round: the codes and scales equal kernels.kv_quant.quantize's bit for bit.
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)).to(tl.float16)  # (N_GROUPS,)
         s32 = scale.to(tl.float32)
         safe = tl.where(s32 > 0, s32, 1.0)
-        y = x / safe[:, None]
-        q = tl.minimum(tl.maximum(tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5)), -127.0), 127.0)
+        y = tl.math.div_rn(x, tl.broadcast_to(safe[:, None], x.shape))
+        r = tl.floor(y + 0.5)
+        r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie to the even side
+        q = tl.minimum(tl.maximum(r, -127.0), 127.0)
         tl.store(q_ptr + row * sq_b + h * sq_h + slot * sq_s + offs, q.to(tl.int8))
         tl.store(s_ptr + row * ss_b + h * ss_h + slot * ss_s + tl.arange(0, N_GROUPS), scale)
 
     @triton.jit
-    def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, o_ptr, m_ptr, l_ptr,
-                             sq_b, sq_h, sk_b, sk_h, sk_s, ss_b, ss_h, ss_s, so_b, so_h, so_sp, sm_b, sm_h,
-                             sm_scale, split_len,
-                             HPK: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_N: tl.constexpr, IS_INT8: tl.constexpr):
+    def _online_softmax(s, m_i, l_i):
+        """One block of scores s (rows, BLOCK_N) into the running max m_i and sum l_i: returns the new max,
+        the rescale factor of the old accumulator, the block's probabilities and the new sum. A row that
+        has seen only masked slots (-inf) keeps m = -inf and gets p = 0, alpha = 0 (no NaN)."""
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+    @triton.jit
+    def _int8_to_fp16(x, CVT: tl.constexpr):
+        """int8 -> fp16, exactly. CVT 0: the conversion instruction (a quarter of the FP32 rate on Hopper,
+        one element each). CVT 1 and 2 go through the bits instead: x + 128 as a byte under the exponent
+        of 1024.0 (0x64) is the fp16 number 1024 + x + 128, and one fp16 subtraction of 1152 leaves x
+        (the trick of FasterTransformer's and Marlin's dequantisers); 1 in plain Triton (integer ops on
+        each element), 2 in PTX on four packed bytes at once (one xor, two byte permutes, two
+        sub.f16x2: five instructions for four values; CUDA only)."""
+        if CVT == 2:
+            return tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 t, m;
+                xor.b32 t, $2, 0x80808080;
+                prmt.b32 $0, t, 0x64646464, 0x4140;
+                prmt.b32 $1, t, 0x64646464, 0x4342;
+                mov.b32 m, 0x64806480;
+                sub.f16x2 $0, $0, m;
+                sub.f16x2 $1, $1, m;
+                }""",
+                constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=4)
+        elif CVT == 1:
+            u = (x.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16) | 0x6400
+            return u.to(tl.float16, bitcast=True) - tl.full((1, 1), 1152.0, tl.float16)
+        else:
+            return x.to(tl.float16)
+
+    @triton.jit
+    def _decode_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
+                             sq_b, sq_h, sk_b, sk_h, sk_s, so_b, so_h, so_sp, sm_b, sm_h, sm_scale, split_len,
+                             HPK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+        """FP16 cache: one (row, KV head, split) per program, its HPK query heads as the rows of tl.dot.
+        The loop stops at the row's length: splits past it only write an empty partial (m = -inf)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
-        length = tl.load(len_ptr + b)
         lo = sp * split_len
-        hi = tl.minimum(lo + split_len, length)
+        hi = tl.minimum(lo + split_len, tl.load(len_ptr + b))
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HD)
         h_ok = offs_h < HPK
@@ -81,30 +131,133 @@ if triton is not None:
         m_i = tl.full((BLOCK_H,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, HD), tl.float32)
-        kbase = b * sk_b + kvh * sk_h
-        sbase = b * ss_b + kvh * ss_h
+        row = tl.load(rows_ptr + b)  # the cache row of query row b
+        kbase = row * sk_b + kvh * sk_h
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_ok = offs_n < hi
             kv_off = kbase + offs_n[:, None] * sk_s + offs_d[None, :]  # (BLOCK_N, HD)
-            k = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0)
-            v = tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0)
-            if IS_INT8:  # dequantise in registers: one fp16 scale per (slot, group)
-                s_off = sbase + offs_n[:, None] * ss_s + (offs_d // G)[None, :]
-                k = (k.to(tl.float32) * tl.load(ks_ptr + s_off, mask=n_ok[:, None], other=0.0).to(tl.float32))
-                v = (v.to(tl.float32) * tl.load(vs_ptr + s_off, mask=n_ok[:, None], other=0.0).to(tl.float32))
+            k = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k.to(tl.float16))) * sm_scale  # (BLOCK_H, BLOCK_N), fp32 accumulate
             s = tl.where(n_ok[None, :], s, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
-            m_i = m_new
         heads = kvh * HPK + offs_h
         tl.store(o_ptr + b * so_b + heads[:, None] * so_h + sp * so_sp + offs_d[None, :], acc, mask=h_ok[:, None])
         tl.store(m_ptr + b * sm_b + heads * sm_h + sp, m_i, mask=h_ok)
         tl.store(l_ptr + b * sm_b + heads * sm_h + sp, l_i, mask=h_ok)
+
+    @triton.jit
+    def _decode_split_int8_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
+                                  sq_b, sq_h, sk_b, sk_h, sk_s, ss_b, ss_h, ss_s, so_b, so_h, so_sp, sm_b, sm_h,
+                                  sm_scale, split_len, HPK: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
+                                  NG: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HH: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, DENSE_SCALES: tl.constexpr, CVT: tl.constexpr,
+                                  PREFETCH: tl.constexpr):
+        """INT8 cache with no per-element dequantisation: row r = h * NG + g of the dot holds query head h
+        masked to channel group g, so Q' @ K8^T gives each group's partial score, which is scaled by that
+        slot's K scale and summed over the NG rows of a head. For V, row (h, g) gets p[h] times the V
+        scale of group g, P' @ V8 accumulates (BLOCK_R, HD), and at the end head h keeps, of each
+        channel, the row of that channel's group. The int8 tiles only go through an int8 -> fp16 cast.
+        BLOCK_R = BLOCK_HH * NG >= HPK * NG, BLOCK_R >= 16 (tl.dot's smallest M). PREFETCH: load the
+        next block's int8 tiles before working on this one (registers double-buffered by hand)."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        lo = sp * split_len
+        hi = tl.minimum(lo + split_len, tl.load(len_ptr + b))
+        offs_r = tl.arange(0, BLOCK_R)
+        h_r = offs_r // NG
+        g_r = offs_r % NG
+        offs_d = tl.arange(0, HD)
+        sel = (offs_d // G)[None, :] == g_r[:, None]  # (BLOCK_R, HD): channel d belongs to row r's group
+        qr = tl.load(q_ptr + b * sq_b + (kvh * HPK + h_r)[:, None] * sq_h + offs_d[None, :],
+                     mask=(h_r < HPK)[:, None] & sel, other=0.0).to(tl.float16)  # (BLOCK_R, HD)
+        m_i = tl.full((BLOCK_HH,), -float("inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_HH,), tl.float32)
+        acc = tl.zeros((BLOCK_R, HD), tl.float32)
+        row = tl.load(rows_ptr + b)  # the cache row of query row b
+        kbase = row * sk_b + kvh * sk_h
+        sbase = row * ss_b + kvh * ss_h
+        offs_b = tl.arange(0, BLOCK_N)
+        if PREFETCH:
+            first = kbase + (lo + offs_b)[:, None] * sk_s + offs_d[None, :]
+            nk = tl.load(k_ptr + first, mask=((lo + offs_b) < hi)[:, None], other=0)
+            nv = tl.load(v_ptr + first, mask=((lo + offs_b) < hi)[:, None], other=0)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + offs_b
+            n_ok = offs_n < hi
+            kv_off = kbase + offs_n[:, None] * sk_s + offs_d[None, :]  # (BLOCK_N, HD)
+            if PREFETCH:
+                k8, v8 = nk, nv
+                n_next = (offs_n + BLOCK_N < hi)[:, None]
+                nk = tl.load(k_ptr + kv_off + BLOCK_N * sk_s, mask=n_next, other=0)
+                nv = tl.load(v_ptr + kv_off + BLOCK_N * sk_s, mask=n_next, other=0)
+            else:
+                k8 = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0)
+                v8 = tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0)
+            k = _int8_to_fp16(k8, CVT)
+            v = _int8_to_fp16(v8, CVT)
+            part = tl.dot(qr, tl.trans(k))  # (BLOCK_R, BLOCK_N): row (h, g) = group g's share of head h's score
+            if DENSE_SCALES:  # one contiguous (BLOCK_N, NG) tile per tensor, spread over rows in registers
+                s_off = sbase + offs_n[:, None] * ss_s + tl.arange(0, NG)[None, :]
+                ksc = tl.trans(tl.load(ks_ptr + s_off, mask=n_ok[:, None], other=0.0).to(tl.float32))  # (NG, BLOCK_N)
+                vsc = tl.trans(tl.load(vs_ptr + s_off, mask=n_ok[:, None], other=0.0).to(tl.float32))
+                s = tl.sum(tl.reshape(part, (BLOCK_HH, NG, BLOCK_N)) * ksc[None, :, :], axis=1) * sm_scale
+                s = tl.where(n_ok[None, :], s, -float("inf"))  # (BLOCK_HH, BLOCK_N)
+                m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
+                p_r = tl.reshape(p[:, None, :] * vsc[None, :, :], (BLOCK_R, BLOCK_N))
+            else:  # gather: the scale of (slot, row's group) for every element of the (BLOCK_R, BLOCK_N) tile
+                s_off = sbase + offs_n[None, :] * ss_s + g_r[:, None]
+                ksc = tl.load(ks_ptr + s_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
+                vsc = tl.load(vs_ptr + s_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
+                s = tl.sum(tl.reshape(part * ksc, (BLOCK_HH, NG, BLOCK_N)), axis=1) * sm_scale
+                s = tl.where(n_ok[None, :], s, -float("inf"))
+                m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
+                p_r = tl.reshape(tl.broadcast_to(p[:, None, :], (BLOCK_HH, NG, BLOCK_N)), (BLOCK_R, BLOCK_N)) * vsc
+            a_r = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_HH, NG)), (BLOCK_R,))
+            acc = acc * a_r[:, None] + tl.dot(p_r.to(tl.float16), v)
+        out = tl.sum(tl.reshape(tl.where(sel, acc, 0.0), (BLOCK_HH, NG, HD)), axis=1)  # (BLOCK_HH, HD)
+        offs_h = tl.arange(0, BLOCK_HH)
+        h_ok = offs_h < HPK
+        heads = kvh * HPK + offs_h
+        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + sp * so_sp + offs_d[None, :], out, mask=h_ok[:, None])
+        tl.store(m_ptr + b * sm_b + heads * sm_h + sp, m_i, mask=h_ok)
+        tl.store(l_ptr + b * sm_b + heads * sm_h + sp, l_i, mask=h_ok)
+
+    @triton.jit
+    def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, kn_ptr, vn_ptr, n_splits, sm_scale, sq_b, sq_h, sn_b, sn_h,
+                      H: tl.constexpr, HPK: tl.constexpr, HD: tl.constexpr, BLOCK_S: tl.constexpr,
+                      HAS_NEW: tl.constexpr):
+        """One (b, head): out = sum_j exp(m_j - M) o_j / sum_j exp(m_j - M) l_j over the splits (flash-
+        decoding's reduction); o (B, H, splits, HD), m and l (B, H, splits), contiguous. HAS_NEW: the
+        step's own K/V (B, KV, HD), unquantised, join as one more term, as the reference attention
+        concatenates the fresh K/V to the dequantised past."""
+        pid = tl.program_id(0)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, HD)
+        ok = offs_s < n_splits
+        m = tl.load(m_ptr + pid * n_splits + offs_s, mask=ok, other=-float("inf"))
+        l_s = tl.load(l_ptr + pid * n_splits + offs_s, mask=ok, other=0.0)
+        o = tl.load(o_ptr + (pid * n_splits + offs_s)[:, None] * HD + offs_d[None, :], mask=ok[:, None], other=0.0)
+        big = tl.max(m, axis=0)
+        if HAS_NEW:
+            b = pid // H
+            kvh = (pid % H) // HPK
+            qv = tl.load(q_ptr + b * sq_b + (pid % H) * sq_h + offs_d).to(tl.float32)
+            kn = tl.load(kn_ptr + b * sn_b + kvh * sn_h + offs_d).to(tl.float32)
+            vn = tl.load(vn_ptr + b * sn_b + kvh * sn_h + offs_d).to(tl.float32)
+            s_new = tl.sum(qv * kn, axis=0) * sm_scale
+            big = tl.maximum(big, s_new)
+            w_new = tl.exp(s_new - big)
+        w = tl.where(m > -float("inf"), tl.exp(m - big), 0.0)  # empty splits (m = -inf) weigh nothing
+        num = tl.sum(o * w[:, None], axis=0)
+        den = tl.sum(l_s * w, axis=0)
+        if HAS_NEW:
+            num = num + w_new * vn
+            den = den + w_new
+        tl.store(out_ptr + pid * HD + offs_d, num / den)
 
 
 def _need_triton() -> None:
@@ -128,12 +281,22 @@ def quantize_write(fresh: Tensor, q_cache: Tensor, s_cache: Tensor, rows: Tensor
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: Tensor | None = None,
-                     v_scale: Tensor | None = None, n_splits: int | None = None, block_n: int = 64) -> Tensor:
+                     v_scale: Tensor | None = None, rows: Tensor | None = None, k_new: Tensor | None = None,
+                     v_new: Tensor | None = None, n_splits: int | None = None, block_n: int = 64,
+                     num_warps: int = 4, num_stages: int = 3, waves: float = 8.0, dense_scales: bool = True,
+                     cvt: int | None = None, prefetch: bool = False) -> Tensor:
     """q (B, H, hd); k, v (B, KV, S, hd) int8 with scales (B, KV, S, hd / G), or fp16 with no scales;
     lengths (B,) int32: row b attends to slots [0, lengths[b]). Returns (B, H, hd) float32.
+    rows (B,): the cache row of each query row (default 0..B-1; the cache may have more rows).
+    k_new, v_new (B, KV, hd): the step's own K/V, attended unquantised besides the cache's slots.
 
-    The sequence is cut into `n_splits` pieces (default: enough programs for ~2 waves over the SMs);
-    each gives a partial max, sum and output, merged here (flash-decoding's reduction)."""
+    The sequence is cut into `n_splits` pieces (default: enough programs for `waves` waves over the
+    SMs); each gives a partial max, sum and output, merged by a second kernel (flash-decoding's
+    reduction). `block_n`, `num_warps`, `num_stages`: the split kernel's tile and launch settings;
+    `dense_scales`, `cvt`: the INT8 kernel's scale loads and int8 -> fp16 conversion (`_int8_to_fp16`;
+    default 2, the PTX one, on CUDA and 1 elsewhere, i.e. in Triton's interpreter); the simpler variants
+    are there for the GPU benchmark to measure against; `prefetch`: the INT8 kernel's hand double-buffering.
+    Defaults: the INT8 kernel's best settings in the sweep on an H200 (docs/BENCHMARKS.md)."""
     _need_triton()
     b, h, hd = q.shape
     kv, s_max = k.shape[1], k.shape[2]
@@ -143,22 +306,64 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     is_int8 = k_scale is not None
     if n_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        n_splits = max(1, min(math.ceil(2 * sms / (b * kv)), math.ceil(s_max / 256)))
+        n_splits = max(1, min(math.ceil(waves * sms / (b * kv)), math.ceil(s_max / 256)))
     split_len = math.ceil(s_max / n_splits / block_n) * block_n
     n_splits = math.ceil(s_max / split_len)
     o = torch.empty((b, h, n_splits, hd), dtype=torch.float32, device=q.device)
-    m = torch.full((b, h, n_splits), -math.inf, dtype=torch.float32, device=q.device)
-    l_sum = torch.zeros((b, h, n_splits), dtype=torch.float32, device=q.device)
-    ks = k_scale if is_int8 else k  # dummy pointers when the cache is fp16 (never read)
-    vs = v_scale if is_int8 else v
-    g = hd // ks.shape[-1] if is_int8 else hd
+    m = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)  # every split writes its m, l, o
+    l_sum = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)
     q = q.contiguous()
-    _decode_split_kernel[(b, kv, n_splits)](
-        q, k, v, ks, vs, lengths.to(torch.int32).contiguous(), o, m, l_sum,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2), o.stride(0), o.stride(1), o.stride(2), m.stride(0), m.stride(1),
-        1.0 / math.sqrt(hd), split_len, HPK=hpk, HD=hd, G=g, BLOCK_H=BLOCK_H, BLOCK_N=block_n, IS_INT8=is_int8)
+    lengths = lengths.to(torch.int32).contiguous()
+    rows = (torch.arange(b, dtype=torch.int32, device=q.device) if rows is None
+            else rows.to(torch.int32).contiguous())
+    common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2))
+    out_strides = (o.stride(0), o.stride(1), o.stride(2), m.stride(0), m.stride(1), 1.0 / math.sqrt(hd), split_len)
+    if is_int8:
+        ng = k_scale.shape[-1]
+        block_r = max(16, triton.next_power_of_2(hpk * ng))
+        _decode_split_int8_kernel[(b, kv, n_splits)](
+            q, k, v, k_scale, v_scale, lengths, rows, o, m, l_sum, *common, k_scale.stride(0), k_scale.stride(1),
+            k_scale.stride(2), *out_strides, HPK=hpk, HD=hd, G=hd // ng, NG=ng, BLOCK_R=block_r, BLOCK_HH=block_r // ng,
+            BLOCK_N=block_n, DENSE_SCALES=dense_scales, CVT=(2 if q.is_cuda else 1) if cvt is None else cvt,
+            PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
+    else:
+        _decode_split_kernel[(b, kv, n_splits)](
+            q, k, v, lengths, rows, o, m, l_sum, *common, *out_strides, HPK=hpk, HD=hd, BLOCK_H=BLOCK_H,
+            BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     # Merge the splits: out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j (empty splits: m = -inf).
-    big = m.amax(-1, keepdim=True)  # (B, H, 1)
-    w = torch.exp(m - big).nan_to_num(0.0)  # (B, H, splits)
-    return (o * w[..., None]).sum(2) / (l_sum * w).sum(-1, keepdim=True)
+    out = torch.empty((b, h, hd), dtype=torch.float32, device=q.device)
+    has_new = k_new is not None
+    kn = k_new.contiguous() if has_new else q  # dummy pointers when there is no fresh token (never read)
+    vn = v_new.contiguous() if has_new else q
+    _merge_kernel[(b * h,)](o, m, l_sum, out, q, kn, vn, n_splits, 1.0 / math.sqrt(hd), q.stride(0), q.stride(1),
+                            kn.stride(0), kn.stride(1), H=h, HPK=hpk, HD=hd,
+                            BLOCK_S=max(2, triton.next_power_of_2(n_splits)), HAS_NEW=has_new)
+    return out
+
+
+@dataclass(frozen=True)
+class Int8DecodePast:
+    """A layer's past K or V for one decode step over an INT8 cache on the GPU: the whole cache, the
+    cache row of each query row, its past length (the slots before the new token) and the longest one.
+    `attend` runs the Triton kernels; `dequantize` (partition.model's PastKV protocol) gives the dense
+    (B, KV, max_len, hd) past for any other use."""
+
+    cache: Int8KVCache
+    rows: Tensor  # (B,) int32
+    lengths: Tensor  # (B,) int32
+    max_len: int
+
+    @property
+    def shape(self) -> torch.Size:
+        b, kv, _, hd = self.cache.shape
+        return torch.Size((self.rows.numel(), kv, self.max_len, hd))
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        return self.cache[:, :, :self.max_len].index_select(0, self.rows.long()).dequantize(dtype)
+
+    def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, past_v: "Int8DecodePast") -> Tensor:
+        """q (B, H, hd) and the step's own K/V (B, KV, hd), unquantised -> (B, H, hd) float32."""
+        n = max(1, self.max_len)  # no past at all: the kernels see one masked slot
+        kc, vc = self.cache, past_v.cache
+        return decode_attention(q, kc.q[:, :, :n], vc.q[:, :, :n], self.lengths, kc.scale[:, :, :n],
+                                vc.scale[:, :, :n], rows=self.rows, k_new=k_new, v_new=v_new)

@@ -19,7 +19,8 @@ position; each layer writes its new K/V into them by position (`scatter_`) and a
 at the model dtype (SDPA for prefill, two batched GEMMs for a decode step), so no step concatenates,
 copies or casts the cache. Slot k is attended by query i iff k <= positions[b, i]. The new K/V are still returned.
 A past may also be a quantised view (`PastKV`, e.g. kernels.kv_quant.QuantizedPast): the export
-formulation dequantises it; in-place cache mode takes dense caches only.
+formulation dequantises it; in-place cache mode takes dense caches only. A `DecodePast` (INT8 cache on
+CUDA) runs a decode step's attention over itself plus the fresh K/V in GPU kernels instead.
 """
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ class PastKV(Protocol):
     def shape(self) -> torch.Size: ...
 
     def dequantize(self, dtype: torch.dtype) -> Tensor: ...
+
+
+class DecodePast(PastKV, Protocol):
+    """A past that attends a decode step itself (kernels.kv_triton.Int8DecodePast: Triton kernels over
+    an INT8 cache): q (B, H, hd) and the step's own unquantised K/V (B, KV, hd) -> (B, H, hd) float32.
+    Runtime only; the export formulation never sees one."""
+
+    def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, past_v: "DecodePast") -> Tensor: ...
 
 
 Past = Union[Tensor, PastKV]
@@ -163,6 +172,9 @@ class Attention(nn.Module):
                     out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
             out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
             return self.o_proj(out), k, v
+        if t == 1 and hasattr(past_k, "attend"):  # a DecodePast: the same attention, in its own kernels
+            out = past_k.attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], past_v)  # (B, H, hd) fp32
+            return self.o_proj(out.to(x.dtype).reshape(b, 1, -1)), k, v
         keys = torch.cat((dense_past(past_k, k.dtype), k), dim=2)  # (B, KV, P + T, hd)
         values = torch.cat((dense_past(past_v, v.dtype), v), dim=2)
         # Grouped-query attention without copying K/V per query head: fold each KV head's group of

@@ -12,10 +12,10 @@ Paging (also `--paging-only`): a mixed-length trace through the row scheduler (8
 and the paged one (the same 8192 tokens as 512 blocks of 16) with a stand-in model: concurrent sequences.
 Prefix sharing (also with `--paging-only`): 32 requests sharing a 512-token system prompt, sharing off
 and on: prompt tokens prefilled and peak KV blocks held.
-GPU (`--gpu`, for a CUDA machine with Triton): decode attention (one new token per row) over an INT8
-vs an FP16 cache with the same Triton kernel, and PyTorch's SDPA over FP16 as a second baseline, at
-contexts 4k / 16k / 32k, batch 1 and 8, Llama-3-8B attention shape (32 query heads, 8 KV heads, head
-dim 128): time per call and % of the HBM bandwidth roofline.
+GPU (`--gpu`, for a CUDA machine with Triton; scripts/bench_kv_gpu.py): decode attention (one new token
+per row) over an INT8 vs an FP16 cache with the same Triton kernel, and PyTorch's SDPA over FP16 as
+fair baselines, at contexts 4k / 16k / 32k, batch 1 and 8, Llama-3-8B attention shape (32 query heads,
+8 KV heads, head dim 128): time per call and % of the HBM bandwidth roofline.
 
 Prints one JSON object; `--out FILE` writes it there too.
 """
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script from any cwd
-from kernels.kv_quant import Int8KVCache, fp_cache_bytes, int8_cache_bytes, quantize  # noqa: E402
+from kernels.kv_quant import Int8KVCache, fp_cache_bytes, int8_cache_bytes  # noqa: E402
 from partition.checkpoint import load_model  # noqa: E402
 from partition.paths import DEFAULT_MODEL_DIR  # noqa: E402
 from partition.slices import SliceSpec  # noqa: E402
@@ -45,8 +45,6 @@ from partition.runners.torch_runner import TorchRunner  # noqa: E402
 from partition.tokenizer import Tokenizer  # noqa: E402
 
 EOT = "<|endoftext|>"
-# NVIDIA H200 SXM: 4.8 TB/s HBM3e (NVIDIA H200 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/h200).
-H200_BANDWIDTH = 4.8e12
 LLAMA3_8B_ATTN = {"n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "n_layers": 32}  # Meta's config.json
 
 
@@ -290,40 +288,9 @@ def sharing_model_bench(args: argparse.Namespace, n_requests: int = 32, system_t
 
 
 def gpu_bench(args: argparse.Namespace) -> dict[str, object]:
-    import triton.testing
+    from scripts.bench_kv_gpu import gpu_bench as run
 
-    from kernels.kv_triton import decode_attention
-
-    dev = "cuda"
-    h, kv, hd = LLAMA3_8B_ATTN["n_heads"], LLAMA3_8B_ATTN["n_kv_heads"], LLAMA3_8B_ATTN["head_dim"]
-    rows = []
-    for b in (1, 8):
-        for ctx in (4096, 16384, 32768):
-            torch.manual_seed(0)
-            q = torch.randn(b, h, hd, device=dev, dtype=torch.float16)
-            k = torch.randn(b, kv, ctx, hd, device=dev, dtype=torch.float16)
-            v = torch.randn(b, kv, ctx, hd, device=dev, dtype=torch.float16)
-            lengths = torch.full((b,), ctx, dtype=torch.int32, device=dev)
-            kq, ks = quantize(k, args.groups[0])
-            vq, vs = quantize(v, args.groups[0])
-            fp16_bytes = 2 * k.numel() * 2
-            int8_bytes = 2 * (kq.numel() + ks.numel() * 2)
-            t_fp = triton.testing.do_bench(lambda: decode_attention(q, k, v, lengths))  # ms
-            t_q8 = triton.testing.do_bench(lambda: decode_attention(q, kq, vq, lengths, ks, vs))
-            qs = q[:, :, None]  # (B, H, 1, hd)
-            t_sdpa = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
-            row = {"batch": b, "context": ctx, "group": args.groups[0],
-                   "fp16_triton_us": round(t_fp * 1e3, 1), "int8_triton_us": round(t_q8 * 1e3, 1),
-                   "fp16_sdpa_us": round(t_sdpa * 1e3, 1),
-                   "speedup_int8_vs_fp16_triton": round(t_fp / t_q8, 2),
-                   "speedup_int8_vs_fp16_sdpa": round(t_sdpa / t_q8, 2)}
-            for name, t, nbytes in (("fp16_triton", t_fp, fp16_bytes), ("int8_triton", t_q8, int8_bytes),
-                                    ("fp16_sdpa", t_sdpa, fp16_bytes)):
-                row[f"{name}_roofline_pct"] = round(100 * nbytes / (t * 1e-3) / H200_BANDWIDTH, 1)
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-    return {"device": torch.cuda.get_device_name(), "shape": LLAMA3_8B_ATTN,
-            "roofline_bandwidth_Bps": H200_BANDWIDTH, "rows": rows}
+    return run(args.groups[0])
 
 
 def main() -> None:

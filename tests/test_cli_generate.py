@@ -50,3 +50,13 @@ def test_bad_input_is_one_line_and_exit_2(runner: CliRunner, args: list[str], me
     res = runner.invoke(app, ["generate", PROMPT, *args])
     assert res.exit_code == 2
     assert message in res.output and "Traceback" not in res.output
+
+
+def test_kv_blocks_flag_pages_the_cache_with_the_same_output(runner: CliRunner) -> None:
+    """--kv-blocks N: the paged cache (N blocks of 16 tokens; 6 = 96 slots for this prompt and 64 new
+    tokens) gives the per-row cache's greedy tokens; with an INT8 cache it is a one-line error."""
+    rows = _generate(runner)
+    paged = _generate(runner, "--kv-blocks", "6")
+    assert paged["kv_blocks"] == 6 and paged["token_ids"] == rows["token_ids"]
+    res = runner.invoke(app, ["generate", PROMPT, "--max-tokens", "4", "--kv-blocks", "6", "--kv-cache", "int8"])
+    assert res.exit_code != 0 and "kv_blocks" in res.output and "Traceback" not in res.output

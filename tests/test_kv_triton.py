@@ -1,5 +1,5 @@
 """The Triton kernels of the INT8 KV-cache (kernels/kv_triton.py) against their PyTorch reference
-(kernels/kv_quant.py): quantise-on-write bit for bit (up to a rounding tie), decode attention within
+(kernels/kv_quant.py): quantise-on-write bit for bit (rounding ties included), decode attention within
 FP16-dot tolerance, INT8 and FP16 caches, ragged lengths, GQA, several sequence splits. The `cuda`
 tests run the compiled kernels on a GPU (quick: small shapes); without one, the same checks run once
 in Triton's CPU interpreter when Triton is installed."""
@@ -16,6 +16,30 @@ import torch
 from kernels.kv_quant import attention_reference, quantize
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+PROBE_FAILED = 77  # the subprocess's exit status when the interpreter itself cannot run a loop
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _loop_probe(x_ptr, n):
+        for i in range(0, n):  # a loop bound that is a runtime scalar, as in the decode kernel
+            tl.store(x_ptr + i, i)
+
+
+def interpreter_runs_loops() -> bool:
+    """False where Triton's interpreter cannot iterate up to a runtime scalar: it calls int() on a
+    1-element array, which numpy >= 2.4 refuses (triton-lang/triton#9171; Triton 3.6 with numpy 2.5 on
+    the GPU machine's image hit it, Triton 3.9 squeezes the array first)."""
+    x = torch.zeros(3)
+    try:
+        _loop_probe[(1,)](x, 3)
+    except Exception as e:  # noqa: BLE001 - triton.runtime.errors.InterpreterError wraps the TypeError
+        if "0-dimensional" in str(e):
+            return False
+        raise
+    return bool(torch.equal(x, torch.arange(3.0)))
 
 
 def check_quantize_write(device: str) -> None:
@@ -24,14 +48,16 @@ def check_quantize_write(device: str) -> None:
     torch.manual_seed(0)
     for group in (32, 64):
         fresh = torch.randn(2, 2, 3, 64, device=device, dtype=torch.float16) * 3
+        # a group of exact ties: absmax 63.5 -> scale 0.5, the rest (k - 15) / 2 + 1/4 -> codes k - 15 + 1/2
+        fresh[0, 0, 0, 0] = 63.5
+        fresh[0, 0, 0, 1:group] = (torch.arange(group - 1, device=device) - 15) * 0.5 + 0.25
         qc = torch.zeros(3, 2, 40, 64, dtype=torch.int8, device=device)
         sc = torch.zeros(3, 2, 40, 64 // group, dtype=torch.float16, device=device)
         quantize_write(fresh, qc, sc, torch.tensor([2, 0], device=device), torch.tensor([5, 9], device=device))
         rq, rs = quantize(fresh, group)
         for i, (row, start) in enumerate(((2, 5), (0, 9))):
             assert torch.equal(sc[row, :, start:start + 3], rs[i])
-            diff = (qc[row, :, start:start + 3].int() - rq[i].int()).abs()
-            assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01  # round-half ties only
+            assert torch.equal(qc[row, :, start:start + 3], rq[i])  # bit for bit, ties to even included
         assert int(qc[1].abs().sum()) == 0 and int(qc[2, :, :5].abs().sum()) == 0  # nothing else written
 
 
@@ -47,8 +73,10 @@ def check_decode_attention(device: str) -> None:
         kq, ks = quantize(k, group)
         vq, vs = quantize(v, group)
         want = attention_reference(q, kq, ks, vq, vs, lengths)
-        for splits in (1, 4):
-            got = decode_attention(q, kq, vq, lengths, ks, vs, n_splits=splits)
+        variants = [{"dense_scales": d, "cvt": c} for d in (True, False) for c in (0, 1, 2) if c < 2 or device == "cuda"]
+        variants.append({"prefetch": True})
+        for splits, variant in [(1, {})] + [(4, v) for v in variants]:
+            got = decode_attention(q, kq, vq, lengths, ks, vs, n_splits=splits, **variant)
             assert torch.allclose(got, want, atol=3e-3), float((got - want).abs().max())
     # FP16 cache through the same kernel, against plain softmax attention
     kk, vv = k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1)
@@ -73,9 +101,13 @@ def test_decode_attention_cuda() -> None:
 def test_kernels_in_triton_interpreter() -> None:
     """The same checks on CPU through TRITON_INTERPRET=1 (read when the kernels are defined, hence a
     fresh interpreter)."""
-    code = ("from tests.test_kv_triton import check_quantize_write, check_decode_attention; "
+    code = ("import sys; from tests.test_kv_triton import check_quantize_write, check_decode_attention, "
+            f"interpreter_runs_loops; interpreter_runs_loops() or sys.exit({PROBE_FAILED}); "
             "check_quantize_write('cpu'); check_decode_attention('cpu')")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    if r.returncode == PROBE_FAILED:
+        pytest.skip("this Triton's interpreter cannot run a loop up to a runtime bound with this numpy "
+                    "(triton-lang/triton#9171); the cuda tests run the compiled kernels instead")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -189,3 +189,26 @@ def test_prefix_sharing_equals_unshared_run(model) -> None:  # noqa: ANN001
     want, _ = _run(model, 64, system=SYSTEM)
     got, saved = _run(model, 64, sharing=True, system=SYSTEM)
     assert saved > 0 and got == want
+
+
+def test_kv_blocks_config_key_and_the_services_scheduler() -> None:
+    """model.kv_blocks (serve --kv-blocks): validated, and the service's chain is paged and gets the
+    block-counting scheduler; a chain of per-row caches keeps the row scheduler."""
+    import dataclasses
+
+    from agent.config import ConfigError, config_from_mapping
+    from agent.engine.executor import paged_scheduler
+    from agent.service import build_chain
+    from partition.paths import DEFAULT_MODEL_DIR
+    from partition.tokenizer import Tokenizer
+
+    cfg = config_from_mapping({"model": {"kv_blocks": 32, "max_seq": 128}, "limits": {"max_batch": 2}}, "t.toml")
+    assert cfg.kv_blocks == 32
+    for bad in ({"kv_blocks": 0}, {"kv_blocks": 8, "kv_cache": "int8"}, {"kv_blocks": 8, "backend": "ort"}):
+        with pytest.raises(ConfigError, match="model.kv_blocks"):
+            config_from_mapping({"model": bad}, "t.toml")
+    tok = Tokenizer.from_dir(DEFAULT_MODEL_DIR)
+    sched = paged_scheduler(build_chain(cfg.replace(threads=1)), tok)
+    assert isinstance(sched, PagedScheduler) and sched.blocks.num_blocks == 32 and sched.max_batch == 2
+    rows = dataclasses.replace(cfg, threads=1, kv_blocks=None)  # ServiceConfig.replace reads None as "not given"
+    assert paged_scheduler(build_chain(rows), tok) is None

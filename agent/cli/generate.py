@@ -41,6 +41,9 @@ def generate(
                                                      "below this rate (orin-agent calibrate)."),
     kv_cache: str = typer.Option("fp16", "--kv-cache", help="KV-cache storage: fp16 (the model's dtype, "
                                  "unquantised) or int8 (group-wise INT8 with FP16 scales; torch backend)."),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="Paged KV-cache of N blocks of 16 "
+                                            "tokens per layer instead of per-row caches (torch backend, "
+                                            "fp16 cache)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
     edge: Optional[str] = typer.Option(None, "--edge", help="HOST:PORT of an edge server (orin-agent edge) "
                                        "that runs the deep layers."),
@@ -61,7 +64,7 @@ def generate(
                                            temperature == 0, backend, slices, max_seq, device) if edge else None
         exits = bool(k) or (max_disagreement is not None and not edge)
         core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain, exits=exits,
-                         kv_cache=kv_cache)
+                         kv_cache=kv_cache, kv_blocks=kv_blocks)
         pieces: list[str] = []
         done: Finished | None = None
         for ev in core.generate(core.tokenizer.encode(prompt), params):
@@ -78,7 +81,8 @@ def generate(
         decode_tok_s = u.decode_tok_s or 0.0
         if as_json:
             print_json({"prompt": prompt, "text": "".join(pieces), "backend": backend, "model": str(model),
-                        "slices": slices, "kv_cache": kv_cache, "prompt_tokens": u.prompt_tokens,
+                        "slices": slices, "kv_cache": kv_cache, "kv_blocks": kv_blocks,
+                        "prompt_tokens": u.prompt_tokens,
                         "completion_tokens": u.completion_tokens, "prefill_ms": round(prefill_ms, 3),
                         "decode_tok_s": round(decode_tok_s, 3), "finish_reason": done.reason,
                         "token_ids": list(done.token_ids),

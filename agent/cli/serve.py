@@ -35,6 +35,9 @@ def serve(
                                                      "target of every request (calibrated; implies --exits)."),
     speculate: Optional[str] = typer.Option(None, "--speculate", help="Default self-speculation of every "
                                             "request: K draft tokens or 'auto' (lossless; implies --exits)."),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="Paged KV-cache of N blocks of 16 tokens "
+                                            "per layer (torch backend, fp16 cache; default from "
+                                            "model.kv_blocks, else per-row caches)."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="Power budget, W: the sliding-window "
                                               "average board power the controller holds (over the watts of "
@@ -47,7 +50,7 @@ def serve(
     with cli_errors():
         cfg = load_config(config).replace(root=root, run_dir=run_dir, host=host, port=port, token=token,
                                           backend=backend, model_dir=model, max_batch=max_batch,
-                                          kv_cache=kv_cache, log_level=log_level, exits=exits,
+                                          kv_cache=kv_cache, kv_blocks=kv_blocks, log_level=log_level, exits=exits,
                                           max_disagreement=max_disagreement, speculate=speculate,
                                           power_cap_w=power_cap)
         setup_logging(cfg.log_level)

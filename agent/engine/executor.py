@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from agent.engine.core import EngineCore
 from agent.engine.types import SamplingParams, SeqChunk, StepOutput, StepPlan, TokenLogprob
 from partition.runners.chain import Chain
 from partition.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from agent.engine.paged_scheduler import PagedScheduler
 
 
 def make_rng(seed: int | None) -> torch.Generator:
@@ -173,11 +176,15 @@ def load_core(model: Path, backend: str = "torch", slices: str | None = None, ma
     if chain is None:
         chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device,
                            cuda_graphs=cuda_graphs, kv_cache=kv_cache, kv_blocks=kv_blocks, block_size=block_size)
-    executor = ChainExecutor(chain)
+    return EngineCore(ChainExecutor(chain), tokenizer, scheduler=paged_scheduler(chain, tokenizer))
+
+
+def paged_scheduler(chain: Chain, tokenizer: Tokenizer) -> "PagedScheduler | None":
+    """The block-counting scheduler a paged chain needs (None for a chain of per-row caches: the
+    engine's default row scheduler). No queue bound: the caller bounds what it submits."""
     if chain.paging is None:
-        return EngineCore(executor, tokenizer)
+        return None
     from agent.engine.paged_scheduler import PagedScheduler
 
     num_blocks, size = chain.paging
-    return EngineCore(executor, tokenizer, scheduler=PagedScheduler(
-        chain.max_batch, chain.max_seq, num_blocks, size, tokenizer.eos_ids, max_queue=1 << 30))
+    return PagedScheduler(chain.max_batch, chain.max_seq, num_blocks, size, tokenizer.eos_ids, max_queue=1 << 30)

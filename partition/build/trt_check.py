@@ -78,6 +78,15 @@ CONSTANT_INPUTS = {("Slice", 3): "axes", ("Squeeze", 1): "axes", ("Unsqueeze", 1
 IO_TYPES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.INT32: "int32",
             TensorProto.BOOL: "bool"}
 
+# Q/DQ as TensorRT 8.5-10.x take them (explicit INT8 quantization): the scale a build-time constant
+# scalar or 1-D tensor (per-tensor / per-channel; TensorRT 8.6.1 operator docs, Dequantize: "The
+# scale tensor must be a build-time constant scalar or a 1D tensor"), the zero point a constant of
+# zeros (onnx-tensorrt operators.md: "`x_zero_point` must be zero"; TensorRT is symmetric-only), and
+# INT8. Block-wise scales need opset 21's `block_size`, which no target parses (10.x takes opset
+# <= 20), and TensorRT 10 blocks only INT4 weights. An INT8 graph input is allowed only straight into
+# DequantizeLinear, an INT8 graph output only straight out of QuantizeLinear (the INT8 KV-cache I/O).
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+
 
 @dataclass(frozen=True)
 class CheckReport:
@@ -168,6 +177,7 @@ def check_trt_compat(model: onnx.ModelProto | str | Path, opset: int = TARGET_OP
             if attr.type == onnx.AttributeProto.GRAPH:
                 errors.append(f"{where}: has a subgraph attribute {attr.name!r} (control flow)")
 
+    errors += _qdq_errors(g, rules.version)
     for t in g.initializer:
         bad = _nonfinite(t, base_dir)
         if bad:
@@ -180,6 +190,8 @@ def check_trt_compat(model: onnx.ModelProto | str | Path, opset: int = TARGET_OP
             if v.name in constants:
                 continue  # an initializer listed as a graph input (IR < 4 style): not a real input
             elem = v.type.tensor_type.elem_type
+            if elem == TensorProto.INT8 and _int8_io_ok(g, v.name, kind):
+                continue
             if elem not in IO_TYPES:
                 errors.append(f"graph {kind} {v.name!r} is {_type_name(elem)}; allowed: "
                               f"{', '.join(IO_TYPES.values())} (ids and positions int32)")
@@ -196,6 +208,40 @@ def check_trt_compat(model: onnx.ModelProto | str | Path, opset: int = TARGET_OP
     except onnx.shape_inference.InferenceError as exc:
         errors.append(f"ONNX shape inference failed: {exc}")
     return CheckReport(tuple(errors), tuple(warnings), dict(sorted(counts.items())))
+
+
+def _int8_io_ok(g: onnx.GraphProto, name: str, kind: str) -> bool:
+    """An INT8 graph input read only by DequantizeLinear, or an INT8 output written by QuantizeLinear."""
+    if kind == "input":
+        users = [n for n in g.node if name in n.input]
+        return bool(users) and all(n.op_type == "DequantizeLinear" and n.input[0] == name for n in users)
+    return any(n.op_type == "QuantizeLinear" and name in n.output for n in g.node)
+
+
+def _qdq_errors(g: onnx.GraphProto, version: str) -> list[str]:
+    """TensorRT's constraints on QuantizeLinear / DequantizeLinear (QDQ_OPS above)."""
+    inits = {t.name: t for t in g.initializer}
+    consts = {o: n.attribute[0].t for n in g.node if n.op_type == "Constant" and n.attribute for o in n.output}
+    out: list[str] = []
+    for node in (n for n in g.node if n.op_type in QDQ_OPS):
+        where = f"node {node.name or node.output[0]!r} ({node.op_type})"
+        for idx, what in ((1, "scale"), (2, "zero point")):
+            if len(node.input) <= idx or not node.input[idx]:
+                if idx == 2 and node.op_type == "QuantizeLinear":
+                    out.append(f"{where}: no zero point: QuantizeLinear then outputs uint8, not INT8")
+                continue
+            t = inits.get(node.input[idx]) or consts.get(node.input[idx])
+            if t is None:
+                out.append(f"{where}: the {what} must be a build-time constant for TensorRT {version}")
+                continue
+            if len(t.dims) > 1:
+                out.append(f"{where}: a {len(t.dims)}-D {what} (block-wise); TensorRT {version} takes a scalar "
+                           "or 1-D (per-channel) one")
+            if idx == 2 and (t.data_type != TensorProto.INT8 or np.any(numpy_helper.to_array(t) != 0)):
+                out.append(f"{where}: the zero point must be INT8 zeros (TensorRT is symmetric)")
+        if any(a.name == "block_size" for a in node.attribute):
+            out.append(f"{where}: block-wise Q/DQ (opset 21) is not parsed by TensorRT {version}")
+    return out
 
 
 def assert_trt_compat(model: onnx.ModelProto | str | Path, opset: int = TARGET_OPSET,

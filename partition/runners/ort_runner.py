@@ -133,14 +133,16 @@ class OrtRunner(SliceRunner):
         self.out_name = "logits" if spec.is_last else "hidden_states_out"
         self.output_names = [self.out_name, *self.new_names]
         shape = (max_batch, n_kv, max_seq, head_dim)
-        # One K and one V buffer per layer, allocated once: (max_batch, KV, max_seq, hd).
-        self.cache = [np.zeros(shape, dtype=np.float32) for _ in self.past_names]
+        # One K and one V buffer per layer, allocated once: (max_batch, KV, max_seq, hd); INT8 for a slice
+        # whose cache I/O is quantised (partition/build/kv_qdq.py), else FP32.
+        self.cache = [np.zeros(shape, dtype=np.int8 if inputs[n].type == "tensor(int8)" else np.float32)
+                      for n in self.past_names]
         self._on_cpu = self.session.get_providers()[0] == "CPUExecutionProvider"
 
     def reset(self) -> None:
         """Forget every sequence (the masks make stale slots harmless; this is for tidiness)."""
         for c in self.cache:
-            c.fill(0.0)
+            c.fill(0)
 
     def _past(self, rows: list[int], past_len: int) -> list[np.ndarray]:
         span = row_range(rows)

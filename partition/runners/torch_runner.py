@@ -11,7 +11,10 @@ step), instead of concatenating a copy of the history per layer. CPU keeps the e
 
 `kv_cache="int8"` keeps each layer's cache as kernels.kv_quant.Int8KVCache (int8 values, FP16 scales
 per token and group of head_dim): the new K/V are quantised on write and the attention dequantises
-the past it reads. Eager only (CUDA graphs capture dense buffers)."""
+the past it reads. Eager only (CUDA graphs capture dense buffers). On CUDA with Triton (`kv_triton`,
+on by default there) the writes are kernels.kv_triton.quantize_write and a decode step's attention is
+kernels.kv_triton.decode_attention over the INT8 cache plus the step's own K/V; prefill chunks keep the
+reference formulation (dequantised past). On CPU the plain-PyTorch reference (kernels.kv_quant) runs."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -19,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from kernels.kv_triton import Int8DecodePast, available as kv_triton_available
 from kernels.kv_quant import Int8KVCache
 from partition.model import SliceModule, Transformer
 from partition.runners.base import KV_CACHE_KINDS, SliceRunner, row_range, write_new_kv
@@ -31,14 +35,17 @@ class TorchRunner(SliceRunner):
 
     def __init__(self, model: Transformer, spec: SliceSpec, max_seq: int, max_batch: int = 1,
                  cuda_graphs: bool = False, graph_buckets: bool = True, kv_in_place: bool | None = None,
-                 compile_decode: bool = False, kv_cache: str = "fp16", kv_group: int = 32) -> None:
+                 compile_decode: bool = False, kv_cache: str = "fp16", kv_group: int = 32,
+                 kv_triton: bool | None = None) -> None:
         """cuda_graphs: replay captured graphs for decode (needs a CUDA model: refused on CPU rather
         than silently ignored, so a benchmark never reports eager numbers as graphed ones).
         graph_buckets: capture per power-of-two past length instead of over the whole max_seq buffer.
         kv_in_place: in-place cache mode (None = on exactly on CUDA with a dense cache; graphs always use it).
         compile_decode: torch.compile the captured decode step (CUDA graphs only; one compile per bucket).
         kv_cache: "fp16" (unquantised, in the model's dtype) or "int8" (group-wise, `kv_group` channels
-        of head_dim per FP16 scale)."""
+        of head_dim per FP16 scale).
+        kv_triton: the Triton kernels for an INT8 cache (None = on exactly for a CUDA model with Triton
+        installed; True elsewhere is refused, False keeps the PyTorch reference on the GPU too)."""
         if kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_KINDS)}, got {kv_cache!r}")
         if kv_cache == "int8" and cuda_graphs:
@@ -60,6 +67,10 @@ class TorchRunner(SliceRunner):
         if compile_decode and not cuda_graphs:
             raise ValueError("compile_decode compiles the CUDA-graph decode step: it needs cuda_graphs=True")
         self.kv_in_place = (self.device.type == "cuda" and kv_cache == "fp16") if kv_in_place is None else kv_in_place
+        can_triton = kv_cache == "int8" and self.device.type == "cuda" and kv_triton_available()
+        if kv_triton and not can_triton:
+            raise ValueError("kv_triton=True needs kv_cache='int8', a CUDA model and Triton installed")
+        self.kv_triton = can_triton if kv_triton is None else kv_triton
         self.graphs = DecodeGraphs(self.module, self.cache, max_batch, max_seq, cfg.hidden_size, self.dtype,
                                    self.device, bucketed=graph_buckets, compile_step=compile_decode) if cuda_graphs else None
 
@@ -90,7 +101,26 @@ class TorchRunner(SliceRunner):
             past = [c[span, :, :int(positions[:, -1].max()) + 1] for c in self.cache]
             out, *_ = self.module.run(x, pos, *past, cache_in_place=True, all_logits=all_logits)
             return out[:, -1] if self.spec.is_last and not all_logits else out
+        if self.kv_triton:
+            return self._run_int8_triton(x, pos, positions, rows, all_logits)
         past_len = int(positions[:, 0].max())  # rows with a shorter history mask the extra slots
         out, *new = self.module.run(x, pos, *self._past(rows, past_len), all_logits=all_logits)
         write_new_kv(self.cache, new, rows, positions)
+        return out[:, -1] if self.spec.is_last and not all_logits else out
+
+    def _run_int8_triton(self, x: torch.Tensor, pos: torch.Tensor, positions: np.ndarray, rows: list[int],
+                         all_logits: bool) -> torch.Tensor:
+        """INT8 cache on CUDA: a decode step attends through Int8DecodePast (Triton), a prefill chunk
+        over the dequantised past; the new K/V of both are quantised into the cache in one launch per
+        layer tensor."""
+        past_len = int(positions[:, 0].max())
+        rows_t = torch.tensor(rows, dtype=torch.int32, device=self.device)
+        starts = pos[:, 0].contiguous()
+        if positions.shape[1] == 1:
+            past: list[Any] = [Int8DecodePast(c, rows_t, starts, past_len) for c in self.cache]
+        else:
+            past = self._past(rows, past_len)
+        out, *new = self.module.run(x, pos, *past, all_logits=all_logits)
+        for c, fresh in zip(self.cache, new):
+            c.write_rows(fresh, rows_t, starts, use_triton=True)
         return out[:, -1] if self.spec.is_last and not all_logits else out
