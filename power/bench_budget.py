@@ -25,9 +25,10 @@ from power.bench_run import BASELINES, MODE_PREFIX, PolicyRun
 from power.physics.boards import BoardSpec, board_for
 from power.physics.costmodel import PRECISIONS, model_shape
 from power.policy.budget import Budget, BudgetState
+from power.policy.powerconfig import Mix
 from power.policy.profiles import ProfileStore
 from power.powercap import install
-from power.traces import Request, make_trace
+from power.traces import TRACES, Request, make_trace
 
 MEASURE_WINDOW_S = 60.0         # the window the objective is measured over
 CAP_BASE_PROFILE = "balanced"   # the profile the budget caps (its latency targets: near full speed)
@@ -97,26 +98,29 @@ def run_budget_bench(cfg: BenchConfig, watts: float, driver: Driver = simple_dri
 
 def _run_one(cfg: BenchConfig, policy: str, trace: tuple[Request, ...], store: ProfileStore, budget: Budget | None,
              driver: Driver, measure_window_s: float, window_s: float) -> dict[str, Any]:
-    profile = None
-    if budget is not None:      # the base profile in the board's uncapped mode (MAXN; "15W" on an Orin Nano r35)
-        spec = board_for(cfg.board, cfg.l4t)
-        top = next((m for m in spec.modes if m.gpu_max_hz is None), spec.mode(spec.default_mode))
-        profile = dataclasses.replace(store.load(CAP_BASE_PROFILE), nvpmodel=top.name)
+    profile, mix = None, None
+    if budget is not None:      # the base profile; the budget chooses the mode and the cores online for the trace's mix
+        profile = dataclasses.replace(store.load(CAP_BASE_PROFILE), nvpmodel="max", budget=budget)
+        shape = TRACES[cfg.trace]
+        mix = Mix(shape.prompt_median, shape.out_median, cfg.max_batch)
     elif not policy.startswith(MODE_PREFIX) and policy not in BASELINES:
         profile = store.load_doc("auto", AUTO_DOC) if policy == "auto" else store.load(policy)
     with tempfile.TemporaryDirectory(prefix="orin-bench-", dir=_tmp_base()) as d:
         run = PolicyRun(cfg.board, cfg.l4t, cfg.shape, cfg.precision, policy, Path(d),
-                        ambient_c=cfg.ambient_c, fan=cfg.fan, profile=profile)
+                        ambient_c=cfg.ambient_c, fan=cfg.fan, profile=profile, mix=mix)
         if budget is not None:
             assert run.loop is not None
             install(run.loop, budget, lambda: run.twin.state.power.board_w)    # the rails as the twin has them
         try:
             res = result(run, driver(run, trace, cfg), len(trace), cfg.duration_s)
+            mode = run.board.read_mode()
+            cores = sum(len(c.online) for c in run.board.cpu.read())
+            notes = list(run.loop.applier.notes) if run.loop is not None and run.loop.applier is not None else []
         finally:
             run.close()
     row = res.record() | {
-        "nvpmodel_mode": policy[len(MODE_PREFIX):] if policy.startswith(MODE_PREFIX) else (
-            profile.nvpmodel if profile else None),
+        "nvpmodel_mode": mode.name if mode is not None else None,
+        "cores_online": cores,
         "tokens_per_s": res.output_tokens / res.duration_s,
         "decode_tok_s_per_stream": 1.0 / res.tpot_p50_s if res.tpot_p50_s > 0 else None,
         "max_window_avg_w": max_window_average(run.energy_log, measure_window_s),
@@ -127,6 +131,7 @@ def _run_one(cfg: BenchConfig, policy: str, trace: tuple[Request, ...], store: P
     st = run.loop.state if run.loop is not None else None
     if budget is not None:          # only capped rows carry the cap (and the word), the baselines none
         row["power_cap_w"] = budget.watts
+        row["power_config"] = next((n for n in notes if n.startswith("power budget")), None)
     if isinstance(st, BudgetState) and st.status is not None:
         row |= {"budget_unmet_plans": st.status.unmet_decisions, "budget_capped_plans": st.status.capped_decisions}
     return row

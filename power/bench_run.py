@@ -22,6 +22,7 @@ from power.hw.backends import open_board
 from power.physics.boards import board_for
 from power.physics.costmodel import OperatingPoint, StepCost, decode_step, model_shape, prefill_step
 from power.policy.dvfs import PhaseIn
+from power.policy.powerconfig import Mix
 from power.policy.profiles import Profile
 from power.policy.thermal import ZoneSample
 from power.twin import IDLE, Twin, Workload, create_twin
@@ -63,7 +64,8 @@ class PolicyRun:
     """One policy on one twin tree (made fresh under ``root``)."""
 
     def __init__(self, board: str, l4t: str, shape: str, precision: str, policy: str, root: Path, *,
-                 ambient_c: float = 25.0, fan: str = "daemon", profile: Profile | None = None) -> None:
+                 ambient_c: float = 25.0, fan: str = "daemon", profile: Profile | None = None,
+                 mix: Mix | None = None) -> None:
         self.policy, self.precision = policy, precision
         self.spec = board_for(board, l4t)
         self.shape = model_shape(shape)
@@ -84,7 +86,7 @@ class PolicyRun:
             # the twin "reboots" for free: every policy runs at its profile's mode, as MAXN does above
             session = open_session(root, run_dir, profile, shape, precision=precision,
                                    fan_ours=fan == "ours", spec=self.spec, zones=self._zones,
-                                   allow_reboot_modes=True)
+                                   allow_reboot_modes=True, mix=mix)
             self.board, self.writer, self.loop = session.board, session.writer, session.loop
         self.twin = Twin(root, ambient_c=ambient_c, fan_daemon=fan == "daemon")
         self.trip_c = min((p for p, _, _ in self.twin.trips), default=TRIP_C * 1000) / 1000.0

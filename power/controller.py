@@ -56,7 +56,7 @@ class PowerController:
         (a preset name or the served model's ModelShape) `auto` plans from the cost model; without
         one it falls back to a fixed rule."""
         session = open_session(root, run_dir, profile, shape, profile_dir=profile_dir, precision=precision,
-                               fan_ours=fan_ours)
+                               fan_ours=fan_ours, power_cap_w=power_cap_w)
         budget = budget_for(session.profile, power_cap_w)     # [budget] / --power-cap: cap the clocks to it
         if budget is not None:
             install(session.loop, budget, module_power_reader(session.board))

@@ -26,6 +26,9 @@ power of the interval that just ended), ``now`` is passed in, no I/O.
   the capped clocks).
 - When even the least-power point does not fit, the floor is served and the verdict says the budget cannot
   be met (``unmet``; the decision carries a message for the log).
+- Admission (:meth:`BudgetController.max_rows`): while the last plan was unmet, the engine admits only as many
+  decode rows as the least-power decode point can serve within the allowed power (at least one); rows
+  already running finish.
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ class BudgetStatus:
     unmet: bool                 # the last plan could not fit even the least-power point
     unmet_decisions: int
     capped_decisions: int
+    max_rows: int | None = None     # the decode rows admission allows (None: no limit)
 
 
 @dataclass(frozen=True)
@@ -263,9 +267,24 @@ class BudgetController:
         if unmet:
             out = replace(out, message=f"power budget {b.watts:g} W over {b.window_s:g} s cannot be met even at "
                           f"the floor ({best[1] * corr:.1f} W predicted, {allowed:.1f} W allowed): serving at the floor")
-        status = self._status(st, now, allowed, unmet, int(capped))
+        status = replace(self._status(st, now, allowed, unmet, int(capped)),
+                         max_rows=self._rows(st, allowed) if unmet else None)
         return out, replace(st, running=(phase.kind, self.step_power(phase, out)), plain=d, out=out, planned_t=now,
                             status=status)
+
+    def _rows(self, st: BudgetState, allowed: float) -> int:
+        """The most decode rows whose least-power step fits ``allowed`` (corrected), at least one."""
+        corr = math.exp(st.power_log.get("decode", 0.0))
+        for rows in range(RESERVE_BATCH, 0, -1):
+            p = PhaseIn("decode", context=RESERVE_CONTEXT, batch=rows)
+            if min(w for _, w, _, _ in self.points(p, st.dvfs)) * corr <= allowed:
+                return rows
+        return 1
+
+    def max_rows(self, state: BudgetState, engine_max: int) -> int:
+        """How many decode rows the engine may admit now: ``engine_max`` unless the last plan was unmet."""
+        st = state.status
+        return engine_max if st is None or st.max_rows is None else max(1, min(engine_max, st.max_rows))
 
     def _status(self, st: BudgetState, now: float, allowed: float, unmet: bool, capped: int) -> BudgetStatus:
         b = self.budget

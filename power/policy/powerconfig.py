@@ -81,9 +81,9 @@ def _frontier(ways: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def mode_ways(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec, cores: int | None,
-              mix: Mix, power_scale: float = 1.0) -> list[tuple[float, float]]:
-    """(average board W, output tokens/s) of every (prefill point, decode point) pair in ``mode``, Pareto only."""
+def _points(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec, cores: int | None, mix: Mix,
+            power_scale: float) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(W, seconds per token) of prefill and of decode at every (GPU, EMC) point of ``mode``."""
     tpcs = active_tpcs(spec, mode.tpc_pg_mask)
     gpus = [g for g in spec.gpu_hz if g <= (mode.gpu_max_hz or spec.gpu_max_hz)]
     emcs = [e for e in spec.emc_hz if e <= (mode.emc_cap_hz or spec.emc_max_hz)]
@@ -97,6 +97,13 @@ def mode_ways(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec
             d = decode_step(spec, shape, precision, op, ctx, mix.batch)
             pre.append((p.power_w * power_scale, p.seconds / chunk))
             dec.append((d.power_w * power_scale, d.seconds / mix.batch))
+    return pre, dec
+
+
+def mode_ways(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec, cores: int | None,
+              mix: Mix, power_scale: float = 1.0) -> list[tuple[float, float]]:
+    """(average board W, output tokens/s) of every (prefill point, decode point) pair in ``mode``, Pareto only."""
+    pre, dec = _points(spec, shape, precision, mode, cores, mix, power_scale)
     per_out = mix.prompt / mix.output           # prefill tokens per output token
     ways = []
     for pp, tp in _frontier([(w, -s) for w, s in pre]):
