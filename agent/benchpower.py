@@ -91,8 +91,9 @@ def run_power_bench(cfg: BenchConfig) -> list[PolicyResult]:
     return run_bench(cfg, scheduler_driver)
 
 
-def run_power_budget_bench(cfg: BenchConfig, watts: float, window_s: float = 10.0) -> list[dict[str, Any]]:
+def run_power_budget_bench(cfg: BenchConfig, watts: float, window_s: float = 10.0,
+                           rail: str | None = None) -> list[dict[str, Any]]:
     """``power.bench_budget.run_budget_bench`` (capped rows beside the nvpmodel mode) with the service's scheduler."""
     from power.bench_budget import run_budget_bench
 
-    return run_budget_bench(cfg, watts, scheduler_driver, window_s=window_s)
+    return run_budget_bench(cfg, watts, scheduler_driver, window_s=window_s, rail=rail)

@@ -67,10 +67,12 @@ def max_window_average(log: list[tuple[float, float]], window_s: float) -> float
 
 def run_budget_bench(cfg: BenchConfig, watts: float, driver: Driver = simple_driver, *, window_s: float = 10.0,
                      measure_window_s: float = MEASURE_WINDOW_S, peak_watts: float | None = None,
-                     iso_power: bool = True) -> list[dict[str, Any]]:
+                     iso_power: bool = True, rail: str | None = None) -> list[dict[str, Any]]:
     """The nvpmodel mode of ``watts`` (stock governors), the budgeted controller at ``watts`` and, with
     ``iso_power`` when the mode averaged clearly less than ``watts``, the controller capped at the mode's
-    own average power (the equal-power comparison); then ``cfg.policies``."""
+    own average power (the equal-power comparison); then ``cfg.policies``. ``rail``: budget that INA3221
+    rail instead of module power (every row then also reports its window averages on that rail, and the
+    iso row caps the rail at the mode's own mean on it)."""
     try:
         spec = board_for(cfg.board, cfg.l4t)
         model_shape(cfg.shape)
@@ -81,23 +83,27 @@ def run_budget_bench(cfg: BenchConfig, watts: float, driver: Driver = simple_dri
     mode = mode_for_cap(spec, watts)
     trace = make_trace(cfg.trace, cfg.duration_s, cfg.seed)
     store = ProfileStore(cfg.profile_dir)
+    if rail is not None and rail not in {r.label for r in spec.rails if r.label != "NC"}:
+        raise ValueError(f"budget rail {rail!r}: {spec.name} has "
+                         f"{', '.join(r.label for r in spec.rails if r.label != 'NC')}")
     rows = []
     if mode is not None:
-        rows.append(_run_one(cfg, MODE_PREFIX + mode, trace, store, None, driver, measure_window_s, window_s))
-    rows.append(_run_one(cfg, capped_name(watts), trace, store, Budget(watts, window_s, peak_watts), driver,
-                         measure_window_s, window_s))
-    if iso_power and rows[0]["policy"] != capped_name(watts) and rows[0]["mean_power_w"] < 0.97 * watts:
-        iso = math.floor(rows[0]["mean_power_w"] * 10) / 10
-        rows.append(_run_one(cfg, capped_name(iso) + "-iso", trace, store, Budget(iso, window_s, peak_watts), driver,
-                             measure_window_s, window_s))
+        rows.append(_run_one(cfg, MODE_PREFIX + mode, trace, store, None, driver, measure_window_s, window_s, rail))
+    rows.append(_run_one(cfg, capped_name(watts), trace, store, Budget(watts, window_s, peak_watts, rail), driver,
+                         measure_window_s, window_s, rail))
+    mean_key = "mean_power_w" if rail is None else "mean_rail_w"
+    if iso_power and rows[0]["policy"] != capped_name(watts) and rows[0][mean_key] < 0.97 * watts:
+        iso = math.floor(rows[0][mean_key] * 10) / 10
+        rows.append(_run_one(cfg, capped_name(iso) + "-iso", trace, store, Budget(iso, window_s, peak_watts, rail),
+                             driver, measure_window_s, window_s, rail))
     for policy in cfg.policies:
-        rows.append(_run_one(cfg, policy, trace, store, None, driver, measure_window_s, window_s))
+        rows.append(_run_one(cfg, policy, trace, store, None, driver, measure_window_s, window_s, rail))
     _ratios(rows)
     return rows
 
 
 def _run_one(cfg: BenchConfig, policy: str, trace: tuple[Request, ...], store: ProfileStore, budget: Budget | None,
-             driver: Driver, measure_window_s: float, window_s: float) -> dict[str, Any]:
+             driver: Driver, measure_window_s: float, window_s: float, rail: str | None = None) -> dict[str, Any]:
     profile, mix = None, None
     if budget is not None:      # the base profile; the budget chooses the mode and the cores online for the trace's mix
         profile = dataclasses.replace(store.load(CAP_BASE_PROFILE), nvpmodel="max", budget=budget)
@@ -110,7 +116,9 @@ def _run_one(cfg: BenchConfig, policy: str, trace: tuple[Request, ...], store: P
                         ambient_c=cfg.ambient_c, fan=cfg.fan, profile=profile, mix=mix)
         if budget is not None:
             assert run.loop is not None
-            install(run.loop, budget, lambda: run.twin.state.power.board_w)    # the rails as the twin has them
+            # the rails as the twin has them: the module's power, or the budget's rail
+            install(run.loop, budget, (lambda: run.twin.state.power.board_w) if rail is None
+                    else (lambda: dict(run.twin.state.power.rails)[rail]))
         try:
             res = result(run, driver(run, trace, cfg), len(trace), cfg.duration_s)
             mode = run.board.read_mode()
@@ -128,6 +136,12 @@ def _run_one(cfg: BenchConfig, policy: str, trace: tuple[Request, ...], store: P
         "max_window_avg_control_w": max_window_average(run.energy_log, window_s),
         "control_window_s": window_s,
     }
+    if rail is not None:
+        i = run.rail_names.index(rail)
+        log = [(t, js[i]) for t, js in run.rail_log]
+        row |= {"budget_rail": rail, "mean_rail_w": log[-1][1] / max(log[-1][0], 1e-9),
+                "max_window_avg_rail_w": max_window_average(log, measure_window_s),
+                "max_window_avg_rail_control_w": max_window_average(log, window_s)}
     st = run.loop.state if run.loop is not None else None
     if budget is not None:          # only capped rows carry the cap (and the word), the baselines none
         row["power_cap_w"] = budget.watts

@@ -101,6 +101,9 @@ class PolicyRun:
         self.tl: dict[str, list[float]] = {k: [] for k in ("t", "phase", "gpu_mhz", "emc_mhz", "power_w", "temp_c")}
         self._next_sample = 0.0
         self.energy_log: list[tuple[float, float]] = [(0.0, self.twin.state.energy_j)]  # (t, board J so far)
+        self.rail_names = tuple(n for n, _ in self.twin.state.power.rails)
+        self._rail_j = [0.0] * len(self.rail_names)
+        self.rail_log: list[tuple[float, tuple[float, ...]]] = [(0.0, tuple(self._rail_j))]  # (t, J so far per rail)
         self._zone_meta: tuple[ZoneSample, ...] | None = None
         self.sensor_read_s: float | None = None
 
@@ -189,9 +192,11 @@ class PolicyRun:
             c = self.twin.state.clocks
             workload = self._cost(phase, c.gpu_hz, c.emc_hz, c.tpcs, 512, 1, 0).workload(
                 self.spec, OperatingPoint(c.gpu_hz, c.emc_hz, c.tpcs))
-        e0 = self.twin.state.energy_j
+        e0, r0 = self.twin.state.energy_j, self.twin.state.power.rails
         self.twin.advance(dt, workload, max_dt_s=0.5)
         st = self.twin.state
+        for i, ((_, a), (_, b)) in enumerate(zip(r0, st.power.rails)):      # trapezoid per rail
+            self._rail_j[i] += (a + b) / 2 * dt
         self.t += dt
         self.energy[phase] += st.energy_j - e0
         self.seconds[phase] += dt
@@ -199,6 +204,7 @@ class PolicyRun:
         self.max_c = max(self.max_c, st.max_temp_c)
         if self.t - self.energy_log[-1][0] >= ENERGY_LOG_S:
             self.energy_log.append((self.t, st.energy_j))
+            self.rail_log.append((self.t, tuple(self._rail_j)))
         if st.max_temp_c >= self.trip_c:
             self.above_trip_s += dt
         if st.throttle_steps:

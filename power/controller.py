@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from power.applier import ClockApplier, PowerLoop
 from power.control import DEFAULT_PROFILE_DIR, open_session
-from power.powercap import budget_for, install, module_power_reader, status_dict
+from power.powercap import budget_for, install, rail_power_reader, status_dict
 from power.physics.costmodel import ModelShape
 from power.policy.dvfs import PhaseIn
 from power.policy.profiles import Profile
@@ -59,7 +59,7 @@ class PowerController:
                                fan_ours=fan_ours, power_cap_w=power_cap_w)
         budget = budget_for(session.profile, power_cap_w)     # [budget] / --power-cap: cap the clocks to it
         if budget is not None:
-            install(session.loop, budget, module_power_reader(session.board))
+            install(session.loop, budget, rail_power_reader(session.board, budget.rail))
         return cls(session.loop, session.applier, run_dir)
 
     # -- PhaseListener

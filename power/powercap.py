@@ -36,7 +36,7 @@ def budget_for(profile: Profile, power_cap_w: float | None = None) -> Budget | N
         return b
     window = b.window_s if b is not None else DEFAULT_WINDOW_S
     peak = b.peak_watts if b is not None and b.peak_watts is not None and b.peak_watts >= power_cap_w else None
-    return Budget(power_cap_w, window, peak)
+    return Budget(power_cap_w, window, peak, b.rail if b is not None else None)
 
 
 def with_cap(profile: Profile, power_cap_w: float | None) -> Profile:
@@ -51,6 +51,22 @@ def module_power_reader(board: SysfsBoard) -> Callable[[], float | None]:
         vin = [r for r in rails if r.label == "VDD_IN"]
         use = vin or rails
         return sum(r.mw or 0.0 for r in use) / 1000.0 if use else None
+    return read
+
+
+def rail_power_reader(board: SysfsBoard, rail: str | None) -> Callable[[], float | None]:
+    """The budget's power now, W: module power (``rail`` None), else that INA3221 rail's (ValueError naming
+    the board's rails when it has no such label)."""
+    if rail is None:
+        return module_power_reader(board)
+    labels = [r.label for r in board.read_rails() if r.label and r.label != "NC"]
+    if rail not in labels:
+        raise ValueError(f"budget rail {rail!r}: this board's rails are {', '.join(labels) or 'none readable'} "
+                         f"(leave rail out to budget module power)")
+
+    def read() -> float | None:
+        mw = next((r.mw for r in board.read_rails() if r.label == rail), None)
+        return None if mw is None else mw / 1000.0
     return read
 
 
@@ -76,7 +92,10 @@ def budget_config(applier: ClockApplier, spec: BoardSpec, profile: Profile, shap
     """(the mode to switch to, the CPU cores to keep online) for ``profile``'s budget; notes the choice on
     ``applier``. The profile's own mode stands where it names one (not ``max``)."""
     assert profile.budget is not None
-    watts = profile.budget.watts
+    watts, rail = profile.budget.watts, profile.budget.rail
+    if rail is not None and rail not in {r.label for r in spec.rails}:
+        raise ValueError(f"budget rail {rail!r}: {spec.name} has "
+                         f"{', '.join(r.label for r in spec.rails if r.label != 'NC')} (leave rail out for module power)")
     resolved = model_shape(shape or DEFAULT_SHAPE) if not isinstance(shape, ModelShape) else shape
     mix = mix or Mix()
     nvp = applier.board.nvpmodel
@@ -85,10 +104,10 @@ def budget_config(applier: ClockApplier, spec: BoardSpec, profile: Profile, shap
         conf_mode = nvp.conf().resolve(profile.nvpmodel) if nvp.available and profile.nvpmodel else None
         name = conf_mode.name if conf_mode is not None else None
         names = tuple(m.name for m in spec.modes if m.name == name)
-        choice = choose_config(spec, resolved, precision, watts, mix, modes=names or None)
+        choice = choose_config(spec, resolved, precision, watts, mix, modes=names or None, rail=rail)
         return profile.nvpmodel, choice.cores_online
     conf = nvp.conf()
-    choice = choose_config(spec, resolved, precision, watts, mix,
+    choice = choose_config(spec, resolved, precision, watts, mix, rail=rail,
                            modes=tuple(m.name for m in spec.modes if conf.resolve(m.name) is not None) or None)
     live = applier.tpc_mask_in_force()
     mask = conf.resolve(choice.mode)
@@ -100,6 +119,6 @@ def budget_config(applier: ClockApplier, spec: BoardSpec, profile: Profile, shap
         if same:
             applier.note(f"{choice.summary(watts)}; {choice.mode} changes the TPC mask (a reboot): "
                          f"pass --allow-reboot-modes to take it")
-            choice = choose_config(spec, resolved, precision, watts, mix, modes=same)
+            choice = choose_config(spec, resolved, precision, watts, mix, modes=same, rail=rail)
     applier.note(choice.summary(watts) + ("" if shape else f" (for {DEFAULT_SHAPE} {precision})"))
     return choice.mode, choice.cores_online

@@ -8,6 +8,9 @@ average predicted within it. Pure like
 ``decide`` is: the board power measured by the rails comes in with the readings (``Readings.power_w``, the
 power of the interval that just ended), ``now`` is passed in, no I/O.
 
+- What is budgeted: module power (the rails' sum on AGX Orin, VDD_IN on Orin NX/Nano), or one named INA3221
+  rail (``Budget.rail``: its reading comes in as ``power_w``, and every prediction is the cost model's power
+  of that rail).
 - Accounting (:func:`account`): each reading's power times the time since the previous one is binned into
   ``window_s / BINS`` slots; the slots older than a window are dropped.
 - Prediction: the cost model's board power at each (GPU, EMC) point for the phase at hand (the planner's
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
+from power.physics.costmodel import OperatingPoint, decode_step, prefill_step
 from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, served_size
 from power.policy.profiles import Budget, Profile
 from power.policy.thermal import ThermalState, ThermalVerdict
@@ -170,6 +174,27 @@ class BudgetController:
             raise ValueError("a power budget needs the cost model (a model shape) to predict power per clock point")
         self.dvfs, self.budget = dvfs, budget
         self.tables, self.planner = dvfs.tables, dvfs.planner
+        labels = [r.label for r in dvfs.planner.spec.rails if r.label != "NC"]
+        if budget.rail is not None and budget.rail not in labels:
+            raise ValueError(f"budget rail {budget.rail!r}: {dvfs.planner.spec.name} has {', '.join(labels)} "
+                             f"(leave rail out to budget module power)")
+        self._rail_memo: dict[tuple[object, ...], float] = {}
+
+    def power_of(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int) -> float:
+        """The cost model's power of one step at a point: board power, or the budget's rail's."""
+        assert self.planner is not None
+        pl = self.planner
+        if self.budget.rail is None:
+            sec, j = pl.predict(kind, size, batch, gpu_hz, emc_hz)
+            return j / sec
+        key = (kind, size, batch, gpu_hz, emc_hz)
+        w = self._rail_memo.get(key)
+        if w is None:
+            op = OperatingPoint(gpu_hz, emc_hz, pl.tpcs)
+            c = (prefill_step(pl.spec, pl.shape, pl.precision, op, size, 0, pl.params) if kind == "prefill"
+                 else decode_step(pl.spec, pl.shape, pl.precision, op, max(1, size), batch, pl.params))
+            w = self._rail_memo[key] = dict(c.rails_w)[self.budget.rail]
+        return w
 
     def initial_state(self) -> BudgetState:
         return BudgetState()
@@ -188,8 +213,11 @@ class BudgetController:
         emcs = tuple(f for f in t.emc_hz if f <= t.emc_top)
         size, batch = served_size(p), max(1, p.batch)
         tokens = size if p.kind == "prefill" else batch
-        return [(s * dstate.ratio(p.kind, g, e), jt * tokens / s, g, e)
-                for s, jt, g, e in self.planner.candidates(p.kind, size, batch, gpus, emcs)]
+        if self.budget.rail is None:
+            return [(s * dstate.ratio(p.kind, g, e), jt * tokens / s, g, e)
+                    for s, jt, g, e in self.planner.candidates(p.kind, size, batch, gpus, emcs)]
+        return [(s * dstate.ratio(p.kind, g, e), self.power_of(p.kind, size, batch, g, e), g, e)
+                for s, _, g, e in self.planner.candidates(p.kind, size, batch, gpus, emcs)]
 
     def horizon(self, p: PhaseIn, step_s: float) -> float:
         """How long a point is planned to run: its step and a recheck; decode at least a quarter window (a
@@ -198,10 +226,9 @@ class BudgetController:
         return max(h, self.budget.window_s * DECODE_AHEAD) if p.kind == "decode" else h
 
     def step_power(self, p: PhaseIn, d: Decision) -> float:
-        """The cost model's board power of the step ``p`` at the decision's clocks (what the rails are compared with)."""
-        assert self.planner is not None
-        sec, j = self.planner.predict(p.kind, served_size(p), max(1, p.batch), d.gpu_max_hz, d.emc_hz)
-        return j / sec
+        """The cost model's power (board, or the budget's rail) of the step ``p`` at the decision's clocks (what
+        the rails are compared with)."""
+        return self.power_of(p.kind, served_size(p), max(1, p.batch), d.gpu_max_hz, d.emc_hz)
 
     def reserve(self, st: BudgetState) -> float:
         """The power any busy phase draws at its least-power point (corrected): what the rest of a window is

@@ -82,8 +82,9 @@ def _frontier(ways: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _points(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec, cores: int | None, mix: Mix,
-            power_scale: float) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """(W, seconds per token) of prefill and of decode at every (GPU, EMC) point of ``mode``."""
+            power_scale: float, rail: str | None = None) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(W, seconds per token) of prefill and of decode at every (GPU, EMC) point of ``mode``; W of the board,
+    or of ``rail``."""
     tpcs = active_tpcs(spec, mode.tpc_pg_mask)
     gpus = [g for g in spec.gpu_hz if g <= (mode.gpu_max_hz or spec.gpu_max_hz)]
     emcs = [e for e in spec.emc_hz if e <= (mode.emc_cap_hz or spec.emc_max_hz)]
@@ -95,15 +96,16 @@ def _points(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec, 
             op = OperatingPoint(g, e, tpcs, cores_online=cores)
             p = prefill_step(spec, shape, precision, op, chunk)
             d = decode_step(spec, shape, precision, op, ctx, mix.batch)
-            pre.append((p.power_w * power_scale, p.seconds / chunk))
-            dec.append((d.power_w * power_scale, d.seconds / mix.batch))
+            pw, dw = (p.power_w, d.power_w) if rail is None else (dict(p.rails_w)[rail], dict(d.rails_w)[rail])
+            pre.append((pw * power_scale, p.seconds / chunk))
+            dec.append((dw * power_scale, d.seconds / mix.batch))
     return pre, dec
 
 
 def mode_ways(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec, cores: int | None,
-              mix: Mix, power_scale: float = 1.0) -> list[tuple[float, float]]:
-    """(average board W, output tokens/s) of every (prefill point, decode point) pair in ``mode``, Pareto only."""
-    pre, dec = _points(spec, shape, precision, mode, cores, mix, power_scale)
+              mix: Mix, power_scale: float = 1.0, rail: str | None = None) -> list[tuple[float, float]]:
+    """(average W, output tokens/s) of every (prefill point, decode point) pair in ``mode``, Pareto only."""
+    pre, dec = _points(spec, shape, precision, mode, cores, mix, power_scale, rail)
     per_out = mix.prompt / mix.output           # prefill tokens per output token
     ways = []
     for pp, tp in _frontier([(w, -s) for w, s in pre]):
@@ -114,17 +116,20 @@ def mode_ways(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec
 
 
 def choose_config(spec: BoardSpec, shape: ModelShape, precision: str, watts: float, mix: Mix = Mix(),
-                  power_scale: float = 1.0, modes: tuple[str, ...] | None = None) -> ConfigChoice:
-    """The mode and cores online with the most predicted tokens/s of ``mix`` within ``watts`` (see the module
-    docstring); ``modes`` limits the candidates (names), e.g. to those that need no reboot."""
+                  power_scale: float = 1.0, modes: tuple[str, ...] | None = None,
+                  rail: str | None = None) -> ConfigChoice:
+    """The mode and cores online with the most predicted tokens/s of ``mix`` within ``watts`` (of the board,
+    or of ``rail``: see the module docstring); ``modes`` limits the candidates (names), e.g. to those that
+    need no reboot."""
     fewest = min(m.online_cores for m in spec.modes)
     opts = []
     for m in spec.modes:
         if modes is not None and m.name not in modes:
             continue
-        full = mode_ways(spec, shape, precision, m, m.online_cores, mix, power_scale)
+        full = mode_ways(spec, shape, precision, m, m.online_cores, mix, power_scale, rail)
         cores = fewest if full[-1][0] > watts else m.online_cores
-        ways = full if cores == m.online_cores else mode_ways(spec, shape, precision, m, cores, mix, power_scale)
+        ways = full if cores == m.online_cores else mode_ways(spec, shape, precision, m, cores, mix, power_scale,
+                                                              rail)
         opts.append(ConfigOption(m.name, active_tpcs(spec, m.tpc_pg_mask), cores, hull_rate(ways, watts),
                                  ways[0][0], ways[-1][0]))
     if not opts:
