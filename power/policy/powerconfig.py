@@ -56,9 +56,9 @@ class ConfigChoice:
     options: tuple[ConfigOption, ...]
 
     def summary(self, watts: float) -> str:
-        alts = ", ".join(f"{o.mode} {o.tokens_per_s:.1f}" for o in self.options if o.mode != self.mode)
+        alts = "".join(f"; {o.mode} {o.tokens_per_s:.1f}" for o in self.options if o.mode != self.mode)
         return (f"power budget {watts:g} W: {self.mode} with {self.cores_online} CPU cores online "
-                f"({self.tokens_per_s:.1f} output tok/s predicted; {alts})")
+                f"({self.tokens_per_s:.1f} output tok/s predicted{alts})")
 
 
 def hull_rate(ways: list[tuple[float, float]], watts: float) -> float:
