@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from power.applier import ClockApplier, PowerLoop
 from power.control import DEFAULT_PROFILE_DIR, open_session
+from power.policy.budget import BudgetController
 from power.powercap import budget_for, install, rail_power_reader, status_dict
 from power.physics.costmodel import ModelShape
 from power.policy.dvfs import PhaseIn
@@ -114,6 +115,11 @@ class PowerController:
                     write_state(self.run_dir, self.snapshot(d))
                 except OSError as exc:
                     log.warning("cannot write %s: %s", STATE_FILE, exc)
+
+    def max_rows(self, engine_max: int) -> int | None:
+        """The decode rows the engine may admit now under the power budget (None: no budget, no limit)."""
+        ctl = self.loop.controller
+        return ctl.max_rows(self.loop.state, engine_max) if isinstance(ctl, BudgetController) else None  # type: ignore[arg-type]
 
     def budget_status(self) -> dict[str, float | int | bool] | None:
         """The power budget's last status (``/metrics``), None without a budget."""
