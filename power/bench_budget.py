@@ -5,7 +5,9 @@ an engine (agent.benchpower's scheduler driver from the CLI; power.bench.simple_
 Per policy the energy bench's record (power.bench.PolicyResult) plus: output tokens per second of the
 whole run, per-stream decode speed (1 / p50 time per output token), the maximum sliding-window average
 board power over every ``measure_window_s`` window (and over every window of the controller's own
-``window_s``), the cap and, for the capped run, how many plans could not meet the budget even at the floor.
+``window_s``), the mean power of each INA3221 rail, the nvpmodel mode and CPU cores online the run served
+under, the cap and, for the capped run, the budget's configuration choice and how many plans could not meet
+the budget even at the floor. With a budget ``rail``, that rail's mean and window averages too.
 
 The nvpmodel mode of a wattage: the mode whose name carries the largest wattage at or below the cap
 (``MODE_15W`` for 15 and 20 W on AGX Orin, ``MODE_30W`` for 30 W; ``7W`` / ``15W`` on Orin Nano).
@@ -136,6 +138,8 @@ def _run_one(cfg: BenchConfig, policy: str, trace: tuple[Request, ...], store: P
         "max_window_avg_control_w": max_window_average(run.energy_log, window_s),
         "control_window_s": window_s,
     }
+    t_end, js = run.rail_log[-1]
+    row["mean_rails_w"] = {n: j / max(t_end, 1e-9) for n, j in zip(run.rail_names, js)}   # where the power went
     if rail is not None:
         i = run.rail_names.index(rail)
         log = [(t, js[i]) for t, js in run.rail_log]
