@@ -149,13 +149,19 @@ def test_rail_budget_in_a_closed_loop_holds_the_rail() -> None:
     assert d.emc_hz < AGX.emc_max_hz or d.gpu_max_hz < AGX.gpu_max_hz     # the cap binds
 
 
-def test_admission_limit_when_the_budget_is_unmet() -> None:
-    c = _rail_ctl(5.0, None)                  # below any busy point's board power: unmet
+def test_admission_limit_only_when_the_floor_does_not_hold_the_window() -> None:
+    c = _rail_ctl(5.0, None)                  # below any busy point's board power: unmet, and the rails say 9 W
     d, st = c.decide(Readings(power_w=9.0), PhaseIn("decode", context=2048, batch=8), BALANCED,
                      c.initial_state(), 0.0)
     d, st = c.decide(Readings(power_w=9.0), PhaseIn("decode", context=2049, batch=8), BALANCED, st, 1.0)
     assert st.status is not None and st.status.unmet
     assert c.max_rows(st, 8) == 1
+    # unmet by the prediction, but the rails hold the window: no limit (fewer rows would only cost tokens/s)
+    held = _rail_ctl(7.5, None)
+    d, st3 = held.decide(Readings(power_w=7.0), PhaseIn("decode", context=2048, batch=8), BALANCED,
+                         held.initial_state(), 0.0)
+    d, st3 = held.decide(Readings(power_w=7.0), PhaseIn("decode", context=2049, batch=8), BALANCED, st3, 1.0)
+    assert st3.status is not None and st3.status.unmet and held.max_rows(st3, 8) == 8
     ok = _rail_ctl(30.0, None)
     _, st2 = ok.decide(Readings(power_w=9.0), PhaseIn("decode", context=2048, batch=8), BALANCED,
                        ok.initial_state(), 0.0)

@@ -29,9 +29,11 @@ power of the interval that just ended), ``now`` is passed in, no I/O.
   the capped clocks).
 - When even the least-power point does not fit, the floor is served and the verdict says the budget cannot
   be met (``unmet``; the decision carries a message for the log).
-- Admission (:meth:`BudgetController.max_rows`): while the last plan was unmet, the engine admits only as many
-  decode rows as the least-power decode point can serve within the allowed power (at least one); rows
-  already running finish.
+- Admission (:meth:`BudgetController.max_rows`): a last resort. While the last plan was unmet *and* the measured
+  window average is over the budget (the floor is not holding it), the engine admits only as many decode rows
+  as the least-power decode point can serve within the allowed power (at least one); rows already running
+  finish. Not on "unmet" alone: at the floor a decode step's power hardly depends on its rows (it streams the
+  weights either way), so fewer rows only cost tokens/s (measured: docs/BENCHMARKS.md, issue 18).
 """
 from __future__ import annotations
 
@@ -294,8 +296,9 @@ class BudgetController:
         if unmet:
             out = replace(out, message=f"power budget {b.watts:g} W over {b.window_s:g} s cannot be met even at "
                           f"the floor ({best[1] * corr:.1f} W predicted, {allowed:.1f} W allowed): serving at the floor")
+        over = unmet and window_average(b, st, now) > b.watts      # the floor is not holding the window
         status = replace(self._status(st, now, allowed, unmet, int(capped)),
-                         max_rows=self._rows(st, allowed) if unmet else None)
+                         max_rows=self._rows(st, allowed) if over else None)
         return out, replace(st, running=(phase.kind, self.step_power(phase, out)), plain=d, out=out, planned_t=now,
                             status=status)
 
@@ -309,7 +312,7 @@ class BudgetController:
         return 1
 
     def max_rows(self, state: BudgetState, engine_max: int) -> int:
-        """How many decode rows the engine may admit now: ``engine_max`` unless the last plan was unmet."""
+        """How many decode rows the engine may admit now: ``engine_max`` unless the floor is not holding the window."""
         st = state.status
         return engine_max if st is None or st.max_rows is None else max(1, min(engine_max, st.max_rows))
 
