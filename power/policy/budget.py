@@ -33,7 +33,7 @@ power of the interval that just ended), ``now`` is passed in, no I/O.
   window average is over the budget (the floor is not holding it), the engine admits only as many decode rows
   as the least-power decode point can serve within the allowed power (at least one); rows already running
   finish. Not on "unmet" alone: at the floor a decode step's power hardly depends on its rows (it streams the
-  weights either way), so fewer rows only cost tokens/s (measured: docs/BENCHMARKS.md, issue 18).
+  weights either way), so fewer rows only cost tokens/s (measured: docs/BENCHMARKS.md, the power budget).
 """
 from __future__ import annotations
 
