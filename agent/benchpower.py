@@ -16,6 +16,7 @@ from agent.engine.scheduler import Scheduler
 from agent.engine.types import INTERACTIVE, SamplingParams, SeqRequest, StepOutput, StepPlan
 from power.bench import BenchConfig, PolicyResult, run_bench
 from power.bench_run import PolicyRun, Tally
+from power.policy.budget import BudgetController
 from power.policy.dvfs import PhaseIn
 from power.traces import Request
 
@@ -57,6 +58,9 @@ def scheduler_driver(run: PolicyRun, trace: tuple[Request, ...], cfg: BenchConfi
             live[rid] = _Live(r)
             sched.add(SeqRequest(rid, (TOKEN,) * min(r.prompt, MAX_SEQ - r.output - 1),
                                  SamplingParams(max_tokens=r.output, ignore_eos=True), INTERACTIVE))
+        if isinstance(run.loop.controller if run.loop is not None else None, BudgetController):
+            assert run.loop is not None     # the budget's admission limit (power.policy.budget.max_rows)
+            sched.row_cap = run.loop.controller.max_rows(run.loop.state, cfg.max_batch)  # type: ignore[union-attr,arg-type]
         plan = sched.schedule()
         if plan is None:
             run.event(PhaseIn("idle"))
@@ -87,8 +91,9 @@ def run_power_bench(cfg: BenchConfig) -> list[PolicyResult]:
     return run_bench(cfg, scheduler_driver)
 
 
-def run_power_budget_bench(cfg: BenchConfig, watts: float, window_s: float = 10.0) -> list[dict[str, Any]]:
+def run_power_budget_bench(cfg: BenchConfig, watts: float, window_s: float = 10.0,
+                           rail: str | None = None) -> list[dict[str, Any]]:
     """``power.bench_budget.run_budget_bench`` (capped rows beside the nvpmodel mode) with the service's scheduler."""
     from power.bench_budget import run_budget_bench
 
-    return run_budget_bench(cfg, watts, scheduler_driver, window_s=window_s)
+    return run_budget_bench(cfg, watts, scheduler_driver, window_s=window_s, rail=rail)

@@ -230,8 +230,10 @@ class Service:
         if self.controller is not None:
             listeners.append(self.controller)
             metrics.watch_budget(self.controller.budget_status)
-        core = EngineCore(executor, tokenizer, listener=FanOut(*listeners), meter=meter,
-                          metrics=metrics, scheduler=paged_scheduler(chain, tokenizer))
+        ctl = self.controller
+        core = EngineCore(executor, tokenizer, listener=FanOut(*listeners), meter=meter, metrics=metrics,
+                          scheduler=paged_scheduler(chain, tokenizer),
+                          row_limit=(lambda: ctl.max_rows(chain.max_batch)) if ctl is not None else None)
         self.engine = EngineLoop(core, max_queue=cfg.max_queue, on_tick=self.notifier.watchdog)
         max_prompt = min(cfg.max_prompt_tokens or chain.max_seq - 1, chain.max_seq - 1)
         limits = Limits(chain.max_seq, max_prompt, cfg.max_output_tokens, cfg.default_max_tokens,

@@ -119,6 +119,11 @@ class ClockApplier:
         self.applied = None             # nvpmodel rewrote caps: re-apply everything next time
         return True
 
+    def tpc_mask_in_force(self) -> str | None:
+        """The TPC power-gating mask in force (None: unknown)."""
+        nvp = self.board.nvpmodel
+        return self._tpc_mask(nvp.conf(), self.board.read_mode()) if nvp.available else None
+
     def _tpc_mask(self, conf: NvpModelConf, cur: ModeReading | None) -> str | None:
         """The TPC mask in force: the live file, else the current mode's value in the conf."""
         live = self.board.info.gpu.tpc_pg_mask

@@ -23,6 +23,7 @@ from power.physics.boards import board_for
 from power.physics.costmodel import OperatingPoint, StepCost, decode_step, model_shape, prefill_step
 from power.physics.exitcost import ExitRates, exit_decode_step
 from power.policy.dvfs import PhaseIn
+from power.policy.powerconfig import Mix
 from power.policy.profiles import Profile
 from power.policy.thermal import ZoneSample
 from power.twin import IDLE, Twin, Workload, create_twin
@@ -65,7 +66,7 @@ class PolicyRun:
 
     def __init__(self, board: str, l4t: str, shape: str, precision: str, policy: str, root: Path, *,
                  ambient_c: float = 25.0, fan: str = "daemon", profile: Profile | None = None,
-                 exits: ExitRates | None = None, exit_gate: bool = False) -> None:
+                 exits: ExitRates | None = None, exit_gate: bool = False, mix: Mix | None = None) -> None:
         self.policy, self.precision = policy, precision
         self.exits, self.exit_gate = exits, exit_gate  # decode steps priced with early exits
         self.spec = board_for(board, l4t)
@@ -87,7 +88,7 @@ class PolicyRun:
             # the twin "reboots" for free: every policy runs at its profile's mode, as MAXN does above
             session = open_session(root, run_dir, profile, shape, precision=precision,
                                    fan_ours=fan == "ours", spec=self.spec, zones=self._zones,
-                                   allow_reboot_modes=True)
+                                   allow_reboot_modes=True, mix=mix)
             self.board, self.writer, self.loop = session.board, session.writer, session.loop
         self.twin = Twin(root, ambient_c=ambient_c, fan_daemon=fan == "daemon")
         self.trip_c = min((p for p, _, _ in self.twin.trips), default=TRIP_C * 1000) / 1000.0
@@ -102,6 +103,9 @@ class PolicyRun:
         self.tl: dict[str, list[float]] = {k: [] for k in ("t", "phase", "gpu_mhz", "emc_mhz", "power_w", "temp_c")}
         self._next_sample = 0.0
         self.energy_log: list[tuple[float, float]] = [(0.0, self.twin.state.energy_j)]  # (t, board J so far)
+        self.rail_names = tuple(n for n, _ in self.twin.state.power.rails)
+        self._rail_j = [0.0] * len(self.rail_names)
+        self.rail_log: list[tuple[float, tuple[float, ...]]] = [(0.0, tuple(self._rail_j))]  # (t, J so far per rail)
         self._zone_meta: tuple[ZoneSample, ...] | None = None
         self.sensor_read_s: float | None = None
 
@@ -190,9 +194,11 @@ class PolicyRun:
             c = self.twin.state.clocks
             workload = self._cost(phase, c.gpu_hz, c.emc_hz, c.tpcs, 512, 1, 0).workload(
                 self.spec, OperatingPoint(c.gpu_hz, c.emc_hz, c.tpcs))
-        e0 = self.twin.state.energy_j
+        e0, r0 = self.twin.state.energy_j, self.twin.state.power.rails
         self.twin.advance(dt, workload, max_dt_s=0.5)
         st = self.twin.state
+        for i, ((_, a), (_, b)) in enumerate(zip(r0, st.power.rails)):      # trapezoid per rail
+            self._rail_j[i] += (a + b) / 2 * dt
         self.t += dt
         self.energy[phase] += st.energy_j - e0
         self.seconds[phase] += dt
@@ -200,6 +206,7 @@ class PolicyRun:
         self.max_c = max(self.max_c, st.max_temp_c)
         if self.t - self.energy_log[-1][0] >= ENERGY_LOG_S:
             self.energy_log.append((self.t, st.energy_j))
+            self.rail_log.append((self.t, tuple(self._rail_j)))
         if st.max_temp_c >= self.trip_c:
             self.above_trip_s += dt
         if st.throttle_steps:

@@ -19,6 +19,7 @@ from power.hw.writer import ClockWriter
 from power.physics.boards import BOARDS, NANO_SUPER, BoardSpec, board_for
 from power.physics.costmodel import ModelShape
 from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Planner, Readings
+from power.policy.powerconfig import Mix
 from power.policy.profiles import DEFAULT_USER_DIR, Profile, ProfileStore
 from power.policy.tables import BoardTables
 from power.policy.thermal import ZoneSample
@@ -83,28 +84,39 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
                  fan_ours: bool = False, spec: BoardSpec | None = None,
                  zones: Callable[[], tuple[ZoneSample, ...]] | None = None,
                  echo: Callable[[str], None] | None = None, recover: bool = True,
-                 allow_reboot_modes: bool = False) -> Session:
+                 allow_reboot_modes: bool = False, power_cap_w: float | None = None,
+                 mix: Mix | None = None) -> Session:
     """Open ``root`` for control with ``profile``: its nvpmodel mode is switched (journaled), the board
     rediscovered, the tables read and, with a model shape (a preset name or the served model's), the
     cost-model planner built (without one, ``auto`` falls back to a fixed rule). ``spec`` defaults to
     the board's identity; ``zones`` to the board's thermal zones. What the board does not offer (no
     nvpmodel.conf, no such mode, no debugfs) is skipped with a line in ``Session.warnings``; a mode
     switch that needs a reboot (TPC mask) only with ``allow_reboot_modes``. Call it before any CUDA
-    context exists (a mode switch changes the GPU's caps under it). On any error the journal is
-    restored and closed before the error propagates."""
+    context exists (a mode switch changes the GPU's caps under it). With a power budget (the profile's
+    ``[budget]``, ``power_cap_w`` over it) the mode and the CPU cores online are the budget's choice
+    (``power.powercap.budget_config``, for ``mix``; extra cores are taken offline, journaled). On any error the
+    journal is restored and closed before the error propagates."""
+    from power.powercap import budget_config, with_cap
+
     prof = profile if isinstance(profile, Profile) else ProfileStore(
         None if profile_dir is None else os.fspath(profile_dir)).load(profile)
+    prof = with_cap(prof, power_cap_w)
     board = open_board(root)
     writer = board.writer(run_dir, dry_run=dry_run, echo=echo, recover=recover)
     applier = ClockApplier(board, writer)
     spec = spec if spec is not None else spec_of(board)
     try:
-        if prof.nvpmodel and applier.set_mode(prof.nvpmodel, allow_reboot=allow_reboot_modes) \
+        mode_key, cores = prof.nvpmodel, None
+        if prof.budget is not None and spec is not None:
+            mode_key, cores = budget_config(applier, spec, prof, model_shape, precision, allow_reboot_modes, mix)
+        if mode_key and applier.set_mode(mode_key, allow_reboot=allow_reboot_modes) \
                 and not dry_run:
             if board.backend == "sysfs":
                 board = SysfsBoard(board.root)       # rediscover: the mode changed caps and cores
                 applier.board = board
-            applier.check_mode_caps(prof.nvpmodel)
+            applier.check_mode_caps(mode_key)
+        if cores is not None and board.cpu.available:
+            board.cpu.keep_online(writer, cores)
         tables = tables_from_board(board, spec.emc_hz if spec else ())
         mode = board.read_mode()
         planner = (Planner.for_board(spec, model_shape, precision, mode.id if mode else None)

@@ -22,7 +22,8 @@ from typing import Any, Protocol
 
 from power.applier import ClockApplier, PowerLoop
 from power.control import DEFAULT_PROFILE_DIR, open_session
-from power.powercap import budget_for, install, module_power_reader, status_dict
+from power.policy.budget import BudgetController
+from power.powercap import budget_for, install, rail_power_reader, status_dict
 from power.physics.costmodel import ModelShape
 from power.policy.dvfs import PhaseIn
 from power.policy.profiles import Profile
@@ -56,10 +57,10 @@ class PowerController:
         (a preset name or the served model's ModelShape) `auto` plans from the cost model; without
         one it falls back to a fixed rule."""
         session = open_session(root, run_dir, profile, shape, profile_dir=profile_dir, precision=precision,
-                               fan_ours=fan_ours)
+                               fan_ours=fan_ours, power_cap_w=power_cap_w)
         budget = budget_for(session.profile, power_cap_w)     # [budget] / --power-cap: cap the clocks to it
         if budget is not None:
-            install(session.loop, budget, module_power_reader(session.board))
+            install(session.loop, budget, rail_power_reader(session.board, budget.rail))
         return cls(session.loop, session.applier, run_dir)
 
     # -- PhaseListener
@@ -114,6 +115,11 @@ class PowerController:
                     write_state(self.run_dir, self.snapshot(d))
                 except OSError as exc:
                     log.warning("cannot write %s: %s", STATE_FILE, exc)
+
+    def max_rows(self, engine_max: int) -> int | None:
+        """The decode rows the engine may admit now under the power budget (None: no budget, no limit)."""
+        ctl = self.loop.controller
+        return ctl.max_rows(self.loop.state, engine_max) if isinstance(ctl, BudgetController) else None  # type: ignore[arg-type]
 
     def budget_status(self) -> dict[str, float | int | bool] | None:
         """The power budget's last status (``/metrics``), None without a budget."""

@@ -5,18 +5,27 @@ plain dict for the state file (``power status``) and ``/metrics``.
 
 Module power: the VDD_IN rail where the board has one (Orin NX/Nano: the module's input), else the sum of the
 labelled rails (AGX Orin: VDD_GPU_SOC + VDD_CPU_CV + VIN_SYS_5V0 + VDDQ_VDD2_1V8AO).
+
+The power configuration (:func:`budget_config`): the nvpmodel mode and the CPU cores online the budget runs
+under (``power.policy.powerconfig``), chosen when the session opens; a mode that would change the TPC mask
+(a reboot) is only taken with ``--allow-reboot-modes``, else the best mode without a reboot, with a note.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
 
-from power.applier import PowerLoop
+from power.applier import ClockApplier, PowerLoop
 from power.hw.backends import SysfsBoard
+from power.physics.boards import BoardSpec
+from power.physics.costmodel import ModelShape, model_shape
+from power.policy.powerconfig import Mix, choose_config
 from power.policy.budget import Budget, BudgetController, BudgetState
 from power.policy.profiles import Profile
 
 DEFAULT_WINDOW_S = 10.0
+DEFAULT_SHAPE = "llama-3-8b"        # the model the configuration is chosen for when none is given (power set)
+CHOOSE_MODES = (None, "max")        # profile modes the budget may replace (an explicit mode stands)
 
 
 def budget_for(profile: Profile, power_cap_w: float | None = None) -> Budget | None:
@@ -27,7 +36,7 @@ def budget_for(profile: Profile, power_cap_w: float | None = None) -> Budget | N
         return b
     window = b.window_s if b is not None else DEFAULT_WINDOW_S
     peak = b.peak_watts if b is not None and b.peak_watts is not None and b.peak_watts >= power_cap_w else None
-    return Budget(power_cap_w, window, peak)
+    return Budget(power_cap_w, window, peak, b.rail if b is not None else None)
 
 
 def with_cap(profile: Profile, power_cap_w: float | None) -> Profile:
@@ -42,6 +51,22 @@ def module_power_reader(board: SysfsBoard) -> Callable[[], float | None]:
         vin = [r for r in rails if r.label == "VDD_IN"]
         use = vin or rails
         return sum(r.mw or 0.0 for r in use) / 1000.0 if use else None
+    return read
+
+
+def rail_power_reader(board: SysfsBoard, rail: str | None) -> Callable[[], float | None]:
+    """The budget's power now, W: module power (``rail`` None), else that INA3221 rail's (ValueError naming
+    the board's rails when it has no such label)."""
+    if rail is None:
+        return module_power_reader(board)
+    labels = [r.label for r in board.read_rails() if r.label and r.label != "NC"]
+    if rail not in labels:
+        raise ValueError(f"budget rail {rail!r}: this board's rails are {', '.join(labels) or 'none readable'} "
+                         f"(leave rail out to budget module power)")
+
+    def read() -> float | None:
+        mw = next((r.mw for r in board.read_rails() if r.label == rail), None)
+        return None if mw is None else mw / 1000.0
     return read
 
 
@@ -60,3 +85,40 @@ def status_dict(loop: PowerLoop) -> dict[str, float | int | bool] | None:
     if not isinstance(st, BudgetState) or st.status is None:
         return None
     return dataclasses.asdict(st.status)
+
+
+def budget_config(applier: ClockApplier, spec: BoardSpec, profile: Profile, shape: str | ModelShape | None,
+                  precision: str, allow_reboot: bool, mix: Mix | None = None) -> tuple[str | None, int]:
+    """(the mode to switch to, the CPU cores to keep online) for ``profile``'s budget; notes the choice on
+    ``applier``. The profile's own mode stands where it names one (not ``max``)."""
+    assert profile.budget is not None
+    watts, rail = profile.budget.watts, profile.budget.rail
+    if rail is not None and rail not in {r.label for r in spec.rails}:
+        raise ValueError(f"budget rail {rail!r}: {spec.name} has "
+                         f"{', '.join(r.label for r in spec.rails if r.label != 'NC')} (leave rail out for module power)")
+    resolved = model_shape(shape or DEFAULT_SHAPE) if not isinstance(shape, ModelShape) else shape
+    mix = mix or Mix()
+    nvp = applier.board.nvpmodel
+    if profile.nvpmodel not in CHOOSE_MODES or not nvp.available:
+        # an explicit mode, or no nvpmodel.conf to switch: the mode stands, only the cores are chosen for it
+        conf_mode = nvp.conf().resolve(profile.nvpmodel) if nvp.available and profile.nvpmodel else None
+        name = conf_mode.name if conf_mode is not None else None
+        names = tuple(m.name for m in spec.modes if m.name == name)
+        choice = choose_config(spec, resolved, precision, watts, mix, modes=names or None, rail=rail)
+        return profile.nvpmodel, choice.cores_online
+    conf = nvp.conf()
+    choice = choose_config(spec, resolved, precision, watts, mix, rail=rail,
+                           modes=tuple(m.name for m in spec.modes if conf.resolve(m.name) is not None) or None)
+    live = applier.tpc_mask_in_force()
+    mask = conf.resolve(choice.mode)
+    new = mask.value("TPC_POWER_GATING", "TPC_PG_MASK") if mask is not None else None
+    if not allow_reboot and live is not None and new is not None and live.strip() != new.strip():
+        same = tuple(m.name for m in conf.modes
+                     if (m.value("TPC_POWER_GATING", "TPC_PG_MASK") or "").strip() == live.strip()
+                     and any(s.name == m.name for s in spec.modes))
+        if same:
+            applier.note(f"{choice.summary(watts)}; {choice.mode} changes the TPC mask (a reboot): "
+                         f"pass --allow-reboot-modes to take it")
+            choice = choose_config(spec, resolved, precision, watts, mix, modes=same, rail=rail)
+    applier.note(choice.summary(watts) + ("" if shape else f" (for {DEFAULT_SHAPE} {precision})"))
+    return choice.mode, choice.cores_online

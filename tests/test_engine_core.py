@@ -140,3 +140,19 @@ def test_sampling_params_errors_name_the_field(kwargs: dict, param: str) -> None
     with pytest.raises(InvalidRequest) as err:
         SamplingParams(**kwargs)
     assert err.value.param == param
+
+
+def test_row_limit_caps_the_rows_admitted_each_step(tok: Tokenizer) -> None:
+    """The power budget's admission limit (power.controller.PowerController.max_rows) is read every step."""
+    limit = [1]
+    ex = ScriptedExecutor(tok.encode(TEXT), max_batch=2)
+    core = EngineCore(ex, tok, row_limit=lambda: limit[0])
+    core.add_request(SeqRequest("a", (5, 6), SamplingParams(max_tokens=4)))
+    core.add_request(SeqRequest("b", (7, 8), SamplingParams(max_tokens=4)))
+    core.step()
+    assert core.scheduler.num_running == 1
+    limit[0] = 2
+    core.step()
+    assert core.scheduler.num_running == 2
+    drain(core)
+    assert max(len(p.chunks) for p in ex.plans[:2]) == 1

@@ -65,6 +65,7 @@ def test_service_controller_capped_on_a_twin(tmp_path: Path) -> None:
         st = ctl.budget_status()
         assert st is not None and st["watts"] == 15.0 and st["window_s"] == 10.0
         assert st["headroom_w"] == pytest.approx(15.0 - st["window_avg_w"])
+        assert ctl.max_rows(8) == 8                                  # the budget is met: no admission limit
         snap = ctl.snapshot(ctl.loop.decision)
         assert "budget 15.0 W over 10.0 s: window average" in describe_state(snap)
         m = ServiceMetrics()

@@ -94,7 +94,10 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
                                                    "measured rates as LAYER/LAYERS:RATE, e.g. 2/8:0.034,4/8:0.027,"
                                                    "6/8:0.035 (exits.json's held_out exit_rate_per_layer)."),
           exit_gate: bool = typer.Option(False, "--exit-gate", help="With --exit-rates: price an ideal gate "
-                                         "(exit heads computed only where a token leaves).")) -> None:
+                                         "(exit heads computed only where a token leaves)."),
+          budget_rail: Optional[str] = typer.Option(None, "--budget-rail", help="Budget this INA3221 rail "
+                                                    "(e.g. VDD_GPU_SOC) instead of module power (with --power-cap).")
+          ) -> None:
     """Energy per token, TTFT/TPOT, peak power and temperature per policy, side by side."""
     from agent.benchpower import run_power_bench
     from power.bench import BenchConfig, compare, default_out_dir, save_results
@@ -103,7 +106,7 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
         cfg = BenchConfig(board, l4t, shape, precision, trace, ambient, duration, seed, max_batch, fan,
                           tuple(policy), str(profile_dir), exit_rates, exit_gate)
         if power_cap is not None:
-            _capped(cfg, power_cap, budget_window, out or default_out_dir(), json_out)
+            _capped(cfg, power_cap, budget_window, out or default_out_dir(), json_out, budget_rail)
             return
         results = run_power_bench(cfg)
         doc = save_results(cfg, results, out or default_out_dir(), plot=plot)
@@ -130,11 +133,12 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
         typer.echo(f"wrote {written}")
 
 
-def _capped(cfg: BenchConfig, watts: float, window_s: float, out: Path, json_out: bool) -> None:
+def _capped(cfg: BenchConfig, watts: float, window_s: float, out: Path, json_out: bool,
+            rail: str | None = None) -> None:
     from agent.benchpower import run_power_budget_bench
     from power.bench_budget import save_budget_results
 
-    rows = run_power_budget_bench(cfg, watts, window_s)
+    rows = run_power_budget_bench(cfg, watts, window_s, rail)
     path = save_budget_results(cfg, watts, rows, out)
     if json_out:
         for r in rows:
@@ -144,12 +148,12 @@ def _capped(cfg: BenchConfig, watts: float, window_s: float, out: Path, json_out
     table = Table(title=f"{cfg.trace} trace, {cfg.duration_s:g} s, power cap {watts:g} W (twin: {cfg.board}, "
                   f"{cfg.shape} {cfg.precision}); window averages over {rows[0]['measure_window_s']:g} s "
                   f"and {window_s:g} s")
-    for col in ("policy", "tok/s", "x mode", "decode tok/s/stream", "TTFT p95 s", "TPOT p95 ms", "mean W",
-                "max window W", f"max {window_s:g}s W", "peak W"):
+    for col in ("policy", "mode / cores", "tok/s", "x mode", "decode tok/s/stream", "TTFT p95 s", "TPOT p95 ms",
+                "mean W", "max window W", f"max {window_s:g}s W", "peak W"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in rows:
         x = r.get("vs_nvpmodel", {}).get("tokens_per_s_x")
-        table.add_row(str(r["policy"]), f"{r['tokens_per_s']:.2f}", "-" if x is None else f"{x:.2f}x",
+        table.add_row(str(r["policy"]), f"{r['nvpmodel_mode']} / {r['cores_online']}", f"{r['tokens_per_s']:.2f}", "-" if x is None else f"{x:.2f}x",
                       f"{r['decode_tok_s_per_stream'] or 0:.1f}", f"{r['ttft_p95_s']:.2f}",
                       f"{r['tpot_p95_s'] * 1e3:.0f}", f"{r['mean_power_w']:.2f}", f"{r['max_window_avg_w']:.2f}",
                       f"{r['max_window_avg_control_w']:.2f}", f"{r['peak_power_w']:.1f}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from agent.engine.output import OutputProcessor
 from agent.engine.scheduler import Scheduler
@@ -29,8 +29,9 @@ log = logging.getLogger("orin_agent.engine")
 class EngineCore:
     def __init__(self, executor: Executor, tokenizer: Tokenizer, *, listener: PhaseListener | None = None,
                  meter: EnergyMeter | None = None, metrics: EngineMetrics | None = None,
-                 scheduler: Scheduler | None = None) -> None:
+                 scheduler: Scheduler | None = None, row_limit: Callable[[], int | None] | None = None) -> None:
         self.executor, self.tokenizer = executor, tokenizer
+        self.row_limit = row_limit  # the power budget's admission limit (power.controller.max_rows), read per step
         # No queue bound here: the caller (the loop) bounds what it submits.
         self.scheduler = scheduler or Scheduler(executor.max_batch, executor.max_seq, tokenizer.eos_ids,
                                                 max_queue=1 << 30)
@@ -66,6 +67,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule -> phase event -> execute -> update: one step, and what it gave each request."""
+        if self.row_limit is not None:
+            self.scheduler.row_cap = self.row_limit()
         plan = self.scheduler.schedule()
         now = time.monotonic()
         if plan is None:

@@ -93,6 +93,8 @@ class PagedScheduler(Scheduler):
             if self.preempted:
                 seq, req = self.preempted[0], None
             else:
+                if self.row_cap is not None and len(self.running) >= self.row_cap:
+                    return  # a power budget's admission limit (rows already running finish)
                 req = next((q[0] for _, q in sorted(self.waiting.items()) if q), None)
                 if req is None:
                     return

@@ -8,7 +8,7 @@ per-request token events. Only plain frozen dataclasses cross; the scheduler dea
 
 Policy, in order:
 - Admission: a waiting request takes a free cache slot, interactive before background, FIFO within a
-  class. The wait queue is bounded (`QueueFull`, which the API turns into 429 + Retry-After).
+  class, while fewer than `row_cap` rows run (a power budget may lower it; rows already running finish). The wait queue is bounded (`QueueFull`, which the API turns into 429 + Retry-After).
 - Every row of a step has the same number of tokens T (the runner's contract), so a step is either
   a prefill or a decode. Prefill rows are grouped by length bucket (powers of two of the tokens still
   to prefill): a group advances by the shortest remainder in it (capped by `max_prefill_chunk`), and
@@ -64,6 +64,7 @@ class Scheduler:
         self.free_slots: list[int] = list(range(max_batch))
         self._released: list[str] = []
         self._skipped_prefill = 0
+        self.row_cap: int | None = None  # admit only while fewer rows run (a power budget's limit); None: max_batch
 
     # -- requests in and out -------------------------------------------------------------------
     @property
@@ -128,7 +129,7 @@ class Scheduler:
     def _admit(self) -> None:
         for prio in sorted(self.waiting):
             q = self.waiting[prio]
-            while q and self.free_slots:
+            while q and self.free_slots and (self.row_cap is None or len(self.running) < self.row_cap):
                 req = q.popleft()
                 self.running[req.req_id] = _Seq(req, self.free_slots.pop(0))
 

@@ -110,6 +110,18 @@ class CpuFreq:
         return {f"{CPU_DIR}/cpu{c}/online": f"cpu{c} online (0/1)" for c in self.info.cpus
                 if c != 0 and sysfs.is_file(self.root, f"{CPU_DIR}/cpu{c}/online")}
 
+    def keep_online(self, writer: ClockWriter, keep: int) -> tuple[int, ...]:
+        """Take every CPU past the first ``keep`` offline (cpu0 always stays), through a writer for the
+        ``cpuN/online`` files on ``writer``'s journal (so ``power restore`` brings them back); never brings
+        a CPU online. Returns the CPUs taking part after (online)."""
+        files = self.online_writable()
+        tool = writer.for_tool(files)
+        with tool.transaction():
+            for c in sorted(self.info.cpus)[max(1, keep):]:
+                if c != 0 and self.is_online(c) and f"{CPU_DIR}/cpu{c}/online" in files:
+                    tool.write(f"{CPU_DIR}/cpu{c}/online", 0, group="cpu-online")
+        return tuple(c for c in self.info.cpus if self.is_online(c))
+
     def is_online(self, cpu: int) -> bool:
         v = sysfs.read_int(self.root, f"{CPU_DIR}/cpu{cpu}/online")
         return True if v is None else bool(v)  # cpu0 has no online file: always online

@@ -135,6 +135,7 @@ class OperatingPoint:
     emc_hz: int
     tpcs: int
     cpu_khz: int = 1497600
+    cores_online: int | None = None     # None: every core of the board (cpu0 first, cluster by cluster)
 
     @classmethod
     def of_mode(cls, spec: BoardSpec, mode_id: int | None = None) -> "OperatingPoint":
@@ -189,11 +190,20 @@ def _finish(spec: BoardSpec, op: OperatingPoint, phase: str, tokens: int, flops:
     else:
         intensity = DECODE_WAIT_INTENSITY + DECODE_CORE_INTENSITY * frac
     clusters = len(spec.cpu_clusters)
-    clocks = Clocks(op.gpu_hz, op.emc_hz, op.tpcs, (op.cpu_khz,) * clusters,
-                    tuple(len(c) for c in spec.cpu_clusters))
+    clocks = Clocks(op.gpu_hz, op.emc_hz, op.tpcs, (op.cpu_khz,) * clusters, cores_per_cluster(spec, op.cores_online))
     pw = power(spec, clocks, Activity(1.0, intensity, nbytes / seconds, 1.0))
     return StepCost(phase, seconds, compute_s, memory_s, overhead_s, flops, nbytes, intensity,
                     pw.board_w, pw.board_w * seconds, tokens, pw.rails)
+
+
+def cores_per_cluster(spec: BoardSpec, online: int | None) -> tuple[int, ...]:
+    """Online cores per cluster when ``online`` cores are kept, filling from cpu0's cluster (None: all)."""
+    left = spec.cpu_count if online is None else max(1, min(spec.cpu_count, online))
+    out = []
+    for c in spec.cpu_clusters:
+        out.append(min(len(c), left))
+        left -= out[-1]
+    return tuple(out)
 
 
 def _weight_bytes(shape: ModelShape, prec: Precision) -> float:

@@ -8,6 +8,9 @@ average predicted within it. Pure like
 ``decide`` is: the board power measured by the rails comes in with the readings (``Readings.power_w``, the
 power of the interval that just ended), ``now`` is passed in, no I/O.
 
+- What is budgeted: module power (the rails' sum on AGX Orin, VDD_IN on Orin NX/Nano), or one named INA3221
+  rail (``Budget.rail``: its reading comes in as ``power_w``, and every prediction is the cost model's power
+  of that rail).
 - Accounting (:func:`account`): each reading's power times the time since the previous one is binned into
   ``window_s / BINS`` slots; the slots older than a window are dropped.
 - Prediction: the cost model's board power at each (GPU, EMC) point for the phase at hand (the planner's
@@ -26,6 +29,11 @@ power of the interval that just ended), ``now`` is passed in, no I/O.
   the capped clocks).
 - When even the least-power point does not fit, the floor is served and the verdict says the budget cannot
   be met (``unmet``; the decision carries a message for the log).
+- Admission (:meth:`BudgetController.max_rows`): a last resort. While the last plan was unmet *and* the measured
+  window average is over the budget (the floor is not holding it), the engine admits only as many decode rows
+  as the least-power decode point can serve within the allowed power (at least one); rows already running
+  finish. Not on "unmet" alone: at the floor a decode step's power hardly depends on its rows (it streams the
+  weights either way), so fewer rows only cost tokens/s (measured: docs/BENCHMARKS.md, the power budget).
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
+from power.physics.costmodel import OperatingPoint, decode_step, prefill_step
 from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, served_size
 from power.policy.profiles import Budget, Profile
 from power.policy.thermal import ThermalState, ThermalVerdict
@@ -61,6 +70,7 @@ class BudgetStatus:
     unmet: bool                 # the last plan could not fit even the least-power point
     unmet_decisions: int
     capped_decisions: int
+    max_rows: int | None = None     # the decode rows admission allows (None: no limit)
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,27 @@ class BudgetController:
             raise ValueError("a power budget needs the cost model (a model shape) to predict power per clock point")
         self.dvfs, self.budget = dvfs, budget
         self.tables, self.planner = dvfs.tables, dvfs.planner
+        labels = [r.label for r in dvfs.planner.spec.rails if r.label != "NC"]
+        if budget.rail is not None and budget.rail not in labels:
+            raise ValueError(f"budget rail {budget.rail!r}: {dvfs.planner.spec.name} has {', '.join(labels)} "
+                             f"(leave rail out to budget module power)")
+        self._rail_memo: dict[tuple[object, ...], float] = {}
+
+    def power_of(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int) -> float:
+        """The cost model's power of one step at a point: board power, or the budget's rail's."""
+        assert self.planner is not None
+        pl = self.planner
+        if self.budget.rail is None:
+            sec, j = pl.predict(kind, size, batch, gpu_hz, emc_hz)
+            return j / sec
+        key = (kind, size, batch, gpu_hz, emc_hz)
+        w = self._rail_memo.get(key)
+        if w is None:
+            op = OperatingPoint(gpu_hz, emc_hz, pl.tpcs)
+            c = (prefill_step(pl.spec, pl.shape, pl.precision, op, size, 0, pl.params) if kind == "prefill"
+                 else decode_step(pl.spec, pl.shape, pl.precision, op, max(1, size), batch, pl.params))
+            w = self._rail_memo[key] = dict(c.rails_w)[self.budget.rail]
+        return w
 
     def initial_state(self) -> BudgetState:
         return BudgetState()
@@ -184,8 +215,11 @@ class BudgetController:
         emcs = tuple(f for f in t.emc_hz if f <= t.emc_top)
         size, batch = served_size(p), max(1, p.batch)
         tokens = size if p.kind == "prefill" else batch
-        return [(s * dstate.ratio(p.kind, g, e), jt * tokens / s, g, e)
-                for s, jt, g, e in self.planner.candidates(p.kind, size, batch, gpus, emcs)]
+        if self.budget.rail is None:
+            return [(s * dstate.ratio(p.kind, g, e), jt * tokens / s, g, e)
+                    for s, jt, g, e in self.planner.candidates(p.kind, size, batch, gpus, emcs)]
+        return [(s * dstate.ratio(p.kind, g, e), self.power_of(p.kind, size, batch, g, e), g, e)
+                for s, _, g, e in self.planner.candidates(p.kind, size, batch, gpus, emcs)]
 
     def horizon(self, p: PhaseIn, step_s: float) -> float:
         """How long a point is planned to run: its step and a recheck; decode at least a quarter window (a
@@ -194,10 +228,9 @@ class BudgetController:
         return max(h, self.budget.window_s * DECODE_AHEAD) if p.kind == "decode" else h
 
     def step_power(self, p: PhaseIn, d: Decision) -> float:
-        """The cost model's board power of the step ``p`` at the decision's clocks (what the rails are compared with)."""
-        assert self.planner is not None
-        sec, j = self.planner.predict(p.kind, served_size(p), max(1, p.batch), d.gpu_max_hz, d.emc_hz)
-        return j / sec
+        """The cost model's power (board, or the budget's rail) of the step ``p`` at the decision's clocks (what
+        the rails are compared with)."""
+        return self.power_of(p.kind, served_size(p), max(1, p.batch), d.gpu_max_hz, d.emc_hz)
 
     def reserve(self, st: BudgetState) -> float:
         """The power any busy phase draws at its least-power point (corrected): what the rest of a window is
@@ -263,9 +296,25 @@ class BudgetController:
         if unmet:
             out = replace(out, message=f"power budget {b.watts:g} W over {b.window_s:g} s cannot be met even at "
                           f"the floor ({best[1] * corr:.1f} W predicted, {allowed:.1f} W allowed): serving at the floor")
-        status = self._status(st, now, allowed, unmet, int(capped))
+        over = unmet and window_average(b, st, now) > b.watts      # the floor is not holding the window
+        status = replace(self._status(st, now, allowed, unmet, int(capped)),
+                         max_rows=self._rows(st, allowed) if over else None)
         return out, replace(st, running=(phase.kind, self.step_power(phase, out)), plain=d, out=out, planned_t=now,
                             status=status)
+
+    def _rows(self, st: BudgetState, allowed: float) -> int:
+        """The most decode rows whose least-power step fits ``allowed`` (corrected), at least one."""
+        corr = math.exp(st.power_log.get("decode", 0.0))
+        for rows in range(RESERVE_BATCH, 0, -1):
+            p = PhaseIn("decode", context=RESERVE_CONTEXT, batch=rows)
+            if min(w for _, w, _, _ in self.points(p, st.dvfs)) * corr <= allowed:
+                return rows
+        return 1
+
+    def max_rows(self, state: BudgetState, engine_max: int) -> int:
+        """How many decode rows the engine may admit now: ``engine_max`` unless the floor is not holding the window."""
+        st = state.status
+        return engine_max if st is None or st.max_rows is None else max(1, min(engine_max, st.max_rows))
 
     def _status(self, st: BudgetState, now: float, allowed: float, unmet: bool, capped: int) -> BudgetStatus:
         b = self.budget

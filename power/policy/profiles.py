@@ -97,10 +97,12 @@ class Timing:
 @dataclass(frozen=True)
 class Budget:
     """A power budget (power.policy.budget): the sliding-window average board power stays <= ``watts``;
-    ``peak_watts`` (optional) caps any point's predicted power."""
+    ``peak_watts`` (optional) caps any point's predicted power; ``rail`` (optional): the INA3221 rail label
+    whose power is budgeted instead of the module's (checked against the board's rails when installed)."""
     watts: float
     window_s: float = 10.0
     peak_watts: float | None = None
+    rail: str | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.watts, (int, float)) and 0 < self.watts < float("inf")):
@@ -260,14 +262,18 @@ def _budget(doc: dict[str, Any], src: str) -> Budget | None:
     if "budget" not in doc:
         return None
     t = _table(doc, "budget", src)
-    _check_keys(t, ("watts", "window_s", "peak_watts"), f"{src}: [budget]")
+    _check_keys(t, ("watts", "window_s", "peak_watts", "rail"), f"{src}: [budget]")
     if "watts" not in t:
         raise ProfileError(f"{src}: [budget] lacks watts; allowed: a number from 0.5 to 500 (watts)")
     w = f"{src}: budget"
     watts = _num(t, "watts", w, 0, 0.5, 500)
     window = _num(t, "window_s", w, 10.0, 1, 3600)
     peak = None if "peak_watts" not in t else _num(t, "peak_watts", w, 0, watts, 1000)
-    return Budget(watts, window, peak)
+    rail = t.get("rail")
+    if rail is not None and not (isinstance(rail, str) and rail.strip()):
+        raise ProfileError(f"{w}.rail = {rail!r}: must be an INA3221 rail label, e.g. \"VDD_GPU_SOC\" (AGX Orin) or "
+                           f"\"VDD_IN\" (Orin NX/Nano); leave it out for module power")
+    return Budget(watts, window, peak, rail.strip() if rail else None)
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
