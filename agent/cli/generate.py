@@ -50,16 +50,19 @@ def generate(
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
     from agent.engine.executor import load_core
     from agent.engine.types import Finished, SamplingParams
-    from partition.offload.chain import offload_chain_for_generate, offload_summary
+    from partition.offload.chain import offload_chain_for_generate, offload_stats, offload_summary
 
     with cli_errors():
         k = resolve_speculate(model, speculate)
+        if edge and k:
+            raise ValueError("--speculate verifies drafts with the last slice's every-position logits, which "
+                             "the edge does not return; use --max-disagreement with --edge, or drop --edge")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop),
-                                speculate=k, max_disagreement=None if edge else max_disagreement)
-        chain = offload_chain_for_generate(model, edge, device_layers, max_disagreement or 0.0, edge_token,
+                                speculate=k, max_disagreement=max_disagreement)
+        chain = offload_chain_for_generate(model, edge, device_layers, max_disagreement, edge_token,
                                            temperature == 0, backend, slices, max_seq, device) if edge else None
-        exits = bool(k) or (max_disagreement is not None and not edge)
+        exits = bool(k) or max_disagreement is not None
         core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain, exits=exits,
                          kv_cache=kv_cache)
         pieces: list[str] = []
@@ -83,7 +86,8 @@ def generate(
                         "decode_tok_s": round(decode_tok_s, 3), "finish_reason": done.reason,
                         "token_ids": list(done.token_ids),
                         **({"speculate": k, "max_disagreement": max_disagreement,
-                            "exit_stats": core.executor.exit_stats()} if exits else {})})  # type: ignore[attr-defined]
+                            "exit_stats": core.executor.exit_stats()} if exits else {}),  # type: ignore[attr-defined]
+                        **({"edge": offload_stats(chain)} if chain is not None else {})})
         else:
             sys.stdout.write("\n")
             typer.echo(f"prefill {prefill_ms:.1f} ms | decode {decode_tok_s:.1f} tok/s | "

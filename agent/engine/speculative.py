@@ -265,3 +265,19 @@ def load_exit_executor(model: Path, backend: str = "torch", slices: str | None =
     chain = load_chain(model, backend=backend, slices=",".join(f"{a}:{b}" for a, b in zip(bounds, bounds[1:])),
                        max_seq=max_seq, max_batch=max_batch, device=device, cuda_graphs=False)
     return ExitExecutor(chain, heads, Path(model))
+
+
+def exit_executor_on(chain: Chain, model: Path, device: str = "cpu") -> ExitExecutor:
+    """Exits on a given chain (e.g. local slices cut at the exit layers + an edge server's deep slice):
+    only the heads at the chain's inner boundaries are used, so a token exits where its hidden state
+    already is. Speculation needs a local last slice (ExitChain.finish says so)."""
+    from partition.checkpoint import load_model
+    from partition.exits.heads import load_heads
+
+    heads = load_heads(load_model(model, device=device), model)
+    inner = {r.spec.end for r in chain.runners[:-1]}
+    usable = tuple(l for l in heads.layers if l in inner)
+    if not usable:
+        raise ValueError(f"no exit head at the chain's boundaries ({', '.join(str(r.spec) for r in chain.runners)}); "
+                         f"heads are at layers {heads.layers}")
+    return ExitExecutor(chain, heads.only(usable), Path(model))

@@ -83,6 +83,7 @@ class LinkStats:
     rebuilds: int = 0
     fallbacks: int = 0
     rtt_ms: float = 0.0          # moving average of single-position round trips
+    wait_s: float = 0.0          # wall time spent in successful round trips (link + edge)
     last_error: str = ""
 
 
@@ -243,7 +244,8 @@ class EdgeLink(SliceRunner):
         s = self._stats
         rtt = ms if s.rtt_ms == 0 else (0.8 * s.rtt_ms + 0.2 * ms if t == 1 else s.rtt_ms)
         self._stats = replace(s, round_trips=s.round_trips + 1, positions_sent=s.positions_sent + t,
-                              bytes_up=s.bytes_up + up, bytes_down=s.bytes_down + down, rtt_ms=rtt)
+                              bytes_up=s.bytes_up + up, bytes_down=s.bytes_down + down, rtt_ms=rtt,
+                              wait_s=s.wait_s + ms / 1e3)
         return reply.logits if reply.logits is not None else P.logits_from_topk(reply, self.vocab)
 
     def _check(self, res: Any) -> P.DeepReply:
