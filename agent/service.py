@@ -88,9 +88,28 @@ def build_chain(cfg: ServiceConfig) -> Chain:
 
     threads = compute_threads(cfg)
     torch.set_num_threads(threads)
+    if cfg.edge:
+        return edge_chain(cfg)
     return load_chain(cfg.model_dir, backend=cfg.backend, slices=cfg.slices, max_seq=cfg.max_seq,
                       max_batch=cfg.max_batch, device=cfg.device, options=OrtOptions(threads=threads),
                       kv_cache=cfg.kv_cache)
+
+
+def edge_chain(cfg: ServiceConfig) -> Chain:
+    """Layers 0:N here and N:L on the edge server at cfg.edge (N = cfg.device_layers, or the planner's
+    choice on the link measured at start for "auto"). With cfg.edge_fallback the deep layers are held
+    here too: a failed edge degrades to local decoding; without, the request fails with the reason."""
+    from partition.offload.auto import split_chain
+    from partition.offload.link import link_options
+
+    assert cfg.edge is not None
+    opts = link_options(cfg.edge_token or "", True, cfg.link_dtype, cfg.edge_tls_ca or "", cfg.edge_tls_cert or "",
+                        cfg.edge_tls_key or "")
+    chain, note = split_chain(cfg.model_dir, cfg.edge, cfg.device_layers, opts, fallback=cfg.edge_fallback,
+                              max_seq=cfg.max_seq, max_batch=cfg.max_batch, device=cfg.device, board=cfg.edge_board,
+                              log=log.warning)
+    log.info("%s", note)
+    return chain
 
 
 @dataclass

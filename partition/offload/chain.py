@@ -1,4 +1,5 @@
-"""`make_offload_chain`: the model as [local slice 0:N] + [EdgeLink N:L], what `generate --edge` runs."""
+"""`make_offload_chain`: the model as [local slices 0:N] + [EdgeLink N:L], what `generate --edge` and
+`serve --edge` run (partition.offload.auto picks N for `--device-layers auto`)."""
 from __future__ import annotations
 
 import sys
@@ -44,25 +45,6 @@ def make_offload_chain(model_dir: str | Path, device_layers: int, edge_url: str,
                     max_batch=max_batch, options=options, fallback=deep, shape=shape,
                     log=log or (lambda m: print(m, file=sys.stderr, flush=True)))
     return Chain([*local, link])
-
-
-def offload_chain_for_generate(model_dir: str | Path, edge_url: str, device_layers: int,
-                               max_disagreement: float | None,
-                               token: str, greedy: bool, backend: str, slices: str | None,
-                               max_seq: int | None, device: str) -> Chain:
-    """The chain `generate --edge` runs, after checking the flags that go with --edge."""
-    if backend != "torch" or slices:
-        raise ValueError("--edge runs layers 0:N with the torch backend; drop --backend/--slices "
-                         "(--device-layers sets the split)")
-    if max_disagreement is not None and max_disagreement < 0:
-        raise ValueError(f"--max-disagreement must be >= 0, got {max_disagreement}")
-    cuts: tuple[int, ...] = ()
-    if max_disagreement is not None:   # exits: cut the device's layers at the exit heads below the split
-        from partition.exits.heads import read_record
-        cuts = tuple(int(l) for l in read_record(model_dir).get("layers", []))  # type: ignore[union-attr]
-    return make_offload_chain(model_dir, device_layers, edge_url,
-                              LinkOptions(token=token, want_logits=not greedy), max_seq=max_seq, device=device,
-                              cuts=cuts)
 
 
 def offload_summary(chain: Chain) -> str:
