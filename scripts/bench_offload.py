@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--mbps", type=float, default=50.0)
     ap.add_argument("--board", default="orin-nano-8gb", help="device board of the twin cost model")
+    ap.add_argument("--link-dtype", default="fp16", choices=("fp16", "int8"), help="hidden states on the link")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     tok = Tokenizer.from_dir(args.model)
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         for n_dev in splits:
             heads = [l for l in exit_layers if l <= n_dev]
             for target in [None, *targets]:
-                opts = LinkOptions(want_logits=False, deadline_s=60.0)
+                opts = LinkOptions(want_logits=False, deadline_s=60.0, link_dtype=args.link_dtype)
                 chain = make_offload_chain(args.model, n_dev, server.url, opts, fallback=False, max_seq=512,
                                            shape=shape, cuts=heads if target is not None else ())
                 link = chain.runners[-1]
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                     "device_layers": n_dev, "decode_tok_s": round(1 / statistics.median(times), 1),
                     "device_j_per_token": round(j / n_tok, 5), "decode_round_trips": decode_trips,
                     "decode_tokens": n_tok, "round_trips_per_token": round(decode_trips / n_tok, 4),
+                    "bytes_up_per_position": round(link.stats().bytes_up / max(1, link.stats().positions_sent), 1),
                     "measured_disagreement": round(wrong / n_tok, 4)}
                 if target is not None:
                     row["exit_rate_per_layer"] = {str(k): round(v / n_tok, 4) for k, v in sorted(exits.items())}
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         if base is not None and "decode_round_trips" in r:
             r["round_trips_avoided"] = round(1 - int(r["decode_round_trips"]) / max(1, int(base["decode_round_trips"])), 4)  # type: ignore[call-overload]
     result = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads", "date": time.strftime("%Y-%m-%d"),
-              "model": str(args.model), "link": {"rtt_ms": args.rtt_ms, "mbps": args.mbps}, "board": args.board,
+              "model": str(args.model), "link": {"rtt_ms": args.rtt_ms, "mbps": args.mbps, "dtype": args.link_dtype}, "board": args.board,
               "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "exit_layers": exit_layers, "rows": rows}
     if args.json:
