@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -194,6 +195,10 @@ def test_serve_with_the_deep_layers_on_the_edge_equals_local(edge: EdgeServer, t
         r = _complete(c)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
         assert link.stats().round_trips >= 24 and link.stats().fallbacks == 0
+        # concurrent requests share batched steps; their rows cross the link at once, each one exact
+        with ThreadPoolExecutor(3) as pool:
+            texts = list(pool.map(lambda _: _complete(c).json()["choices"][0]["text"], range(3)))
+        assert texts == [want] * 3 and link.stats().fallbacks == 0
 
 
 @pytest.mark.slow

@@ -16,7 +16,9 @@ from __future__ import annotations
 import random
 import re
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -154,6 +156,8 @@ class EdgeLink(SliceRunner):
         self._base_id = random.getrandbits(54) << 8        # one sequence id per slot, reused:
         self._slots = [_Slot() for _ in range(max_batch)]   # a start flag replaces the old state
         self._stats = LinkStats()
+        self._lock = threading.Lock()        # the stats and the local fallback, shared by the row threads
+        self._pool: ThreadPoolExecutor | None = None
 
     # --- the runner contract ------------------------------------------------------------------------
 
@@ -161,7 +165,14 @@ class EdgeLink(SliceRunner):
         positions = np.asarray(positions, dtype=np.int32)
         rows = self.check_room(positions, slots)
         x = np.asarray(x)
-        return np.stack([self.send(r, x[i], positions[i]) for i, r in enumerate(rows)])
+        if len(rows) == 1:
+            return self.send(rows[0], x[0], positions[0])[None]
+        # the rows of a batched step cross at once (the gRPC client is thread-safe for infer), so a
+        # batch pays about one round trip, and the edge's batcher runs their decode steps together
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.max_batch, thread_name_prefix="edge-link")
+        futures = [self._pool.submit(self.send, r, x[i], positions[i]) for i, r in enumerate(rows)]
+        return np.stack([f.result() for f in futures])
 
     def send(self, slot: int, hidden: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """T consecutive positions of the sequence in `slot` (hidden (T, D) entering layer N): their
@@ -205,6 +216,9 @@ class EdgeLink(SliceRunner):
                 except (_Transient, _Fatal, _Lost):
                     pass
             st.history.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self.client.close()
 
     def probe(self, pings: int = 4, positions: int = 128) -> tuple[float, float]:
@@ -295,6 +309,11 @@ class EdgeLink(SliceRunner):
             raise _Transient(msg) from None
         reply = self._check(res)
         ms = (time.monotonic() - t0) * 1e3
+        with self._lock:
+            self._account(t, up, down, ms)
+        return reply.logits if reply.logits is not None else P.logits_from_topk(reply, self.vocab)
+
+    def _account(self, t: int, up: int, down: int, ms: float) -> None:
         s = self._stats
         rtt = ms if s.rtt_ms == 0 else (0.8 * s.rtt_ms + 0.2 * ms if t == 1 else s.rtt_ms)
         mbps = s.mbps
@@ -305,7 +324,6 @@ class EdgeLink(SliceRunner):
         self._stats = replace(s, round_trips=s.round_trips + 1, positions_sent=s.positions_sent + t,
                               bytes_up=s.bytes_up + up, bytes_down=s.bytes_down + down, rtt_ms=rtt,
                               wait_s=s.wait_s + ms / 1e3, mbps=mbps)
-        return reply.logits if reply.logits is not None else P.logits_from_topk(reply, self.vocab)
 
     def _check(self, res: Any) -> P.DeepReply:
         """The reply, or _Transient when it is not what the protocol promises (garbage)."""
@@ -326,6 +344,10 @@ class EdgeLink(SliceRunner):
         return P.DeepReply(int(tok.reshape(-1)[0]), ids.reshape(-1), lp.reshape(-1), row)
 
     def _local(self, slot: int, p0: int, t: int) -> np.ndarray:
+        with self._lock:
+            return self._local_locked(slot, p0, t)
+
+    def _local_locked(self, slot: int, p0: int, t: int) -> np.ndarray:
         assert self.fallback is not None
         st = self._slots[slot]
         h = np.stack(st.history[p0:p0 + t]).astype(np.float32)[None]
@@ -335,6 +357,7 @@ class EdgeLink(SliceRunner):
         return np.asarray(convert(out, "numpy"), dtype=np.float32)[0]
 
     def _bump(self, **inc: Any) -> None:
-        s = self._stats
-        kw = {k: (v if isinstance(v, str) else getattr(s, k) + v) for k, v in inc.items()}
-        self._stats = replace(s, **kw)
+        with self._lock:
+            s = self._stats
+            kw = {k: (v if isinstance(v, str) else getattr(s, k) + v) for k, v in inc.items()}
+            self._stats = replace(s, **kw)
