@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -94,6 +95,61 @@ class Energy:
         return self._j(layer, False) + heads * self.head_j
 
 
+class Variant:
+    """One way of decoding (device only, always offload at a split, exits + offload at a target) and
+    what it accumulated over the prompts."""
+
+    def __init__(self, name: str, n_dev: int | None, target: float | None, core: EngineCore,
+                 heads: tuple[int, ...] = ()) -> None:
+        self.name, self.n_dev, self.target, self.core, self.heads = name, n_dev, target, core, heads
+        link = core.executor.chain.runners[-1]  # type: ignore[attr-defined]
+        self.link = link if isinstance(link, EdgeLink) else None
+        self.times: list[float] = []
+        self.n_tok = self.wrong = self.trips = 0
+        self.joules = 0.0
+        self.exits: dict[int, int] = {}
+
+    def measure(self, prompt: list[int], params: SamplingParams, model: torch.nn.Module, energy: Energy) -> None:
+        before = self.link.stats() if self.link is not None else None
+        if self.target is not None:
+            self.core.executor.reset_stats()  # type: ignore[attr-defined]
+        out, dt, n = run(self.core, prompt, replace(params, max_disagreement=self.target))
+        self.times.append(dt / n)
+        self.n_tok += n
+        self.wrong += disagreement(model, prompt, out)
+        if self.link is None or before is None:
+            self.joules += energy.device_only() * n
+            return
+        after = self.link.stats()
+        assert self.n_dev is not None
+        self.trips += after.round_trips - before.round_trips - 1   # less the prefill's
+        self.joules += energy.idle_w * (after.wait_s - before.wait_s)
+        if self.target is None:
+            self.joules += n * energy.offloaded(self.n_dev, 0)
+            return
+        st = self.core.executor.exit_stats()  # type: ignore[attr-defined]
+        for layer, c in ((int(k), int(v)) for k, v in dict(st["exits_per_layer"]).items()):  # type: ignore[call-overload]
+            self.exits[layer] = self.exits.get(layer, 0) + c
+            tested = len([h for h in self.heads if h <= min(layer, self.n_dev)])
+            self.joules += c * (energy.offloaded(self.n_dev, tested) if layer > self.n_dev
+                                else energy.exited(layer, tested))
+
+    def row(self) -> dict[str, object]:
+        n = max(1, self.n_tok)
+        out: dict[str, object] = {"variant": self.name, "decode_tok_s": round(1 / statistics.median(self.times), 1),
+                                  "device_j_per_token": round(self.joules / n, 5),
+                                  "measured_disagreement": round(self.wrong / n, 4)}
+        if self.link is None:
+            return out
+        s = self.link.stats()
+        out.update({"device_layers": self.n_dev, "decode_round_trips": self.trips, "decode_tokens": self.n_tok,
+                    "round_trips_per_token": round(self.trips / n, 4),
+                    "bytes_up_per_position": round(s.bytes_up / max(1, s.positions_sent), 1)})
+        if self.target is not None:
+            out["exit_rate_per_layer"] = {str(k): round(v / n, 4) for k, v in sorted(self.exits.items())}
+        return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
@@ -118,70 +174,35 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(args.model)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     rows: list[dict[str, object]] = []
-    with EdgeServer(EdgeOptions(args.model, 1, max_seq=512, cap=4),
+    with EdgeServer(EdgeOptions(args.model, 1, max_seq=512, cap=8),
                     Path(tempfile.mkdtemp(prefix="bench-offload-")) / "edge.log") as server:
         server.wait_ready(180)
-        local = load_core(args.model)
-        times, n_tok, j = [], 0, 0.0
-        for p in prompts:
-            _, dt, n = run(local, p, params)
-            times.append(dt / n)
-            n_tok += n
-            j += energy.device_only() * n
-        rows.append({"variant": "device only", "decode_tok_s": round(1 / statistics.median(times), 1),
-                     "device_j_per_token": round(j / n_tok, 5)})
+        variants = [Variant("device only", None, None, load_core(args.model))]
         for n_dev in splits:
             heads = [l for l in exit_layers if l <= n_dev]
             for target in [None, *targets]:
                 opts = LinkOptions(want_logits=False, deadline_s=60.0, link_dtype=args.link_dtype)
                 chain = make_offload_chain(args.model, n_dev, server.url, opts, fallback=False, max_seq=512,
                                            shape=shape, cuts=heads if target is not None else ())
-                link = chain.runners[-1]
-                assert isinstance(link, EdgeLink)
                 core = EngineCore(exit_executor_on(chain, args.model) if target is not None
                                   else ChainExecutor(chain), tok)
-                sp = replace(params, max_disagreement=target)
-                times, n_tok, wrong, exits = [], 0, 0, {}
-                decode_trips, j = 0, 0.0
-                for p in prompts:
-                    before = link.stats()
-                    if target is not None:
-                        core.executor.reset_stats()  # type: ignore[attr-defined]
-                    out, dt, n = run(core, p, sp)
-                    after = link.stats()
-                    times.append(dt / n)
-                    n_tok += n
-                    wrong += disagreement(model, p, out)
-                    decode_trips += after.round_trips - before.round_trips - 1   # less the prefill's
-                    wait = after.wait_s - before.wait_s
-                    if target is None:
-                        j += n * energy.offloaded(n_dev, 0) + energy.idle_w * wait
-                        continue
-                    st = core.executor.exit_stats()  # type: ignore[attr-defined]
-                    per = {int(k): int(v) for k, v in dict(st["exits_per_layer"]).items()}  # type: ignore[call-overload]
-                    for layer, c in per.items():
-                        exits[layer] = exits.get(layer, 0) + c
-                        tested = len([h for h in heads if h <= min(layer, n_dev)])
-                        j += c * (energy.offloaded(n_dev, tested) if layer > n_dev else energy.exited(layer, tested))
-                    j += energy.idle_w * wait
-                link.close()
-                row: dict[str, object] = {
-                    "variant": "always offload" if target is None else f"exits+offload {target:g}",
-                    "device_layers": n_dev, "decode_tok_s": round(1 / statistics.median(times), 1),
-                    "device_j_per_token": round(j / n_tok, 5), "decode_round_trips": decode_trips,
-                    "decode_tokens": n_tok, "round_trips_per_token": round(decode_trips / n_tok, 4),
-                    "bytes_up_per_position": round(link.stats().bytes_up / max(1, link.stats().positions_sent), 1),
-                    "measured_disagreement": round(wrong / n_tok, 4)}
-                if target is not None:
-                    row["exit_rate_per_layer"] = {str(k): round(v / n_tok, 4) for k, v in sorted(exits.items())}
-                rows.append(row)
+                name = "always offload" if target is None else f"exits+offload {target:g}"
+                variants.append(Variant(name, n_dev, target, core, tuple(heads)))
+        for p in prompts:   # variants interleaved per prompt: the shared machine's load hits them alike
+            for v in variants:
+                v.measure(p, params, model, energy)
+        for v in variants:
+            rows.append(v.row())
+            if v.link is not None:
+                v.link.close()
     for r in rows:   # round trips avoided: against always-offload at the same split
         base = next((b for b in rows if b["variant"] == "always offload"
                      and b.get("device_layers") == r.get("device_layers")), None)
         if base is not None and "decode_round_trips" in r:
             r["round_trips_avoided"] = round(1 - int(r["decode_round_trips"]) / max(1, int(base["decode_round_trips"])), 4)  # type: ignore[call-overload]
     result = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads", "date": time.strftime("%Y-%m-%d"),
-              "model": str(args.model), "link": {"rtt_ms": args.rtt_ms, "mbps": args.mbps, "dtype": args.link_dtype}, "board": args.board,
+              "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()], "model": str(args.model),
+              "link": {"rtt_ms": args.rtt_ms, "mbps": args.mbps, "dtype": args.link_dtype}, "board": args.board,
               "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "exit_layers": exit_layers, "rows": rows}
     if args.json:

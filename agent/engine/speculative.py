@@ -279,5 +279,5 @@ def exit_executor_on(chain: Chain, model: Path, device: str = "cpu") -> ExitExec
     usable = tuple(l for l in heads.layers if l in inner)
     if not usable:
         raise ValueError(f"no exit head at the chain's boundaries ({', '.join(str(r.spec) for r in chain.runners)}); "
-                         f"heads are at layers {heads.layers}")
+                         f"heads are at layers {heads.layers}; run more layers here or drop --max-disagreement")
     return ExitExecutor(chain, heads.only(usable), Path(model))
