@@ -27,7 +27,7 @@ from agent.engine.executor import load_core
 from agent.engine.speculative import exit_executor_on
 from agent.engine.types import Finished, SamplingParams
 from partition.offload import EdgeError, EdgeLink, LinkOptions, LinkShape, make_offload_chain
-from partition.offload.auto import exit_cuts, measure_link, split_chain
+from partition.offload.auto import exit_cuts, measure_link, replan, split_chain
 from partition.offload.launch import DEFAULT_EDGE_PYTHON, EdgeOptions, EdgeServer, EdgeUnavailable
 from partition.offload.link import link_options
 from partition.paths import DEFAULT_MODEL_DIR
@@ -124,6 +124,13 @@ def test_auto_split_measures_the_injected_link_and_keeps_a_tiny_model_local(edge
     chain, note = split_chain(DEFAULT_MODEL_DIR, edge.url, "auto", LinkOptions(), fallback=False, max_seq=64)
     # the shipped 8-layer model decodes in well under a millisecond on an Orin: no split beats the RTT
     assert not isinstance(chain.runners[-1], EdgeLink) and "device only" in note and "measured" in note
+    live = make_offload_chain(DEFAULT_MODEL_DIR, 4, edge.url, LinkOptions(want_logits=False), fallback=False,
+                              max_seq=64, shape=LinkShape(20.0, 50.0))
+    for i, tok in enumerate([5, 9, 33, 12]):    # re-planning reads the link as its own exchanges measured it
+        live.forward(np.asarray([[tok]], np.int32), np.asarray([[i]], np.int32))
+    again = replan(live.runners[-1], DEFAULT_MODEL_DIR)  # type: ignore[arg-type]
+    assert again.link.rtt_ms >= 20.0 and again.choice == 8
+    live.runners[-1].close()  # type: ignore[attr-defined]
     res = CliRunner().invoke(app, ["generate", "def", "-n", "4", "--edge", edge.url, "--device-layers", "auto",
                                    "--json"])
     assert res.exit_code == 0, res.output

@@ -6,6 +6,8 @@ history is what rebuilds the edge's state after a restart, an idle timeout or an
 request from position 0 with the start flag), and what fills a local deep slice when the link falls
 back. `send` takes any number of consecutive positions at once: a prefill, a rebuild, or the backlog
 of hidden states of tokens that exited early on the device (they cross in the next round trip).
+The rows of a batched step cross at once (one thread each). On the wire the hidden states are FP16,
+or per-position int8 with FP16 scales (`link_dtype`); gRPC runs over TLS when a CA is given.
 
 Faults: every attempt has a gRPC deadline, retries are bounded, and the whole call has a deadline;
 when it passes, the call falls back to the local deep slice (if the device holds one) or raises
@@ -113,7 +115,7 @@ class LinkOptions:
 
 
 def link_options(token: str = "", want_logits: bool = True, link_dtype: str = "fp16", tls_ca: str = "",
-                 tls_cert: str = "", tls_key: str = "", **kw: Any) -> LinkOptions:
+                 tls_cert: str = "", tls_key: str = "") -> LinkOptions:
     """LinkOptions from CLI/config values, checked: TLS is on when a CA is given (the edge's
     certificate is verified against it); a client certificate and key go together (mutual TLS)."""
     from pathlib import Path
@@ -129,7 +131,7 @@ def link_options(token: str = "", want_logits: bool = True, link_dtype: str = "f
             raise ValueError(f"{f}: no such PEM file")
     return LinkOptions(token=token, want_logits=want_logits, link_dtype=link_dtype, ssl=bool(tls_ca),
                        root_certificates=tls_ca or None, private_key=tls_key or None,
-                       certificate_chain=tls_cert or None, **kw)
+                       certificate_chain=tls_cert or None)
 
 
 class EdgeLink(SliceRunner):
