@@ -167,7 +167,6 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-@pytest.mark.slow
 def test_grpc_over_tls_with_a_self_signed_certificate(tmp_path: Path, local_greedy: tuple[int, ...]) -> None:
     cert, key = _self_signed(tmp_path)
     server = _start(tmp_path, tls_cert=str(cert), tls_key=str(key))
@@ -208,7 +207,6 @@ def test_serve_with_the_deep_layers_on_the_edge_equals_local(edge: EdgeServer, t
         assert texts == [want] * 3 and link.stats().fallbacks == 0
 
 
-@pytest.mark.slow
 def test_serve_when_the_edge_dies_falls_back_or_fails_cleanly(tmp_path: Path) -> None:
     server = _start(tmp_path)
     try:
