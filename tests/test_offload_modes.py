@@ -137,9 +137,9 @@ def test_auto_split_measures_the_injected_link_and_keeps_a_tiny_model_local(edge
     assert "auto split" in json.loads(res.output[res.output.index("{"):])["edge"]["split"]
 
 
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
+def _self_signed(tmp: Path, name: str = "edge") -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 (it is its own CA): `cryptography`, else the openssl CLI."""
-    cert, key = tmp / "edge.crt", tmp / "edge.key"
+    cert, key = tmp / f"{name}.crt", tmp / f"{name}.key"
     try:
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
@@ -182,6 +182,29 @@ def test_grpc_over_tls_with_a_self_signed_certificate(tmp_path: Path, local_gree
         with pytest.raises(EdgeError):            # plaintext gRPC to a TLS port: a clean error within the deadline
             plain.forward(np.asarray([[5, 9, 33]], np.int32), np.arange(3, dtype=np.int32)[None])
         assert time.monotonic() - t0 < 3.0 + 1.5
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+def test_mutual_tls_refuses_a_device_without_its_certificate(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    dev_cert, dev_key = _self_signed(tmp_path, "device")
+    server = _start(tmp_path, tls_cert=str(cert), tls_key=str(key), tls_ca=str(dev_cert))
+    try:
+        chain = make_offload_chain(DEFAULT_MODEL_DIR, 4, server.url,
+                                   link_options(tls_ca=str(cert), tls_cert=str(dev_cert), tls_key=str(dev_key),
+                                                want_logits=False), fallback=False, max_seq=256)
+        ids = np.asarray([[5, 9, 33]], np.int32)
+        want = load_core(DEFAULT_MODEL_DIR, max_seq=256).executor.chain.forward(ids, np.arange(3, dtype=np.int32)[None])  # type: ignore[attr-defined]
+        got = chain.forward(ids, np.arange(3, dtype=np.int32)[None])
+        assert int(got[0].argmax()) == int(want[0].argmax())
+        chain.runners[-1].close()  # type: ignore[attr-defined]
+        anonymous = make_offload_chain(DEFAULT_MODEL_DIR, 4, server.url,
+                                       link_options(tls_ca=str(cert), want_logits=False), fallback=False, max_seq=256)
+        anonymous.runners[-1].opts = LinkOptions(ssl=True, root_certificates=str(cert), timeout_s=1.0, deadline_s=3.0)  # type: ignore[attr-defined]
+        with pytest.raises(EdgeError):
+            anonymous.forward(ids, np.arange(3, dtype=np.int32)[None])
     finally:
         server.kill()
 
