@@ -130,9 +130,9 @@ def accept(drafts: list[int], q: list[torch.Tensor], targets: list[torch.Tensor]
 
 
 class ExitExecutor(ChainExecutor):
-    def __init__(self, chain: Chain, heads: ExitHeads, model_dir: Path) -> None:
+    def __init__(self, chain: Chain, heads: ExitHeads, model_dir: Path, verify: bool = True) -> None:
         super().__init__(chain)
-        self.exits = ExitChain(chain, heads)
+        self.exits = ExitChain(chain, heads, verify)
         self.model_dir = model_dir
         self.rows: dict[str, RowState] = {}
         self.calibration: dict[str, Calibration | None] = {}
@@ -270,7 +270,7 @@ def load_exit_executor(model: Path, backend: str = "torch", slices: str | None =
 def exit_executor_on(chain: Chain, model: Path, device: str = "cpu") -> ExitExecutor:
     """Exits on a given chain (e.g. local slices cut at the exit layers + an edge server's deep slice):
     only the heads at the chain's inner boundaries are used, so a token exits where its hidden state
-    already is. Speculation needs a local last slice (ExitChain.finish says so)."""
+    already is. The last slice may be remote (exits only): speculation there fails with the reason."""
     from partition.checkpoint import load_model
     from partition.exits.heads import load_heads
 
@@ -280,4 +280,4 @@ def exit_executor_on(chain: Chain, model: Path, device: str = "cpu") -> ExitExec
     if not usable:
         raise ValueError(f"no exit head at the chain's boundaries ({', '.join(str(r.spec) for r in chain.runners)}); "
                          f"heads are at layers {heads.layers}; run more layers here or drop --max-disagreement")
-    return ExitExecutor(chain, heads.only(usable), Path(model))
+    return ExitExecutor(chain, heads.only(usable), Path(model), verify=False)

@@ -48,7 +48,7 @@ class StepResult:
 
 
 class ExitChain:
-    def __init__(self, chain: Chain, heads: ExitHeads) -> None:
+    def __init__(self, chain: Chain, heads: ExitHeads, verify: bool = True) -> None:
         self.chain, self.heads = chain, heads
         self.n_layers = chain.runners[0].spec.n_layers_total
         ends = [r.spec.end for r in chain.runners]
@@ -57,8 +57,11 @@ class ExitChain:
             raise ExitHeadsError(f"exit layers {missing} are not slice boundaries of the chain "
                                  f"({', '.join(str(r.spec) for r in chain.runners)}); cut the slices there")
         # verification (finish) reads every position's logits from the last slice: a local torch runner.
-        # Exits alone need only the last position's: the last slice may be an edge server's.
+        # Exits alone need only the last position's: with verify=False the last slice may be an edge server's.
         self.can_verify = chain.runners[-1].array_kind == "torch"
+        if verify and not self.can_verify:
+            raise ExitHeadsError("exits and speculation need the torch backend for the last slice "
+                                 "(its every-position logits); use --backend torch")
         self.exit_after = {j: r.spec.end for j, r in enumerate(chain.runners) if r.spec.end in heads.layers}
         self.draft_runner = {r.spec.end: j for j, r in enumerate(chain.runners)}
 
