@@ -12,6 +12,9 @@ a frozen `ServiceConfig`; command-line flags override the file. Every error name
               shutdown_grace_s
     [log]     level
     [smoke]   min_decode_tok_s, max_ttft_s (what `orin-agent smoke` asks of its short generation)
+    [edge]    url (HOST:PORT of `orin-agent edge`; "" = no offload), device_layers (N or "auto"), token,
+              fallback (hold the deep layers here too), link_dtype ("fp16" | "int8"), tls_ca, tls_cert,
+              tls_key, board (this device's board for the "auto" planner)
 """
 from __future__ import annotations
 
@@ -84,6 +87,15 @@ class ServiceConfig:
     # failure means something is broken, not slow; tighten them in agent.toml for a real model.
     smoke_min_decode_tok_s: float = 5.0
     smoke_max_ttft_s: float = 5.0
+    edge: str | None = None  # HOST:PORT of an edge server running the deep layers (partition.offload)
+    device_layers: str = "4"  # layers run here with an edge: N or "auto" (the planner on the measured link)
+    edge_token: str | None = None
+    edge_fallback: bool = True  # hold the deep layers here too: a failed edge degrades to local decoding
+    link_dtype: str = "fp16"
+    edge_tls_ca: str | None = None
+    edge_tls_cert: str | None = None
+    edge_tls_key: str | None = None
+    edge_board: str = "orin-nano-8gb"
     source: str = "defaults"
 
     def replace(self, **overrides: Any) -> "ServiceConfig":
@@ -175,6 +187,21 @@ class ServiceConfig:
         if self.smoke_min_decode_tok_s < 0 or self.smoke_max_ttft_s <= 0:
             raise bad("smoke.min_decode_tok_s / smoke.max_ttft_s", "must be >= 0 / > 0",
                       (self.smoke_min_decode_tok_s, self.smoke_max_ttft_s))
+        if self.edge is not None:
+            host, _, port = self.edge.rpartition(":")
+            if not host or not port.isdigit():
+                raise bad("edge.url", "must be HOST:PORT (the edge server's gRPC endpoint)", self.edge)
+            if self.backend != "torch" or self.slices or self.kv_cache != "fp16":
+                raise bad("edge.url", "offload runs layers 0:N with model.backend = 'torch', no model.slices "
+                          "and the fp16 KV-cache", self.edge)
+            if self.device_layers != "auto" and not self.device_layers.isdigit():
+                raise bad("edge.device_layers", "must be a number of layers or 'auto'", self.device_layers)
+            if self.link_dtype not in ("fp16", "int8"):
+                raise bad("edge.link_dtype", "must be 'fp16' or 'int8'", self.link_dtype)
+            if self.speculate not in (None, "0") or (self.kv_blocks is not None):
+                raise bad("edge.url", "with an edge server, speculation (it verifies drafts with the deep "
+                          "layers' logits, which the edge does not return) and model.kv_blocks are off",
+                          (self.speculate, self.kv_blocks))
         if self.log_level not in LOG_LEVELS:
             raise bad("log.level", f"must be one of {', '.join(LOG_LEVELS)}", self.log_level)
 
@@ -216,6 +243,15 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("log", "level"): ("log_level", (str,)),
     ("smoke", "min_decode_tok_s"): ("smoke_min_decode_tok_s", (int, float)),
     ("smoke", "max_ttft_s"): ("smoke_max_ttft_s", (int, float)),
+    ("edge", "url"): ("edge", (str,)),
+    ("edge", "device_layers"): ("device_layers", (str, int)),
+    ("edge", "token"): ("edge_token", (str,)),
+    ("edge", "fallback"): ("edge_fallback", (bool,)),
+    ("edge", "link_dtype"): ("link_dtype", (str,)),
+    ("edge", "tls_ca"): ("edge_tls_ca", (str,)),
+    ("edge", "tls_cert"): ("edge_tls_cert", (str,)),
+    ("edge", "tls_key"): ("edge_tls_key", (str,)),
+    ("edge", "board"): ("edge_board", (str,)),
 }
 
 
@@ -252,8 +288,11 @@ def config_from_mapping(doc: Mapping[str, Any], source: str) -> ServiceConfig:
                 if value:
                     values["token"] = read_token_file(value, f"{source}: server.token_file")
                 continue
-            if field_name in ("slices", "root", "token", "lock_dir") and value == "":
+            if field_name in ("slices", "root", "token", "lock_dir", "edge", "edge_token", "edge_tls_ca",
+                              "edge_tls_cert", "edge_tls_key") and value == "":
                 continue  # "" = unset
+            if field_name == "device_layers":
+                value = str(value)
             if field_name == "allowed_hosts":
                 if not all(isinstance(h, str) for h in value):
                     raise ConfigError(f"{source}: {section}.{key}: must be a list of strings, got {value!r}")

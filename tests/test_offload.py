@@ -174,3 +174,71 @@ def test_edge_and_generate_flags_fail_in_one_line() -> None:
     assert bad_split.exit_code == 2 and "--device-layers must be in 1..7" in bad_split.output
     for res in (bad_layers, bad_backend, bad_split):
         assert "Traceback" not in res.output
+
+
+def test_int8_rows_round_trip_within_half_a_step_and_parse_on_the_server() -> None:
+    from partition.offload.server import parse_request
+
+    rng = np.random.default_rng(0)
+    h = (rng.standard_normal((5, 384)) * np.array([[0.1], [1], [10], [100], [0]])).astype(np.float16)
+    q, scale = P.quantize_rows(h)
+    assert q.dtype == np.int8 and scale.dtype == np.float16 and scale.shape == (5,)
+    back = P.dequantize_rows(q, scale).astype(np.float32)
+    step = np.abs(h.astype(np.float32)).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(back - h.astype(np.float32)) <= 0.5 * step + 1e-2 * step + 1e-6)
+    assert not back[4].any()                     # a row of zeros stays zeros
+    assert P.bytes_up(1, 384, "int8") - 19 == 384 + 2 and P.bytes_up(1, 384) - 19 == 768
+    data = {P.HIDDEN_I8: q[None], P.HIDDEN_SCALE: scale[None], P.POSITIONS: np.arange(5, dtype=np.int32)[None],
+            P.SPLIT: np.asarray([[4]], np.int32), P.SEQ_ID: np.asarray([[7]], np.uint64),
+            P.SEQ_START: np.asarray([[True]]), P.SEQ_END: np.asarray([[False]]), P.WANT_LOGITS: np.asarray([[False]])}
+    req = parse_request(data)
+    np.testing.assert_array_equal(req.hidden, P.dequantize_rows(q, scale))
+    with pytest.raises(ValueError, match="one scale per row"):
+        parse_request({**data, P.HIDDEN_SCALE: scale[None, :3]})
+
+
+def test_edge_config_and_link_options_are_checked(tmp_path) -> None:  # noqa: ANN001
+    from agent.config import ConfigError, config_from_mapping
+    from partition.offload.auto import parse_device_layers
+    from partition.offload.link import link_options
+
+    cfg = config_from_mapping({"edge": {"url": "10.0.0.2:8001", "device_layers": 3, "link_dtype": "int8",
+                                        "fallback": False}}, "t.toml")
+    assert (cfg.edge, cfg.device_layers, cfg.link_dtype, cfg.edge_fallback) == ("10.0.0.2:8001", "3", "int8", False)
+    assert config_from_mapping({"edge": {"url": ""}}, "t.toml").edge is None
+    for bad, match in (({"url": "nohost"}, "HOST:PORT"), ({"url": "h:1", "device_layers": "most"}, "'auto'"),
+                       ({"url": "h:1", "link_dtype": "fp8"}, "link_dtype")):
+        with pytest.raises(ConfigError, match=match):
+            config_from_mapping({"edge": bad}, "t.toml")
+    with pytest.raises(ConfigError, match="backend"):
+        config_from_mapping({"edge": {"url": "h:1"}, "model": {"backend": "ort"}}, "t.toml")
+    with pytest.raises(ConfigError, match="speculation"):   # exits cross the link; drafts cannot be verified
+        config_from_mapping({"edge": {"url": "h:1"}, "model": {"speculate": 2}}, "t.toml")
+    assert config_from_mapping({"edge": {"url": "h:1"}, "model": {"max_disagreement": 0.01}}, "t.toml").exits_enabled
+    assert parse_device_layers("auto") is None and parse_device_layers("5") == 5
+    with pytest.raises(ValueError, match="'auto'"):
+        parse_device_layers("x")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("pem")
+    opts = link_options(tls_ca=str(ca), link_dtype="int8")
+    assert opts.ssl and opts.root_certificates == str(ca) and opts.link_dtype == "int8"
+    assert not link_options().ssl
+    with pytest.raises(ValueError, match="go together"):
+        link_options(tls_ca=str(ca), tls_cert=str(ca))
+    with pytest.raises(ValueError, match="no such PEM"):
+        link_options(tls_ca=str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="link-dtype"):
+        link_options(link_dtype="fp8")
+
+
+def test_offload_flags_of_generate_and_serve_fail_in_one_line() -> None:
+    runner = CliRunner()
+    cases = [(["generate", "hi", "--edge", "127.0.0.1:1", "--speculate", "2"], "--speculate verifies"),
+             (["generate", "hi", "--edge", "127.0.0.1:1", "--device-layers", "most"], "or 'auto'"),
+             (["generate", "hi", "--edge", "127.0.0.1:1", "--link-dtype", "fp8"], "--link-dtype must be"),
+             (["generate", "hi", "--edge", "127.0.0.1:1", "--edge-tls-ca", "/nonexistent.pem"], "no such PEM"),
+             (["serve", "--edge", "nohost"], "HOST:PORT"),
+             (["edge", "--tls-ca", "ca.pem"], "--tls-ca (mutual TLS) needs")]
+    for args, match in cases:
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and match in res.output and "Traceback" not in res.output, (args, res.output)

@@ -44,6 +44,7 @@ class ExitPolicy:
     auto_speculate: int = 0  # what "auto" resolves to for this model (0: plain decoding is fastest)
     default_speculate: int = 0
     default_max_disagreement: float | None = None
+    speculation: bool = True  # False where the deep layers run on an edge server (it returns no logits)
 
 
 def exit_mode(options: OrinAgentOptions | None, policy: ExitPolicy, wants_logprobs: bool) -> tuple[int, float | None]:
@@ -63,5 +64,11 @@ def exit_mode(options: OrinAgentOptions | None, policy: ExitPolicy, wants_logpro
         raise e
     k = options.speculate
     speculate = policy.auto_speculate if k == "auto" else int(k or 0)
+    if speculate and not policy.speculation:
+        e = InvalidRequest("orin_agent.speculate: this server runs the deep layers on an edge server, which "
+                           "returns no logits to verify drafts with; ask for max_disagreement instead",
+                           "orin_agent.speculate")
+        e.code = "unsupported_parameter"
+        raise e
     md = None if options.max_disagreement is None else float(options.max_disagreement)
     return speculate, md

@@ -41,6 +41,8 @@ def edge(
                               "on inference calls (env ORIN_AGENT_EDGE_TOKEN)."),
     tls_cert: str = typer.Option("", "--tls-cert", help="PEM server certificate (gRPC over TLS)."),
     tls_key: str = typer.Option("", "--tls-key", help="PEM server key."),
+    tls_ca: str = typer.Option("", "--tls-ca", help="PEM CA of client certificates: with it, mutual TLS "
+                               "(clients must present a certificate it signed)."),
     python: Optional[Path] = typer.Option(None, "--python", envvar="ORIN_AGENT_EDGE_PYTHON",
                                           help="Interpreter for the server (default: the venv "
                                           "scripts/edge-venv.sh builds)."),
@@ -55,12 +57,19 @@ def edge(
         first = _first_layer(layers, load_config(model).n_layers)
         if bool(tls_cert) != bool(tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
+        if tls_ca and not tls_cert:
+            raise ValueError("--tls-ca (mutual TLS) needs the server's own --tls-cert and --tls-key")
+        for f in (tls_cert, tls_key, tls_ca):
+            if f and not Path(f).is_file():
+                raise ValueError(f"{f}: no such PEM file")
         opts = EdgeOptions(model, first, host, port, http_port, metrics_port, cap, max_seq, idle_timeout,
-                           token, tls_cert, tls_key, python)
+                           token, str(Path(tls_cert).resolve()) if tls_cert else "",
+                           str(Path(tls_key).resolve()) if tls_key else "",
+                           str(Path(tls_ca).resolve()) if tls_ca else "", python)
         log_path = log or Path(tempfile.gettempdir()) / "orin-agent-edge" / f"edge-{os.getpid()}.log"
 
         def ready(s: EdgeServer) -> None:
-            info = {"grpc": s.url, "http_port": s.http_port, "metrics": f"http://{host}:{s.metrics_port}/metrics",
+            info = {"grpc": s.url, "tls": bool(tls_cert), "http_port": s.http_port, "metrics": f"http://{host}:{s.metrics_port}/metrics",
                     "layers": f"{first}:", "log": str(log_path)}
             if as_json:
                 print_json(info)

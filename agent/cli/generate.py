@@ -47,22 +47,38 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
     edge: Optional[str] = typer.Option(None, "--edge", help="HOST:PORT of an edge server (orin-agent edge) "
                                        "that runs the deep layers."),
-    device_layers: int = typer.Option(4, "--device-layers", help="With --edge: layers run here."),
+    device_layers: str = typer.Option("4", "--device-layers", help="With --edge: layers run here, or 'auto' "
+                                      "(the planner on the link measured to the edge)."),
     edge_token: str = typer.Option("", "--edge-token", envvar="ORIN_AGENT_EDGE_TOKEN", help="Bearer token."),
+    link_dtype: str = typer.Option("fp16", "--link-dtype", help="Hidden states on the link: fp16 or int8 "
+                                   "(per-position int8 with FP16 scales: about half the bytes)."),
+    edge_tls_ca: str = typer.Option("", "--edge-tls-ca", help="PEM CA of the edge's certificate: gRPC over TLS."),
+    edge_tls_cert: str = typer.Option("", "--edge-tls-cert", help="PEM client certificate (mutual TLS)."),
+    edge_tls_key: str = typer.Option("", "--edge-tls-key", help="PEM client key (mutual TLS)."),
+    board: str = typer.Option("orin-nano-8gb", "--board", help="With --device-layers auto: this device's "
+                              "board in the planner's cost model."),
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
     from agent.engine.executor import load_core
     from agent.engine.types import Finished, SamplingParams
-    from partition.offload.chain import offload_chain_for_generate, offload_summary
+    from partition.offload.auto import offload_chain_for_generate
+    from partition.offload.chain import offload_stats, offload_summary
+    from partition.offload.link import link_options
 
     with cli_errors():
         k = resolve_speculate(model, speculate)
+        if edge and k:
+            raise ValueError("--speculate verifies drafts with the last slice's every-position logits, which "
+                             "the edge does not return; use --max-disagreement with --edge, or drop --edge")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop),
-                                speculate=k, max_disagreement=None if edge else max_disagreement)
-        chain = offload_chain_for_generate(model, edge, device_layers, max_disagreement or 0.0, edge_token,
-                                           temperature == 0, backend, slices, max_seq, device) if edge else None
-        exits = bool(k) or (max_disagreement is not None and not edge)
+                                speculate=k, max_disagreement=max_disagreement)
+        chain, split = None, ""
+        if edge:
+            opts = link_options(edge_token, temperature != 0, link_dtype, edge_tls_ca, edge_tls_cert, edge_tls_key)
+            chain, split = offload_chain_for_generate(model, edge, device_layers, max_disagreement, opts, backend,
+                                                      slices, max_seq, device, board)
+        exits = bool(k) or max_disagreement is not None
         core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain, exits=exits,
                          kv_cache=kv_cache, kv_blocks=kv_blocks)
         pieces: list[str] = []
@@ -87,13 +103,16 @@ def generate(
                         "decode_tok_s": round(decode_tok_s, 3), "finish_reason": done.reason,
                         "token_ids": list(done.token_ids),
                         **({"speculate": k, "max_disagreement": max_disagreement,
-                            "exit_stats": core.executor.exit_stats()} if exits else {})})  # type: ignore[attr-defined]
+                            "exit_stats": core.executor.exit_stats()} if exits else {}),  # type: ignore[attr-defined]
+                        **({"edge": {**offload_stats(chain), "split": split}} if edge else {})})
         else:
             sys.stdout.write("\n")
             typer.echo(f"prefill {prefill_ms:.1f} ms | decode {decode_tok_s:.1f} tok/s | "
                        f"{u.completion_tokens} tokens ({done.reason})", err=True)
-            if chain is not None:
-                typer.echo(offload_summary(chain), err=True)
+            if edge:
+                typer.echo(split, err=True)
+                if chain is not None and offload_summary(chain):
+                    typer.echo(offload_summary(chain), err=True)
 
 
 def resolve_speculate(model: Path, speculate: str | None) -> int:

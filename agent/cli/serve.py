@@ -42,6 +42,20 @@ def serve(
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="Power budget, W: the sliding-window "
                                               "average board power the controller holds (over the watts of "
                                               "the profile's budget section)."),
+    edge: Optional[str] = typer.Option(None, "--edge", help="HOST:PORT of an edge server (orin-agent edge) that "
+                                       "runs the deep layers."),
+    device_layers: Optional[str] = typer.Option(None, "--device-layers", help="With --edge: layers run here, or "
+                                                "'auto' (the planner on the link measured at start)."),
+    edge_token: Optional[str] = typer.Option(None, "--edge-token", envvar="ORIN_AGENT_EDGE_TOKEN",
+                                             help="The edge's bearer token."),
+    edge_fallback: Optional[bool] = typer.Option(None, "--edge-fallback/--no-edge-fallback", help="Hold the deep "
+                                                 "layers here too, so a failed edge degrades to local decoding "
+                                                 "(default on); off: such requests fail with the reason."),
+    link_dtype: Optional[str] = typer.Option(None, "--link-dtype", help="Hidden states on the link: fp16 or int8."),
+    edge_tls_ca: Optional[str] = typer.Option(None, "--edge-tls-ca", help="PEM CA of the edge's certificate "
+                                              "(gRPC over TLS)."),
+    edge_tls_cert: Optional[str] = typer.Option(None, "--edge-tls-cert", help="PEM client certificate (mutual TLS)."),
+    edge_tls_key: Optional[str] = typer.Option(None, "--edge-tls-key", help="PEM client key (mutual TLS)."),
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM; then drain, restore the board and exit 0."""
     from agent.config import load_config
@@ -52,7 +66,10 @@ def serve(
                                           backend=backend, model_dir=model, max_batch=max_batch,
                                           kv_cache=kv_cache, kv_blocks=kv_blocks, log_level=log_level, exits=exits,
                                           max_disagreement=max_disagreement, speculate=speculate,
-                                          power_cap_w=power_cap)
+                                          power_cap_w=power_cap, edge=edge, device_layers=device_layers,
+                                          edge_token=edge_token, edge_fallback=edge_fallback,
+                                          link_dtype=link_dtype, edge_tls_ca=edge_tls_ca,
+                                          edge_tls_cert=edge_tls_cert, edge_tls_key=edge_tls_key)
         setup_logging(cfg.log_level)
         code = Service(cfg).run()
     raise typer.Exit(code)

@@ -128,6 +128,9 @@ class EngineCore:
     def _fail(self, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
         log.exception("step failed (%s of %d rows)", plan.kind, len(plan.chunks))
         outs: list[RequestOutput] = []
+        # an OSError (e.g. partition.offload's EdgeError: the edge server did not answer within its
+        # deadline) says what went wrong in one line, with no internals: the client gets that line
+        why = f"{type(exc).__name__}: {str(exc)[:300]}" if isinstance(exc, OSError) else type(exc).__name__
         for c in plan.chunks:
-            outs += self.abort(c.req_id, "error", f"the model runner failed: {type(exc).__name__}")
+            outs += self.abort(c.req_id, "error", f"the model runner failed: {why}")
         return outs

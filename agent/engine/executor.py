@@ -167,10 +167,10 @@ def load_core(model: Path, backend: str = "torch", slices: str | None = None, ma
     if exits:
         if kv_cache != "fp16" or kv_blocks is not None:
             raise ValueError("early exit and speculation run on the dense fp16 cache: drop --kv-cache int8")
+        from agent.engine.speculative import exit_executor_on, load_exit_executor
+
         if chain is not None:
-            raise ValueError("early exit and speculation run on local slices only: drop --edge, or drop "
-                             "--speculate / --max-disagreement")
-        from agent.engine.speculative import load_exit_executor
+            return EngineCore(exit_executor_on(chain, model, device), tokenizer)
 
         return EngineCore(load_exit_executor(model, backend, slices, max_seq, device), tokenizer)
     if chain is None:

@@ -183,13 +183,15 @@ def accept(drafts: list[int], q: list[torch.Tensor], targets: list[torch.Tensor]
 
 class ExitExecutor(ChainExecutor):
     """exit_heads: "paying" computes an exit head only at the layers `paying_layers` finds worth it
-    (a request with none runs as a plain row, batched with the others); "all" at every exit layer."""
+    (a request with none runs as a plain row, batched with the others); "all" at every exit layer.
+    verify=False: the last slice may be remote (exits only; speculation there fails with the reason)."""
 
-    def __init__(self, chain: Chain, heads: ExitHeads, model_dir: Path, exit_heads: str = "paying") -> None:
+    def __init__(self, chain: Chain, heads: ExitHeads, model_dir: Path, exit_heads: str = "paying",
+                 verify: bool = True) -> None:
         super().__init__(chain)
         if exit_heads not in ("paying", "all"):
             raise ValueError(f"exit_heads must be 'paying' or 'all', got {exit_heads!r}")
-        self.exits = ExitChain(chain, heads)
+        self.exits = ExitChain(chain, heads, verify)
         self.model_dir = model_dir
         self.exit_heads = exit_heads
         from partition.config import load_config
@@ -368,3 +370,21 @@ def load_exit_executor(model: Path, backend: str = "torch", slices: str | None =
     chain = load_chain(model, backend=backend, slices=",".join(f"{a}:{b}" for a, b in zip(bounds, bounds[1:])),
                        max_seq=max_seq, max_batch=max_batch, device=device, cuda_graphs=False)
     return ExitExecutor(chain, heads, Path(model), exit_heads)
+
+
+def exit_executor_on(chain: Chain, model: Path, device: str = "cpu") -> ExitExecutor:
+    """Exits on a given chain (e.g. local slices cut at the exit layers + an edge server's deep slice):
+    only the heads at the chain's inner boundaries are used, so a token exits where its hidden state
+    already is. The last slice may be remote (exits only): speculation there fails with the reason.
+    Every usable head is computed ("all"): `paying_layers` weighs a head against the weight reads it
+    saves on the device, while here an exit also saves a round trip to the edge."""
+    from partition.checkpoint import load_model
+    from partition.exits.heads import load_heads
+
+    heads = load_heads(load_model(model, device=device), model)
+    inner = {r.spec.end for r in chain.runners[:-1]}
+    usable = tuple(l for l in heads.layers if l in inner)
+    if not usable:
+        raise ValueError(f"no exit head at the chain's boundaries ({', '.join(str(r.spec) for r in chain.runners)}); "
+                         f"heads are at layers {heads.layers}; run more layers here or drop --max-disagreement")
+    return ExitExecutor(chain, heads.only(usable), Path(model), exit_heads="all", verify=False)

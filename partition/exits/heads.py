@@ -8,6 +8,7 @@ adds: target disagreement -> per-layer thresholds).
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,16 @@ class ExitHeads(nn.Module):
         """(.., D) -> float32 logits (.., V)."""
         norm, lm_head = self._norm
         return lm_head(norm(self.translate(layer, h))).float()
+
+    def only(self, layers: tuple[int, ...]) -> "ExitHeads":
+        """These heads restricted to `layers` (a subset of theirs), sharing their parameters: e.g. the
+        exits a device can take when the layers after its split run on an edge server."""
+        missing = [l for l in layers if l not in self.layers]
+        if missing:
+            raise ExitHeadsError(f"no exit heads at layers {missing} (heads: {self.layers})")
+        out = copy.copy(self)
+        out.layers = tuple(layers)
+        return out
 
     def save(self, model_dir: Path) -> Path:
         state = {f"{kind}.{l}": p.detach().to(torch.float16).contiguous().cpu()

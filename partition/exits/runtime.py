@@ -48,7 +48,7 @@ class StepResult:
 
 
 class ExitChain:
-    def __init__(self, chain: Chain, heads: ExitHeads) -> None:
+    def __init__(self, chain: Chain, heads: ExitHeads, verify: bool = True) -> None:
         self.chain, self.heads = chain, heads
         self.n_layers = chain.runners[0].spec.n_layers_total
         ends = [r.spec.end for r in chain.runners]
@@ -56,7 +56,10 @@ class ExitChain:
         if missing:
             raise ExitHeadsError(f"exit layers {missing} are not slice boundaries of the chain "
                                  f"({', '.join(str(r.spec) for r in chain.runners)}); cut the slices there")
-        if chain.runners[-1].array_kind != "torch":
+        # verification (finish) reads every position's logits from the last slice: a local torch runner.
+        # Exits alone need only the last position's: with verify=False the last slice may be an edge server's.
+        self.can_verify = chain.runners[-1].array_kind == "torch"
+        if verify and not self.can_verify:
             raise ExitHeadsError("exits and speculation need the torch backend for the last slice "
                                  "(its every-position logits); use --backend torch")
         self.exit_after = {j: r.spec.end for j, r in enumerate(chain.runners) if r.spec.end in heads.layers}
@@ -126,6 +129,9 @@ class ExitChain:
     def finish(self, st: RowState, slot: int) -> Tensor:
         """Run every backlog through the rest of the chain in one pass per runner: float32 logits
         (T, V) of the positions the last runner had not seen."""
+        if not self.can_verify:
+            raise ExitHeadsError("speculation verifies with every position's logits from the last slice, which "
+                                 "needs a local torch runner there (not an edge server, not --backend ort)")
         out: Tensor | None = None
         for j in range(1, len(self.chain.runners)):
             if out is not None:

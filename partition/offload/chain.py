@@ -1,9 +1,11 @@
-"""`make_offload_chain`: the model as [local slice 0:N] + [EdgeLink N:L], what `generate --edge` runs."""
+"""`make_offload_chain`: the model as [local slices 0:N] + [EdgeLink N:L], what `generate --edge` and
+`serve --edge` run (partition.offload.auto picks N for `--device-layers auto`)."""
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from partition.offload.link import EdgeLink, LinkOptions, LinkShape
 from partition.runners.base import SliceRunner
@@ -16,11 +18,14 @@ MAX_SEQ_CAP = 2048
 def make_offload_chain(model_dir: str | Path, device_layers: int, edge_url: str,
                        options: LinkOptions = LinkOptions(), fallback: bool = True, max_seq: int | None = None,
                        device: str = "cpu", shape: LinkShape | None = None,
-                       log: Callable[[str], None] | None = None) -> Chain:
+                       log: Callable[[str], None] | None = None, cuts: Sequence[int] = (),
+                       max_batch: int = 1) -> Chain:
     """Layers 0:N on this device (torch), N:L on the edge at `edge_url` (HOST:PORT, gRPC).
 
     fallback: also hold layers N:L here (weights loaded anyway; the KV-cache is only filled on a
-    fault), so that a dead edge degrades to local decoding instead of an error."""
+    fault), so that a dead edge degrades to local decoding instead of an error.
+    cuts: layers where the device's part is cut into slices (the exit layers below N, so that a token
+    can leave there and its hidden states wait in the next slice's backlog)."""
     from partition.checkpoint import load_model
     from partition.config import load_config
     from partition.runners.torch_runner import TorchRunner
@@ -32,28 +37,14 @@ def make_offload_chain(model_dir: str | Path, device_layers: int, edge_url: str,
                          f"(got {device_layers}); without --edge every layer runs here")
     seq = max_seq or min(config.max_position_embeddings, MAX_SEQ_CAP)
     model = load_model(Path(model_dir), device=device)
-    local = TorchRunner(model, SliceSpec(0, device_layers, n), seq)
-    deep: SliceRunner | None = TorchRunner(model, SliceSpec(device_layers, n, n), seq) if fallback else None
+    bounds = [0, *sorted({c for c in cuts if 0 < c < device_layers}), device_layers]
+    local: list[SliceRunner] = [TorchRunner(model, SliceSpec(a, b, n), seq, max_batch)
+                                for a, b in zip(bounds, bounds[1:])]
+    deep: SliceRunner | None = TorchRunner(model, SliceSpec(device_layers, n, n), seq, max_batch) if fallback else None
     link = EdgeLink(edge_url, SliceSpec(device_layers, n, n), config.vocab_size, config.hidden_size, seq,
-                    options=options, fallback=deep, shape=shape,
+                    max_batch=max_batch, options=options, fallback=deep, shape=shape,
                     log=log or (lambda m: print(m, file=sys.stderr, flush=True)))
-    return Chain([local, link])
-
-
-def offload_chain_for_generate(model_dir: str | Path, edge_url: str, device_layers: int, max_disagreement: float,
-                               token: str, greedy: bool, backend: str, slices: str | None,
-                               max_seq: int | None, device: str) -> Chain:
-    """The chain `generate --edge` runs, after checking the flags that go with --edge."""
-    if backend != "torch" or slices:
-        raise ValueError("--edge runs layers 0:N with the torch backend; drop --backend/--slices "
-                         "(--device-layers sets the split)")
-    if max_disagreement < 0:
-        raise ValueError(f"--max-disagreement must be >= 0, got {max_disagreement}")
-    if max_disagreement > 0:
-        print("note: early exit is not available yet; every token crosses the link (as --max-disagreement 0)",
-              file=sys.stderr, flush=True)
-    return make_offload_chain(model_dir, device_layers, edge_url,
-                              LinkOptions(token=token, want_logits=not greedy), max_seq=max_seq, device=device)
+    return Chain([*local, link])
 
 
 def offload_summary(chain: Chain) -> str:
@@ -65,3 +56,10 @@ def offload_summary(chain: Chain) -> str:
     return (f"edge {link.url}: {s.round_trips} round trips, {s.positions_sent} positions, "
             f"{s.bytes_up + s.bytes_down} bytes, RTT {s.rtt_ms:.1f} ms, {s.retries} retries, "
             f"{s.rebuilds} rebuilds, {s.fallbacks} fallbacks")
+
+
+def offload_stats(chain: Chain) -> dict[str, object]:
+    """What crossed the link, as a dict (empty for a chain without an edge)."""
+    link = chain.runners[-1]
+    return {"url": link.url, "device_layers": link.spec.start, **asdict(link.stats())} \
+        if isinstance(link, EdgeLink) else {}

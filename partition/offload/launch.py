@@ -16,7 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from partition.offload.protocol import MODEL_NAME
 
@@ -70,6 +70,7 @@ class EdgeOptions:
     token: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    tls_ca: str = ""              # with tls_cert: clients must present a certificate this CA signed
     python: Path | None = None
     fault: str = "none"           # tests only: "garbage" replies
 
@@ -98,6 +99,8 @@ class EdgeServer:
             cmd += ["--token", o.token]
         if o.tls_cert:
             cmd += ["--tls-cert", o.tls_cert, "--tls-key", o.tls_key]
+            if o.tls_ca:
+                cmd += ["--tls-ca", o.tls_ca]
         if o.fault != "none":
             cmd += ["--fault", o.fault]
         return cmd
@@ -117,18 +120,24 @@ class EdgeServer:
             return ""
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """Block until Triton reports the model ready; EdgeUnavailable if it exits or times out."""
+        """Block until Triton reports the model ready; EdgeUnavailable if it exits or times out. With
+        TLS on gRPC, readiness is read over Triton's plain HTTP endpoint (health needs no certificate)."""
         import tritonclient.grpc as grpcclient
+        import tritonclient.http as httpclient
 
         deadline = time.monotonic() + timeout_s
-        client = grpcclient.InferenceServerClient(self.url)
+        client: Any = (httpclient.InferenceServerClient(f"{self.opts.host}:{self.http_port}", connection_timeout=2.0,
+                                                        network_timeout=2.0) if self.opts.tls_cert
+                       else grpcclient.InferenceServerClient(self.url))
+        ready: Callable[[], bool] = (lambda: client.is_model_ready(MODEL_NAME)) if self.opts.tls_cert else \
+            (lambda: client.is_model_ready(MODEL_NAME, headers=self._auth(), client_timeout=2.0))
         try:
             while time.monotonic() < deadline:
                 if self.proc is not None and self.proc.poll() is not None:
                     raise EdgeUnavailable(f"the edge server exited with code {self.proc.returncode}; its log "
                                           f"({self.log_path}) ends:\n{self.log_tail()}")
                 try:
-                    if client.is_model_ready(MODEL_NAME, headers=self._auth(), client_timeout=2.0):
+                    if ready():
                         return
                 except Exception:  # noqa: BLE001 - tritonclient raises its own and grpc errors while booting
                     pass

@@ -6,6 +6,8 @@ history is what rebuilds the edge's state after a restart, an idle timeout or an
 request from position 0 with the start flag), and what fills a local deep slice when the link falls
 back. `send` takes any number of consecutive positions at once: a prefill, a rebuild, or the backlog
 of hidden states of tokens that exited early on the device (they cross in the next round trip).
+The rows of a batched step cross at once (one thread each). On the wire the hidden states are FP16,
+or per-position int8 with FP16 scales (`link_dtype`); gRPC runs over TLS when a CA is given.
 
 Faults: every attempt has a gRPC deadline, retries are bounded, and the whole call has a deadline;
 when it passes, the call falls back to the local deep slice (if the device holds one) or raises
@@ -16,7 +18,9 @@ from __future__ import annotations
 import random
 import re
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -83,6 +87,8 @@ class LinkStats:
     rebuilds: int = 0
     fallbacks: int = 0
     rtt_ms: float = 0.0          # moving average of single-position round trips
+    wait_s: float = 0.0          # wall time spent in successful round trips (link + edge)
+    mbps: float = 0.0            # effective bandwidth from multi-position exchanges (0: none yet)
     last_error: str = ""
 
 
@@ -100,9 +106,32 @@ class LinkOptions:
     deadline_s: float = 15.0       # a whole call (attempts, backoff, rebuild)
     retries: int = 2
     want_logits: bool = True       # False: top-k only (enough for greedy decoding)
-    ssl: bool = False
-    root_certificates: str | None = None
+    ssl: bool = False              # gRPC over TLS (set by any of the three files below)
+    root_certificates: str | None = None   # PEM file of the CA that signed the edge's certificate
+    private_key: str | None = None         # PEM files of this device's own key and certificate, for an
+    certificate_chain: str | None = None   # edge that asks for client certificates (mutual TLS)
+    link_dtype: str = "fp16"       # hidden states on the wire: fp16, or int8 rows with FP16 scales
     sequence_params: bool = False  # standalone Triton with a sequence batcher: ids travel as parameters
+
+
+def link_options(token: str = "", want_logits: bool = True, link_dtype: str = "fp16", tls_ca: str = "",
+                 tls_cert: str = "", tls_key: str = "") -> LinkOptions:
+    """LinkOptions from CLI/config values, checked: TLS is on when a CA is given (the edge's
+    certificate is verified against it); a client certificate and key go together (mutual TLS)."""
+    from pathlib import Path
+
+    if link_dtype not in P.LINK_DTYPES:
+        raise ValueError(f"--link-dtype must be one of {', '.join(P.LINK_DTYPES)}, got {link_dtype!r}")
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("the edge client certificate and its key go together (--edge-tls-cert, --edge-tls-key)")
+    if tls_cert and not tls_ca:
+        raise ValueError("a client certificate (mutual TLS) needs the CA of the edge's certificate too (--edge-tls-ca)")
+    for f in (tls_ca, tls_cert, tls_key):
+        if f and not Path(f).is_file():
+            raise ValueError(f"{f}: no such PEM file")
+    return LinkOptions(token=token, want_logits=want_logits, link_dtype=link_dtype, ssl=bool(tls_ca),
+                       root_certificates=tls_ca or None, private_key=tls_key or None,
+                       certificate_chain=tls_cert or None)
 
 
 class EdgeLink(SliceRunner):
@@ -120,11 +149,17 @@ class EdgeLink(SliceRunner):
         self.fallback, self.shape = fallback, shape
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         self._grpc = grpcclient
-        self.client = grpcclient.InferenceServerClient(url, ssl=options.ssl,
-                                                       root_certificates=options.root_certificates)
+        if options.link_dtype not in P.LINK_DTYPES:
+            raise ValueError(f"link dtype must be one of {', '.join(P.LINK_DTYPES)}, got {options.link_dtype!r}")
+        self.client = grpcclient.InferenceServerClient(
+            url, ssl=options.ssl or bool(options.root_certificates or options.certificate_chain),
+            root_certificates=options.root_certificates, private_key=options.private_key,
+            certificate_chain=options.certificate_chain)
         self._base_id = random.getrandbits(54) << 8        # one sequence id per slot, reused:
         self._slots = [_Slot() for _ in range(max_batch)]   # a start flag replaces the old state
         self._stats = LinkStats()
+        self._lock = threading.Lock()        # the stats and the local fallback, shared by the row threads
+        self._pool: ThreadPoolExecutor | None = None
 
     # --- the runner contract ------------------------------------------------------------------------
 
@@ -132,7 +167,14 @@ class EdgeLink(SliceRunner):
         positions = np.asarray(positions, dtype=np.int32)
         rows = self.check_room(positions, slots)
         x = np.asarray(x)
-        return np.stack([self.send(r, x[i], positions[i]) for i, r in enumerate(rows)])
+        if len(rows) == 1:
+            return self.send(rows[0], x[0], positions[0])[None]
+        # the rows of a batched step cross at once (the gRPC client is thread-safe for infer), so a
+        # batch pays about one round trip, and the edge's batcher runs their decode steps together
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.max_batch, thread_name_prefix="edge-link")
+        futures = [self._pool.submit(self.send, r, x[i], positions[i]) for i, r in enumerate(rows)]
+        return np.stack([f.result() for f in futures])
 
     def send(self, slot: int, hidden: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """T consecutive positions of the sequence in `slot` (hidden (T, D) entering layer N): their
@@ -176,7 +218,31 @@ class EdgeLink(SliceRunner):
                 except (_Transient, _Fatal, _Lost):
                     pass
             st.history.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self.client.close()
+
+    def probe(self, pings: int = 4, positions: int = 128) -> tuple[float, float]:
+        """Measure the link with throwaway sequences (start and end flag: the edge keeps nothing): one
+        warm-up, `pings` single positions (RTT: their median), then `positions` at once (effective
+        bandwidth: the extra bytes over the extra time, the edge's compute included). Returns
+        (rtt_ms, mbps); EdgeError when the edge does not answer."""
+        seq_id = self._base_id + 255                     # slots use base + 1 .. base + max_batch
+        t = max(2, min(positions, self.max_seq))
+        ms: list[float] = []
+        try:
+            for i in range(pings + 2):
+                n = t if i == pings + 1 else 1
+                t0 = time.monotonic()
+                self._infer(seq_id, np.zeros((n, self.hidden), np.float16), np.arange(n, dtype=np.int32), True,
+                            time.monotonic() + self.opts.deadline_s, end=True)
+                ms.append((time.monotonic() - t0) * 1e3)
+        except (_Transient, _Fatal, _Lost) as exc:
+            raise EdgeError(f"edge {self.url}: {exc}") from None
+        rtt = float(np.median(ms[1:-1]))
+        extra = P.bytes_up(t, self.hidden, self.opts.link_dtype) - P.bytes_up(1, self.hidden, self.opts.link_dtype)
+        return rtt, extra * 8 / (max(ms[-1] - rtt, 0.05) * 1e3)
 
     # --- attempts -------------------------------------------------------------------------------------
 
@@ -207,8 +273,13 @@ class EdgeLink(SliceRunner):
                end: bool = False) -> np.ndarray:
         g = self._grpc
         t = h16.shape[0]
+        if self.opts.link_dtype == "int8":
+            q, scale = P.quantize_rows(h16)
+            hidden: dict[str, np.ndarray] = {P.HIDDEN_I8: q[None], P.HIDDEN_SCALE: scale[None]}
+        else:
+            hidden = {P.HIDDEN: h16[None]}
         arrays: dict[str, np.ndarray] = {
-            P.HIDDEN: h16[None], P.POSITIONS: np.asarray(positions, dtype=np.int32)[None],
+            **hidden, P.POSITIONS: np.asarray(positions, dtype=np.int32)[None],
             P.SPLIT: np.asarray([[self.spec.start]], dtype=np.int32),
             P.WANT_LOGITS: np.asarray([[self.opts.want_logits]], dtype=np.bool_)}
         if not self.opts.sequence_params:
@@ -220,7 +291,7 @@ class EdgeLink(SliceRunner):
             inp = g.InferInput(name, list(arr.shape), "BOOL" if arr.dtype == np.bool_ else g.np_to_triton_dtype(arr.dtype))
             inp.set_data_from_numpy(arr)
             inputs.append(inp)
-        up, down = P.bytes_up(t, self.hidden), P.bytes_down(self.vocab, self.opts.want_logits)
+        up, down = P.bytes_up(t, self.hidden, self.opts.link_dtype), P.bytes_down(self.vocab, self.opts.want_logits)
         timeout = max(0.05, min(self.opts.timeout_s, deadline - time.monotonic()))
         t0 = time.monotonic()
         if self.shape is not None:
@@ -240,11 +311,21 @@ class EdgeLink(SliceRunner):
             raise _Transient(msg) from None
         reply = self._check(res)
         ms = (time.monotonic() - t0) * 1e3
+        with self._lock:
+            self._account(t, up, down, ms)
+        return reply.logits if reply.logits is not None else P.logits_from_topk(reply, self.vocab)
+
+    def _account(self, t: int, up: int, down: int, ms: float) -> None:
         s = self._stats
         rtt = ms if s.rtt_ms == 0 else (0.8 * s.rtt_ms + 0.2 * ms if t == 1 else s.rtt_ms)
+        mbps = s.mbps
+        if t > 1 and s.rtt_ms > 0:   # the extra positions' bytes over the extra time (edge compute included)
+            extra_ms = max(ms - s.rtt_ms, 0.05)
+            est = (up - P.bytes_up(1, self.hidden, self.opts.link_dtype)) * 8 / (extra_ms * 1e3)
+            mbps = est if mbps == 0 else 0.5 * mbps + 0.5 * est
         self._stats = replace(s, round_trips=s.round_trips + 1, positions_sent=s.positions_sent + t,
-                              bytes_up=s.bytes_up + up, bytes_down=s.bytes_down + down, rtt_ms=rtt)
-        return reply.logits if reply.logits is not None else P.logits_from_topk(reply, self.vocab)
+                              bytes_up=s.bytes_up + up, bytes_down=s.bytes_down + down, rtt_ms=rtt,
+                              wait_s=s.wait_s + ms / 1e3, mbps=mbps)
 
     def _check(self, res: Any) -> P.DeepReply:
         """The reply, or _Transient when it is not what the protocol promises (garbage)."""
@@ -265,6 +346,10 @@ class EdgeLink(SliceRunner):
         return P.DeepReply(int(tok.reshape(-1)[0]), ids.reshape(-1), lp.reshape(-1), row)
 
     def _local(self, slot: int, p0: int, t: int) -> np.ndarray:
+        with self._lock:
+            return self._local_locked(slot, p0, t)
+
+    def _local_locked(self, slot: int, p0: int, t: int) -> np.ndarray:
         assert self.fallback is not None
         st = self._slots[slot]
         h = np.stack(st.history[p0:p0 + t]).astype(np.float32)[None]
@@ -274,6 +359,7 @@ class EdgeLink(SliceRunner):
         return np.asarray(convert(out, "numpy"), dtype=np.float32)[0]
 
     def _bump(self, **inc: Any) -> None:
-        s = self._stats
-        kw = {k: (v if isinstance(v, str) else getattr(s, k) + v) for k, v in inc.items()}
-        self._stats = replace(s, **kw)
+        with self._lock:
+            s = self._stats
+            kw = {k: (v if isinstance(v, str) else getattr(s, k) + v) for k, v in inc.items()}
+            self._stats = replace(s, **kw)

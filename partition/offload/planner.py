@@ -64,7 +64,7 @@ def _op(spec: BoardSpec) -> OperatingPoint:
     return OperatingPoint.of_mode(spec)
 
 
-def _idle_w(spec: BoardSpec, op: OperatingPoint) -> float:
+def idle_w(spec: BoardSpec, op: OperatingPoint) -> float:
     clocks = Clocks(op.gpu_hz, op.emc_hz, op.tpcs, (op.cpu_khz,) * len(spec.cpu_clusters),
                     tuple(len(c) for c in spec.cpu_clusters))
     return power(spec, clocks, Activity(0.0, 0.0, 0.0, 0.0)).board_w
@@ -87,7 +87,7 @@ def split_cost(shape: ModelShape, n: int, device: BoardSpec, edge: BoardSpec, li
         edge_s = edge_step.seconds
         wait_s = (1.0 - exit_rate) * (link_s + edge_s)
         device_s += wait_s
-        device_j += _idle_w(device, dop) * wait_s
+        device_j += idle_w(device, dop) * wait_s
     mem_gb = dev.bytes / 1e9    # the device's weights of layers 0:n (+ head when n = L) and their KV-cache
     why = ""
     if mem_gb > device.memory_gb:

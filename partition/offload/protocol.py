@@ -21,7 +21,9 @@ MODEL_NAME = "deep_slice"
 TOP_K = 8
 
 # inputs
-HIDDEN = "HIDDEN"            # FP16 [T, D]
+HIDDEN = "HIDDEN"            # FP16 [T, D]; or, with link dtype int8, the two below instead
+HIDDEN_I8 = "HIDDEN_I8"      # INT8 [T, D]: per-position symmetric int8 ...
+HIDDEN_SCALE = "HIDDEN_SCALE"  # FP16 [T]: ... with one scale per position (row)
 POSITIONS = "POSITIONS"      # INT32 [T], consecutive
 SPLIT = "SPLIT"              # INT32 [1]: first layer the edge runs
 SEQ_ID = "SEQ_ID"            # UINT64 [1]
@@ -71,9 +73,29 @@ def logits_from_topk(reply: DeepReply, vocab: int, floor: float = -1e4) -> np.nd
     return row
 
 
-def bytes_up(t: int, hidden: int) -> int:
-    """Payload bytes the device sends for T positions (FP16 hidden states + positions + controls)."""
-    return t * hidden * 2 + t * 4 + 4 + 8 + 3
+LINK_DTYPES = ("fp16", "int8")
+
+
+def quantize_rows(h16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(T, D) hidden states -> (int8 (T, D), FP16 scales (T,)): symmetric per position, scale = max|h| / 127
+    (a row of zeros gets scale 1). Deterministic, so a resent history dequantises to the same values."""
+    h = np.asarray(h16, dtype=np.float32)
+    amax = np.abs(h).max(axis=-1)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float16)
+    q = np.clip(np.rint(h / scale.astype(np.float32)[:, None]), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The FP16 (T, D) hidden states the edge computes with."""
+    return (q.astype(np.float32) * np.asarray(scale, dtype=np.float32).reshape(-1, 1)).astype(np.float16)
+
+
+def bytes_up(t: int, hidden: int, link_dtype: str = "fp16") -> int:
+    """Payload bytes the device sends for T positions (hidden states + positions + controls): FP16
+    rows, or int8 rows plus one FP16 scale each."""
+    rows = t * hidden * 2 if link_dtype == "fp16" else t * hidden + t * 2
+    return rows + t * 4 + 4 + 8 + 3
 
 
 def bytes_down(vocab: int, want_logits: bool) -> int:

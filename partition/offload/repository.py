@@ -17,7 +17,9 @@ CONFIG = """name: "{name}"
 backend: "python"
 max_batch_size: {cap}
 input [
-  {{ name: "{hidden}" data_type: TYPE_FP16 dims: [ -1, {d} ] }},
+  {{ name: "{hidden}" data_type: TYPE_FP16 dims: [ -1, {d} ] optional: true }},
+  {{ name: "{hidden_i8}" data_type: TYPE_INT8 dims: [ -1, {d} ] optional: true }},
+  {{ name: "{hidden_scale}" data_type: TYPE_FP16 dims: [ -1 ] optional: true }},
   {{ name: "{positions}" data_type: TYPE_INT32 dims: [ -1 ] }},
   {{ name: "{split}" data_type: TYPE_INT32 dims: [ 1 ] }},
   {{ name: "{want}" data_type: TYPE_BOOL dims: [ 1 ] }}
@@ -75,7 +77,8 @@ class TritonPythonModel:
     def execute(self, requests):
         parsed = []
         for r in requests:
-            data = {{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in INPUTS}}
+            tensors = {{n: pb_utils.get_input_tensor_by_name(r, n) for n in INPUTS}}
+            data = {{n: t.as_numpy() for n, t in tensors.items() if t is not None}}
             parsed.append(parse_request(data))
         responses = []
         for out in self.sessions.step_many(parsed):
@@ -96,11 +99,12 @@ def write_model_repository(out: Path, model_dir: Path, first_layer: int, hidden:
     folder = Path(out) / P.MODEL_NAME
     (folder / "1").mkdir(parents=True, exist_ok=True)
     (folder / "config.pbtxt").write_text(CONFIG.format(
-        name=P.MODEL_NAME, cap=cap, hidden=P.HIDDEN, d=hidden, positions=P.POSITIONS, split=P.SPLIT,
+        name=P.MODEL_NAME, cap=cap, hidden=P.HIDDEN, hidden_i8=P.HIDDEN_I8, hidden_scale=P.HIDDEN_SCALE, d=hidden,
+        positions=P.POSITIONS, split=P.SPLIT,
         want=P.WANT_LOGITS, next=P.NEXT_TOKEN, topk_ids=P.TOPK_IDS, topk_lp=P.TOPK_LOGPROBS, logits=P.LOGITS,
         idle_us=int(idle_timeout_s * 1e6), start=P.SEQ_START, end=P.SEQ_END, seq_id=P.SEQ_ID,
         model_dir=Path(model_dir).resolve(), project_root=project_root or Path(__file__).resolve().parents[2], first=first_layer, max_seq=max_seq, idle_s=idle_timeout_s))
-    inputs = [P.HIDDEN, P.POSITIONS, P.SPLIT, P.SEQ_ID, P.SEQ_START, P.SEQ_END, P.WANT_LOGITS]
+    inputs = [P.HIDDEN, P.HIDDEN_I8, P.HIDDEN_SCALE, P.POSITIONS, P.SPLIT, P.SEQ_ID, P.SEQ_START, P.SEQ_END, P.WANT_LOGITS]
     (folder / "1" / "model.py").write_text(MODEL_PY.format(inputs=inputs, cap=cap))
     return folder
 

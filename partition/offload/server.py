@@ -39,8 +39,15 @@ def parse_request(data: dict[str, np.ndarray]) -> DeepRequest:
     """One request's input tensors (each with a leading batch dimension of 1) as a DeepRequest."""
     def one(name: str) -> np.ndarray:
         return np.asarray(data[name])[0]
+    if data.get(P.HIDDEN_I8) is not None:
+        q, scale = one(P.HIDDEN_I8), one(P.HIDDEN_SCALE)
+        if q.ndim != 2 or scale.reshape(-1).shape[0] != q.shape[0]:
+            raise ValueError(f"int8 hidden states {tuple(q.shape)} need one scale per row, got {tuple(scale.shape)}")
+        hidden = P.dequantize_rows(q, scale)
+    else:
+        hidden = one(P.HIDDEN).astype(np.float16)
     return DeepRequest(seq_id=int(one(P.SEQ_ID).reshape(-1)[0]), split=int(one(P.SPLIT).reshape(-1)[0]),
-                       hidden=one(P.HIDDEN).astype(np.float16), positions=one(P.POSITIONS).astype(np.int32),
+                       hidden=hidden, positions=one(P.POSITIONS).astype(np.int32),
                        start=bool(one(P.SEQ_START).reshape(-1)[0]), end=bool(one(P.SEQ_END).reshape(-1)[0]),
                        want_logits=bool(one(P.WANT_LOGITS).reshape(-1)[0]))
 
@@ -79,7 +86,9 @@ def make_infer(sessions: DeepSliceSessions, fault: str = "none") -> InferFunc:
 
 def tensors(hidden: int) -> tuple[list[Tensor], list[Tensor]]:
     from pytriton.model_config import Tensor
-    inputs = [Tensor(name=P.HIDDEN, dtype=np.float16, shape=(-1, hidden)),
+    inputs = [Tensor(name=P.HIDDEN, dtype=np.float16, shape=(-1, hidden), optional=True),
+              Tensor(name=P.HIDDEN_I8, dtype=np.int8, shape=(-1, hidden), optional=True),
+              Tensor(name=P.HIDDEN_SCALE, dtype=np.float16, shape=(-1,), optional=True),
               Tensor(name=P.POSITIONS, dtype=np.int32, shape=(-1,)),
               Tensor(name=P.SPLIT, dtype=np.int32, shape=(1,)),
               Tensor(name=P.SEQ_ID, dtype=np.uint64, shape=(1,)),
@@ -134,8 +143,10 @@ def serve(args: argparse.Namespace) -> None:
                              "metrics_port": args.metrics_port, "exit_timeout_secs": 5}
     if args.token:
         _require_bearer_token(args.token)
-    if args.tls_cert:
+    if args.tls_cert:   # Triton's --grpc-use-ssl[-mutual], --grpc-server-cert/-key, --grpc-root-cert
         kw.update(grpc_use_ssl=True, grpc_server_cert=Path(args.tls_cert), grpc_server_key=Path(args.tls_key))
+        if args.tls_ca:  # mutual TLS: clients must present a certificate this CA signed
+            kw.update(grpc_use_ssl_mutual=True, grpc_root_cert=Path(args.tls_ca))
     stop = threading.Event()
 
     def sweeper() -> None:
@@ -174,6 +185,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--token", default="")
     ap.add_argument("--tls-cert", default="")
     ap.add_argument("--tls-key", default="")
+    ap.add_argument("--tls-ca", default="", help="CA of the client certificates (mutual TLS)")
     ap.add_argument("--fault", choices=("none", "garbage"), default="none", help="tests only: inject a fault")
     return ap.parse_args(argv)
 
