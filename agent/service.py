@@ -18,10 +18,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import torch
 import uvicorn
 
-from agent.api.extension import ExitPolicy
 from agent.api.openai import Limits, prompt_char_limit
 from agent.api.routes import ApiState, create_app
 from agent.api.server import server_config
@@ -31,13 +29,13 @@ from power.hw.rootlock import RootLock, default_lock_dir
 from power.physics.costmodel import shape_of
 from agent.config import ServiceConfig
 from agent.engine.core import EngineCore
-from agent.engine.executor import ChainExecutor, paged_scheduler
+from agent.engine.executor import paged_scheduler
+from agent.model_load import build_executor
 from agent.engine.loop import EngineLoop
 from agent.metrics import ServiceMetrics
 from agent.phases import FanOut, NullListener, PhaseListener
 from agent.sdnotify import Notifier
 from partition.config import ModelConfig, load_config
-from partition.runners.chain import Chain
 from partition.tokenizer import Tokenizer
 
 log = logging.getLogger("orin_agent.service")
@@ -73,61 +71,6 @@ def setup_logging(level: str = "info") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
-
-
-def compute_threads(cfg: ServiceConfig) -> int:
-    """Threads for the model's CPU kernels: `model.threads`, or 0 = every core but one. The spare core
-    keeps the HTTP loop, the power controller and the twin off the kernels' cores: measured on 2 cores
-    (docs/BENCHMARKS.md), torch decode through the service ran at ~80 tok/s with 2 threads and ~210
-    with 1, because a preempted OpenMP thread stalls its whole team."""
-    return cfg.threads or max(1, (os.cpu_count() or 1) - 1)
-
-
-def build_chain(cfg: ServiceConfig) -> Chain:
-    from partition.runners import load_chain
-    from partition.runners.ort_runner import OrtOptions
-
-    threads = compute_threads(cfg)
-    torch.set_num_threads(threads)
-    if cfg.edge:
-        return edge_chain(cfg)
-    return load_chain(cfg.model_dir, backend=cfg.backend, slices=cfg.slices, max_seq=cfg.max_seq,
-                      max_batch=cfg.max_batch, device=cfg.device, options=OrtOptions(threads=threads),
-                      kv_cache=cfg.kv_cache, kv_blocks=cfg.kv_blocks)
-
-
-def build_executor(cfg: ServiceConfig) -> tuple[ChainExecutor, ExitPolicy]:
-    """The plain chain executor, or, with exits configured, the exit executor (the chain cut at the
-    exit heads, through the loader `generate` uses) and what it offers requests."""
-    if not cfg.exits_enabled:
-        return ChainExecutor(build_chain(cfg)), ExitPolicy()
-    from agent.engine.speculative import choose_draft, exit_executor_on, load_exit_executor
-
-    torch.set_num_threads(compute_threads(cfg))
-    if cfg.edge:  # a token that exits here never crosses the link (no speculation: the config refuses it)
-        ex = exit_executor_on(edge_chain(cfg), cfg.model_dir, cfg.device)
-        return ex, ExitPolicy(True, 0, 0, cfg.max_disagreement, speculation=False)
-    ex = load_exit_executor(cfg.model_dir, cfg.backend, cfg.slices, cfg.max_seq, cfg.device, cfg.max_batch)
-    auto = choose_draft(cfg.model_dir, ex.exits.n_layers, None)[1]
-    k = auto if cfg.speculate == "auto" else int(cfg.speculate or 0)
-    return ex, ExitPolicy(True, auto, k, cfg.max_disagreement)
-
-
-def edge_chain(cfg: ServiceConfig) -> Chain:
-    """Layers 0:N here and N:L on the edge server at cfg.edge (N = cfg.device_layers, or the planner's
-    choice on the link measured at start for "auto"). With cfg.edge_fallback the deep layers are held
-    here too: a failed edge degrades to local decoding; without, the request fails with the reason."""
-    from partition.offload.auto import exit_cuts, split_chain
-    from partition.offload.link import link_options
-
-    assert cfg.edge is not None
-    opts = link_options(cfg.edge_token or "", True, cfg.link_dtype, cfg.edge_tls_ca or "", cfg.edge_tls_cert or "",
-                        cfg.edge_tls_key or "")
-    chain, note = split_chain(cfg.model_dir, cfg.edge, cfg.device_layers, opts, fallback=cfg.edge_fallback,
-                              max_seq=cfg.max_seq, max_batch=cfg.max_batch, device=cfg.device, board=cfg.edge_board,
-                              cuts=exit_cuts(cfg.model_dir) if cfg.exits_enabled else (), log=log.warning)
-    log.info("%s", note)
-    return chain
 
 
 @dataclass

@@ -198,7 +198,7 @@ def test_kv_blocks_config_key_and_the_services_scheduler() -> None:
 
     from agent.config import ConfigError, config_from_mapping
     from agent.engine.executor import paged_scheduler
-    from agent.service import build_chain
+    from agent.model_load import build_chain
     from partition.paths import DEFAULT_MODEL_DIR
     from partition.tokenizer import Tokenizer
 

@@ -248,7 +248,7 @@ def _summarise(profile: str, seconds: float, done: list[RequestStats], s: _Sampl
 
 def run_bench(opts: BenchOptions) -> list[ProfileRun]:
     """Load the model once, then run the trace once per profile (the board restored after each)."""
-    from agent.service import build_chain
+    from agent.model_load import build_chain
     from partition.tokenizer import Tokenizer
 
     if opts.trace not in TRACES:

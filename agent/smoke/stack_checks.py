@@ -145,7 +145,7 @@ def _generate(ctx: SmokeContext) -> GenerationRun:
     from agent.engine.executor import ChainExecutor
     from agent.engine.types import Finished, SamplingParams
     from agent.phases import FanOut, PhaseListener
-    from agent.service import build_chain
+    from agent.model_load import build_chain
     from partition.config import load_config
     from partition.tokenizer import Tokenizer
     from power.physics.costmodel import shape_of
