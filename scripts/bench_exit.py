@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     targets = [c.target for c in calibrations(args.model)]
     ks = [int(k) for k in args.speculate.split(",") if k]
     plain = load_core(args.model, device=args.device)
+    # on CUDA the plain chain replays its decode steps as CUDA graphs, the exit chain runs eager (its
+    # slices take variable-length backlogs): "full eager" is full depth on that same footing
+    eager = load_core(args.model, device=args.device, cuda_graphs=False) if args.device.startswith("cuda") else None
     exit_core = load_core(args.model, device=args.device, exits=True)
     from agent.engine.core import EngineCore
     from agent.engine.speculative import load_exit_executor
@@ -150,6 +153,10 @@ def main(argv: list[str] | None = None) -> None:
     for p in prompts:
         ref, dt = run(plain, p, base)
         times["full"].append(dt)
+        if eager is not None:
+            out, dt = run(eager, p, base)
+            assert out == ref
+            times.setdefault("full eager", []).append(dt)
         for t in targets:
             exit_core.executor.reset_stats()  # type: ignore[attr-defined]
             out, dt = run(exit_core, p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
@@ -180,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, ts in times.items():
         med = statistics.median(ts)
         row: dict[str, object] = {"variant": name, "decode_tok_s": round(1 / med, 1), "speedup": round(full / med, 3)}
+        if "full eager" in times:
+            row["speedup_vs_full_eager"] = round(statistics.median(times["full eager"]) / med, 3)
         if name.startswith("exit"):
             t = float(name.split()[1])
             key: object = f"{t} all" if name.endswith("all heads") else t
