@@ -101,12 +101,19 @@ def test_decode_attention_cuda() -> None:
 def test_kernels_in_triton_interpreter() -> None:
     """The same checks on CPU through TRITON_INTERPRET=1 (read when the kernels are defined, hence a
     fresh interpreter)."""
-    code = ("import sys; from tests.test_kv_triton import check_quantize_write, check_decode_attention, "
-            f"interpreter_runs_loops; interpreter_runs_loops() or sys.exit({PROBE_FAILED}); "
-            "check_quantize_write('cpu'); check_decode_attention('cpu')")
+    run_in_interpreter("from tests.test_kv_triton import check_quantize_write, check_decode_attention; "
+                       "check_quantize_write('cpu'); check_decode_attention('cpu')", timeout=300)
+
+
+def run_in_interpreter(code: str, timeout: int) -> None:
+    """Run `code` in a fresh Python under TRITON_INTERPRET=1 (read when the kernels are defined), after
+    the loop probe; skip with the reason where this Triton's interpreter cannot run the kernels."""
+    probe = (f"import sys; from tests.test_kv_triton import interpreter_runs_loops; "
+             f"interpreter_runs_loops() or sys.exit({PROBE_FAILED}); ")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", probe + code], env=env, cwd=root, capture_output=True, text=True,
+                       timeout=timeout)
     if r.returncode == PROBE_FAILED:
         pytest.skip("this Triton's interpreter cannot run a loop up to a runtime bound with this numpy "
                     "(triton-lang/triton#9171); the cuda tests run the compiled kernels instead")

@@ -5,9 +5,6 @@ TRITON_INTERPRET is read when the kernels are defined). The switch itself: off o
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -69,16 +66,7 @@ def test_kv_triton_is_off_on_cpu_and_refused() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
 def test_triton_int8_path_matches_reference_in_interpreter() -> None:
-    from tests.test_kv_triton import PROBE_FAILED
+    from tests.test_kv_triton import run_in_interpreter
 
-    code = ("import sys, torch; from tests.test_kv_triton import interpreter_runs_loops; "
-            f"interpreter_runs_loops() or sys.exit({PROBE_FAILED}); "
-            "from tests.test_kv_triton_model import compare, PROMPTS; "
-            "w = compare('cpu', torch.float32, 6, PROMPTS[:2]); assert w < 0.1, w")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    if r.returncode == PROBE_FAILED:
-        pytest.skip("this Triton's interpreter cannot run a loop up to a runtime bound with this numpy "
-                    "(triton-lang/triton#9171); the cuda test runs the compiled kernels instead")
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_in_interpreter("import torch; from tests.test_kv_triton_model import compare, PROMPTS; "
+                       "w = compare('cpu', torch.float32, 6, PROMPTS[:2]); assert w < 0.1, w", timeout=600)
