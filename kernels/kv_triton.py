@@ -11,7 +11,9 @@ same structure reads an FP16 cache (`k_scale=None`) for the benchmark (scripts/b
 second kernel merges the splits and, in the model, the step's own unquantised K/V (`Int8DecodePast`,
 what partition.runners.torch_runner uses on CUDA). Measured on an H200 (docs/BENCHMARKS.md): 1.13x the
 best FP16 decode attention at batch 8 and 16k-32k context, on par at batch 1; it is latency-bound, not
-bandwidth-bound.
+bandwidth-bound. A formulation without the (head, group) rows (head_dim in 4 chunks of one group each,
+4 dots and 4 accumulators, no cross-row reduction) was slower there (0.63-0.87x FP16: 255 registers per
+thread, 12.5 % occupancy; docs/BENCHMARKS.md).
 
 Why Triton rather than CUDA C++ through torch's extension loader: no host compiler or CUDA toolkit at
 run time, the kernel is JIT-compiled for the GPU it finds, and it runs on CPU in Triton's interpreter
@@ -227,112 +229,6 @@ if triton is not None:
         tl.store(l_ptr + b * sm_b + heads * sm_h + sp, l_i, mask=h_ok)
 
     @triton.jit
-    def _chunk_scale(ptr, s_off, tile, n_ok, c: tl.constexpr, C: tl.constexpr, G: tl.constexpr,
-                     NG: tl.constexpr, SCALES: tl.constexpr):
-        """The (BLOCK_N,) fp32 scales of chunk c's group: SCALES 0 loads them, else they are the group's
-        column of `tile`, the block's (BLOCK_N, NG) scales loaded as one contiguous tile."""
-        if SCALES == 0:
-            return tl.load(ptr + s_off + (c * C) // G, mask=n_ok, other=0.0).to(tl.float32)
-        else:
-            return tl.sum(tl.where(tl.arange(0, NG)[None, :] == (c * C) // G, tile, 0.0), axis=1)
-
-    @triton.jit
-    def _chunk_score(qc, ks, k_ptr, kv_off, n_ok, c: tl.constexpr, C: tl.constexpr, CVT: tl.constexpr):
-        """Channels [c * C, (c + 1) * C) of the scores: q_c @ K8_c^T times the slots' K scales `ks` of
-        the group that holds them, (BLOCK_H, BLOCK_N) fp32."""
-        k8 = tl.load(k_ptr + kv_off + c * C + tl.arange(0, C)[None, :], mask=n_ok[:, None], other=0)
-        return tl.dot(qc, tl.trans(_int8_to_fp16(k8, CVT))) * ks[None, :]
-
-    @triton.jit
-    def _chunk_pv(p, vs, v_ptr, kv_off, n_ok, c: tl.constexpr, C: tl.constexpr, CVT: tl.constexpr):
-        """Channels [c * C, (c + 1) * C) of P @ V: (p times the slots' V scales `vs` of the group that
-        holds them) @ V8_c, (BLOCK_H, C) fp32."""
-        v8 = tl.load(v_ptr + kv_off + c * C + tl.arange(0, C)[None, :], mask=n_ok[:, None], other=0)
-        return tl.dot((p * vs[None, :]).to(tl.float16), _int8_to_fp16(v8, CVT))
-
-    @triton.jit
-    def _decode_split_int8_chunked_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, rows_ptr, o_ptr, m_ptr,
-                                          l_ptr, sq_b, sq_h, sk_b, sk_h, sk_s, ss_b, ss_h, ss_s, so_b, so_h, so_sp,
-                                          sm_b, sm_h, sm_scale, split_len, HPK: tl.constexpr, C: tl.constexpr,
-                                          G: tl.constexpr, NG: tl.constexpr, BLOCK_H: tl.constexpr,
-                                          BLOCK_N: tl.constexpr, CVT: tl.constexpr, SCALES: tl.constexpr):
-        """INT8 cache, no per-element dequantisation and no cross-row reduction: head_dim is cut into 4
-        chunks of C = hd / 4 channels, each inside one scale group (C <= G), so the scores are the sum of
-        4 dots q_c @ K8_c^T (K = C), each times its slots' K scales, and the output is 4 accumulators
-        (BLOCK_H, C), chunk c gathering (p * V scales of its group) @ V8_c. The rows of every dot are the
-        KV head's HPK query heads padded to BLOCK_H, as in the FP16 kernel. SCALES: 0 loads each chunk's
-        scales as a vector, 1 the block's (BLOCK_N, NG) scale tiles, 2 those one block ahead."""
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        sp = tl.program_id(2)
-        lo = sp * split_len
-        hi = tl.minimum(lo + split_len, tl.load(len_ptr + b))
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_c = tl.arange(0, C)
-        offs_b = tl.arange(0, BLOCK_N)
-        offs_g = tl.arange(0, NG)
-        h_ok = offs_h < HPK
-        q_off = q_ptr + b * sq_b + (kvh * HPK + offs_h)[:, None] * sq_h + offs_c[None, :]
-        q0 = tl.load(q_off, mask=h_ok[:, None], other=0.0).to(tl.float16)  # (BLOCK_H, C) each
-        q1 = tl.load(q_off + C, mask=h_ok[:, None], other=0.0).to(tl.float16)
-        q2 = tl.load(q_off + 2 * C, mask=h_ok[:, None], other=0.0).to(tl.float16)
-        q3 = tl.load(q_off + 3 * C, mask=h_ok[:, None], other=0.0).to(tl.float16)
-        m_i = tl.full((BLOCK_H,), -float("inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_H,), tl.float32)
-        a0 = tl.zeros((BLOCK_H, C), tl.float32)
-        a1 = tl.zeros((BLOCK_H, C), tl.float32)
-        a2 = tl.zeros((BLOCK_H, C), tl.float32)
-        a3 = tl.zeros((BLOCK_H, C), tl.float32)
-        row = tl.load(rows_ptr + b)  # the cache row of query row b
-        kbase = row * sk_b + kvh * sk_h
-        sbase = row * ss_b + kvh * ss_h
-        ks_t = tl.zeros((BLOCK_N, NG), tl.float32)
-        vs_t = tl.zeros((BLOCK_N, NG), tl.float32)
-        if SCALES == 2:
-            t_off = sbase + (lo + offs_b)[:, None] * ss_s + offs_g[None, :]
-            nks = tl.load(ks_ptr + t_off, mask=((lo + offs_b) < hi)[:, None], other=0.0)
-            nvs = tl.load(vs_ptr + t_off, mask=((lo + offs_b) < hi)[:, None], other=0.0)
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + offs_b
-            n_ok = offs_n < hi
-            kv_off = kbase + offs_n[:, None] * sk_s  # (BLOCK_N, 1)
-            s_off = sbase + offs_n * ss_s  # (BLOCK_N,)
-            if SCALES == 1:
-                ks_t = tl.load(ks_ptr + s_off[:, None] + offs_g[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-                vs_t = tl.load(vs_ptr + s_off[:, None] + offs_g[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-            elif SCALES == 2:
-                ks_t, vs_t = nks.to(tl.float32), nvs.to(tl.float32)
-                n_next = (offs_n + BLOCK_N < hi)[:, None]
-                nks = tl.load(ks_ptr + s_off[:, None] + BLOCK_N * ss_s + offs_g[None, :], mask=n_next, other=0.0)
-                nvs = tl.load(vs_ptr + s_off[:, None] + BLOCK_N * ss_s + offs_g[None, :], mask=n_next, other=0.0)
-            s = (_chunk_score(q0, _chunk_scale(ks_ptr, s_off, ks_t, n_ok, 0, C, G, NG, SCALES), k_ptr, kv_off, n_ok,
-                              0, C, CVT)
-                 + _chunk_score(q1, _chunk_scale(ks_ptr, s_off, ks_t, n_ok, 1, C, G, NG, SCALES), k_ptr, kv_off,
-                                n_ok, 1, C, CVT)
-                 + _chunk_score(q2, _chunk_scale(ks_ptr, s_off, ks_t, n_ok, 2, C, G, NG, SCALES), k_ptr, kv_off,
-                                n_ok, 2, C, CVT)
-                 + _chunk_score(q3, _chunk_scale(ks_ptr, s_off, ks_t, n_ok, 3, C, G, NG, SCALES), k_ptr, kv_off,
-                                n_ok, 3, C, CVT)) * sm_scale
-            s = tl.where(n_ok[None, :], s, -float("inf"))
-            m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
-            a0 = a0 * alpha[:, None] + _chunk_pv(p, _chunk_scale(vs_ptr, s_off, vs_t, n_ok, 0, C, G, NG, SCALES),
-                                                 v_ptr, kv_off, n_ok, 0, C, CVT)
-            a1 = a1 * alpha[:, None] + _chunk_pv(p, _chunk_scale(vs_ptr, s_off, vs_t, n_ok, 1, C, G, NG, SCALES),
-                                                 v_ptr, kv_off, n_ok, 1, C, CVT)
-            a2 = a2 * alpha[:, None] + _chunk_pv(p, _chunk_scale(vs_ptr, s_off, vs_t, n_ok, 2, C, G, NG, SCALES),
-                                                 v_ptr, kv_off, n_ok, 2, C, CVT)
-            a3 = a3 * alpha[:, None] + _chunk_pv(p, _chunk_scale(vs_ptr, s_off, vs_t, n_ok, 3, C, G, NG, SCALES),
-                                                 v_ptr, kv_off, n_ok, 3, C, CVT)
-        heads = kvh * HPK + offs_h
-        o_off = o_ptr + b * so_b + heads[:, None] * so_h + sp * so_sp + offs_c[None, :]
-        tl.store(o_off, a0, mask=h_ok[:, None])
-        tl.store(o_off + C, a1, mask=h_ok[:, None])
-        tl.store(o_off + 2 * C, a2, mask=h_ok[:, None])
-        tl.store(o_off + 3 * C, a3, mask=h_ok[:, None])
-        tl.store(m_ptr + b * sm_b + heads * sm_h + sp, m_i, mask=h_ok)
-        tl.store(l_ptr + b * sm_b + heads * sm_h + sp, l_i, mask=h_ok)
-
-    @triton.jit
     def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, kn_ptr, vn_ptr, n_splits, sm_scale, sq_b, sq_h, sn_b, sn_h,
                       H: tl.constexpr, HPK: tl.constexpr, HD: tl.constexpr, BLOCK_S: tl.constexpr,
                       HAS_NEW: tl.constexpr):
@@ -390,8 +286,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
                      v_scale: Tensor | None = None, rows: Tensor | None = None, k_new: Tensor | None = None,
                      v_new: Tensor | None = None, n_splits: int | None = None, block_n: int = 64,
                      num_warps: int = 4, num_stages: int = 3, waves: float = 8.0, dense_scales: bool = True,
-                     cvt: int | None = None, prefetch: bool = False, layout: str | None = None,
-                     min_split: int = 256, scales: int = 0) -> Tensor:
+                     cvt: int | None = None, prefetch: bool = False) -> Tensor:
     """q (B, H, hd); k, v (B, KV, S, hd) int8 with scales (B, KV, S, hd / G), or fp16 with no scales;
     lengths (B,) int32: row b attends to slots [0, lengths[b]). Returns (B, H, hd) float32.
     rows (B,): the cache row of each query row (default 0..B-1; the cache may have more rows).
@@ -411,13 +306,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     if hpk > BLOCK_H or hd & (hd - 1):
         raise ValueError(f"needs <= {BLOCK_H} query heads per KV head and a power-of-two head_dim")
     is_int8 = k_scale is not None
-    chunks_fit = is_int8 and 16 <= hd // 4 <= hd // k_scale.shape[-1]  # each quarter: one group, a dot's K
-    layout = layout or ("chunks" if chunks_fit else "rows")
-    if layout not in ("chunks", "rows") or (layout == "chunks" and not chunks_fit):
-        raise ValueError(f"layout {layout!r}: 'rows', or 'chunks' (INT8, 16 <= head_dim / 4 <= group)")
     if n_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        n_splits = max(1, min(math.ceil(waves * sms / (b * kv)), math.ceil(s_max / min_split)))
+        n_splits = max(1, min(math.ceil(waves * sms / (b * kv)), math.ceil(s_max / 256)))
     split_len = math.ceil(s_max / n_splits / block_n) * block_n
     n_splits = math.ceil(s_max / split_len)
     o = torch.empty((b, h, n_splits, hd), dtype=torch.float32, device=q.device)
@@ -429,14 +320,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
             else rows.to(torch.int32).contiguous())
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2))
     out_strides = (o.stride(0), o.stride(1), o.stride(2), m.stride(0), m.stride(1), 1.0 / math.sqrt(hd), split_len)
-    if is_int8 and layout == "chunks":
-        g = hd // k_scale.shape[-1]
-        _decode_split_int8_chunked_kernel[(b, kv, n_splits)](
-            q, k, v, k_scale, v_scale, lengths, rows, o, m, l_sum, *common, k_scale.stride(0), k_scale.stride(1),
-            k_scale.stride(2), *out_strides, HPK=hpk, C=hd // 4, G=g, NG=hd // g, BLOCK_H=BLOCK_H, BLOCK_N=block_n,
-            CVT=(2 if q.is_cuda else 1) if cvt is None else cvt, SCALES=scales, num_warps=num_warps,
-            num_stages=num_stages)
-    elif is_int8:
+    if is_int8:
         ng = k_scale.shape[-1]
         block_r = max(16, triton.next_power_of_2(hpk * ng))
         _decode_split_int8_kernel[(b, kv, n_splits)](

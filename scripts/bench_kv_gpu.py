@@ -5,6 +5,7 @@ Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head dim 128), one new 
 4k / 16k / 32k, batch 1 and 8. Contenders, all over the same K/V values:
   - int8_triton: kernels.kv_triton.decode_attention over the INT8 cache (+ FP16 group scales);
     int8_triton_prefetch: the same with the next block's tiles loaded by hand one iteration ahead;
+    int8_triton_tuned (with --int8-tuned-from SWEEP.json): at the best INT8 settings of a sweep;
   - fp16_triton: the same kernel's FP16 version (no scales, no conversion); fp16_triton_tuned: with the
     settings that were best for it in the sweep;
   - fp16_sdpa_gqa: torch's scaled_dot_product_attention, q (B, H, 1, hd), enable_gqa=True;
@@ -101,8 +102,8 @@ def contenders(kw: dict[str, object], int8_tuned: dict[str, object] | None = Non
 
     return {
         "int8_triton": lambda c: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"], **kw),
-        "int8_triton_rows": lambda c: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"],
-                                                       **{**kw, "layout": "rows"}),
+        "int8_triton_prefetch": lambda c: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"],
+                                                           **{**kw, "prefetch": True}),
         **({"int8_triton_tuned": lambda c: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"],
                                                             **int8_tuned)} if int8_tuned else {}),
         "fp16_triton": lambda c: decode_attention(c["q"], c["k"], c["v"], c["len"], **kw),
@@ -172,38 +173,37 @@ def gpu_bench(group: int = 32, contexts: tuple[int, ...] = (4096, 16384, 32768),
                 row["best_fp16_us"] = min(fp16)  # type: ignore[type-var]
                 row["speedup_int8_vs_best_fp16"] = round(min(fp16) / row["int8_triton_us"], 2)  # type: ignore[operator]
                 row["speedup_int8_vs_fp16_triton"] = round(row["fp16_triton_us"] / row["int8_triton_us"], 2)  # type: ignore[operator]
-                for var in ("rows", "tuned"):
+                for var in ("prefetch", "tuned"):
                     if f"int8_triton_{var}_us" in row:
-                        row[f"speedup_int8_{var}_vs_best_fp16"] = round(min(fp16) / row[f"int8_triton_{var}_us"], 2)  # type: ignore[operator]
+                        t8 = float(row[f"int8_triton_{var}_us"])  # type: ignore[arg-type]
+                        row[f"speedup_int8_{var}_vs_best_fp16"] = round(min(fp16) / t8, 2)  # type: ignore[operator]
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
             del cs
             torch.cuda.empty_cache()
     bw = copy_bandwidth()
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton_version(),
-            "shape": SHAPE, "kernel_settings": kw, "int8_tuned_settings": int8_tuned, "roofline_bandwidth_Bps": H200_BANDWIDTH,
+            "shape": SHAPE, "kernel_settings": kw, "int8_tuned_settings": int8_tuned,
+            "roofline_bandwidth_Bps": H200_BANDWIDTH,
             "measured_copy_Bps": round(bw), "measured_copy_pct_of_roofline": round(100 * bw / H200_BANDWIDTH, 1),
             "rows": rows}
 
 
 def best_settings(rows: list[dict[str, object]]) -> dict[str, object]:
-    """Of a chunked sweep: the tile / launch settings with the least summed time relative to the best of
-    each shape, then, at those, the waves / shortest split likewise (those rows ran at the default tile)."""
-    def pick(keys: tuple[str, ...]) -> dict[str, object]:
-        rs = [r for r in rows if "us" in r and set(keys) & set(r)]
-        if not rs:
-            return {}
-        best = {(r["batch"], r["context"]): min(float(x["us"]) for x in rs if (x["batch"], x["context"]) ==
-                                                (r["batch"], r["context"])) for r in rs}
-        score: dict[tuple[object, ...], float] = {}
-        for r in rs:
-            k = tuple(r.get(x) for x in keys)
-            score[k] = score.get(k, 0.0) + float(r["us"]) / best[(r["batch"], r["context"])]
-        top = min(score, key=lambda k: score[k])
-        return {x: v for x, v in zip(keys, top) if v is not None}
-
-    tile = pick(("layout", "cvt", "block_n", "num_warps", "num_stages", "scales"))
-    return {**tile, **pick(("waves", "min_split"))}
+    """Of a sweep's INT8 rows: the settings with the least time summed over the shapes, each relative to
+    the best at that shape (settings measured at every shape only)."""
+    fixed = {"batch", "context", "cache", "group", "us", "roofline_pct", "error"}
+    rs = [r for r in rows if "us" in r and r.get("cache", "int8") == "int8"]
+    shapes = {(r["batch"], r["context"]) for r in rs}
+    best = {sh: min(float(r["us"]) for r in rs if (r["batch"], r["context"]) == sh) for sh in shapes}
+    score: dict[str, list[float]] = {}
+    for r in rs:
+        key = json.dumps({k: v for k, v in r.items() if k not in fixed}, sort_keys=True)
+        score.setdefault(key, []).append(float(r["us"]) / best[(r["batch"], r["context"])])
+    full = {k: sum(v) for k, v in score.items() if len(v) == len(shapes)}
+    if not full:
+        raise ValueError("no INT8 setting was measured at every shape of the sweep")
+    return json.loads(min(full, key=lambda k: full[k]))
 
 
 def triton_version() -> str:
@@ -212,35 +212,25 @@ def triton_version() -> str:
     return triton.__version__
 
 
-def sweep(group: int = 32, chunks: bool = False, grid: list[dict[str, object]] | None = None
-          ) -> list[dict[str, object]]:
-    """At batch 1 / 16k and batch 8 / 32k (graph timing): the row-layout INT8 kernel's variants (scale
-    loads, int8 -> fp16 conversion) at default settings, then tile / launch settings for INT8 and FP16.
-    `chunks`: the chunked INT8 kernel (the default layout) alone: tile / launch settings at 8 waves, then
-    the wave count and the shortest split at the default tile. `grid`: these INT8 settings alone."""
+def sweep(group: int = 32, grid: list[dict[str, object]] | None = None) -> list[dict[str, object]]:
+    """At batch 1 / 16k and batch 8 / 32k (graph timing): the INT8 kernel's variants (scale loads,
+    int8 -> fp16 conversion) at default settings, then tile / launch settings for INT8 and FP16.
+    `grid`: instead, these INT8 settings alone."""
     from kernels.kv_triton import decode_attention
 
     out = []
     kv, hd = SHAPE["n_kv_heads"], SHAPE["head_dim"]
-    variants = [{"layout": "rows", "dense_scales": d, "cvt": c} for d in (False, True) for c in (0, 1, 2)]
-    default_grid = [{"block_n": n, "num_warps": w, "num_stages": st, "waves": wv}
-                    for n in (32, 64, 128) for w in (2, 4, 8) for st in (3, 4) for wv in (1.0, 4.0, 8.0)]
-    if grid is not None:  # these INT8 settings alone
-        variants, chunks = [], True
-    elif not chunks:
-        grid = default_grid
+    variants = [{"dense_scales": d, "cvt": c} for d in (False, True) for c in (0, 1, 2)]
+    names = ("int8", "fp16")
+    if grid is None:
+        grid = [{"block_n": n, "num_warps": w, "num_stages": st, "waves": wv}
+                for n in (32, 64, 128) for w in (2, 4, 8) for st in (3, 4) for wv in (1.0, 4.0, 8.0)]
     else:
-        variants = []
-        grid = [{"block_n": n, "num_warps": w, "num_stages": st, "scales": sc} for n in (32, 64, 128)
-                for w in (2, 4) for st in (2, 3) for sc in (0, 2)]
-        grid += [{"block_n": n, "num_warps": w, "num_stages": st, "scales": sc}
-                 for n, w, st, sc in ((64, 4, 3, 1), (64, 4, 4, 0), (64, 4, 4, 2), (128, 8, 3, 0), (128, 8, 3, 2))]
-        grid += [{"waves": wv, "min_split": ms} for wv in (2.0, 4.0, 8.0, 16.0) for ms in (128, 256, 512)]
+        variants, names = [], ("int8",)
     for b, ctx in ((1, 16384), (8, 32768)):
         nbytes = {"int8": 2 * b * kv * ctx * (hd + 2 * hd // group), "fp16": 2 * b * kv * ctx * hd * 2}
         cs = make_caches(b, ctx, group, max(2, math.ceil(ROTATE_BYTES / nbytes["fp16"])))
-        runs = [("int8", v) for v in variants] + [(name, kw) for kw in grid for name in ("int8", "fp16")
-                                                  if name == "int8" or not chunks]
+        runs = [("int8", v) for v in variants] + [(name, kw) for kw in grid for name in names]
         for name, kw in runs:
             r: dict[str, object] = {"batch": b, "context": ctx, "cache": name, **kw}
             if name == "int8":
@@ -270,15 +260,14 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--sweep", action="store_true", help="kernel settings sweep instead of the table")
-    p.add_argument("--sweep-chunks", action="store_true", help="settings sweep of the chunked INT8 kernel alone")
     p.add_argument("--grid", type=json.loads, default=None, help="with --sweep: a JSON list of INT8 settings alone")
     p.add_argument("--settings", type=json.loads, default=None, help='kernel settings as JSON, e.g. {"block_n": 64}')
     p.add_argument("--int8-tuned-from", type=Path, default=None,
-                   help="a --sweep-chunks JSON: add its best INT8 settings as the contender int8_triton_tuned")
+                   help="a --sweep JSON: add its best INT8 settings as the contender int8_triton_tuned")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
-    if a.sweep or a.sweep_chunks:
-        res: object = sweep(a.group, chunks=a.sweep_chunks, grid=a.grid)
+    if a.sweep:
+        res: object = sweep(a.group, grid=a.grid)
     else:
         tuned = best_settings(json.loads(a.int8_tuned_from.read_text())) if a.int8_tuned_from else None
         res = gpu_bench(a.group, kw=a.settings, int8_tuned=tuned)
