@@ -165,3 +165,41 @@ def test_new_sequences_follow_the_link_to_the_device_and_back(edge: object, tmp_
     assert "orin_agent_edge_switches_total 2.0" in text and "orin_agent_edge_device_only 0.0" in text
     assert "orin_agent_edge_device_layers 4.0" in text and "orin_agent_edge_round_trips_total" in text
     link.close()
+
+
+def test_serve_auto_starts_device_only_for_the_shipped_model_and_exports_the_choice(edge: object,
+                                                                                     tmp_path: Path) -> None:
+    import json
+
+    import httpx
+    from typer.testing import CliRunner
+
+    from agent.cli import app
+    from partition.offload.launch import EdgeServer
+    from service_helpers import running_service
+
+    assert isinstance(edge, EdgeServer)
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with running_service(DEFAULT_MODEL_DIR, tmp_path / "local") as svc, httpx.Client(base_url=svc.url) as c:
+        want = c.post("/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    # "auto" with fallback: cut at the best offload split, device only now (the planner's choice for an
+    # 8-layer model), the edge probed at a bounded rate in case the link ever makes offload pay
+    with running_service(DEFAULT_MODEL_DIR, tmp_path / "auto", edge=edge.url, device_layers="auto",
+                         edge_probe_interval_s=0.2) as svc, httpx.Client(base_url=svc.url) as c:
+        link = svc.engine.core.executor.chain.runners[-1]  # type: ignore[union-attr]
+        assert isinstance(link, EdgeLink) and link.policy is not None and link.policy.local
+        for _ in range(2):
+            assert c.post("/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == want
+            time.sleep(0.25)
+        assert link.wait_probe(10.0)
+        p = link.policy.stats()
+        assert p.choice == "device" and p.probes >= 1 and p.probe_failures == 0 and "device only" in p.reason, p
+        assert link.stats().round_trips == 0           # probes are throwaway: no sequence crossed
+        text = c.get("/metrics").text
+        assert "orin_agent_edge_device_only 1.0" in text and "orin_agent_edge_device_layers 8.0" in text
+        assert "orin_agent_edge_probes_total" in text and "orin_agent_edge_switches_total 0.0" in text
+    res = CliRunner().invoke(app, ["generate", "def", "-n", "4", "--edge", edge.url, "--device-layers", "auto",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output[res.output.index("{"):])["edge"]
+    assert out["replan"]["choice"] == "device" and "re-planned on the live link" in out["split"], out

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from partition.offload.chain import make_offload_chain
 from partition.offload.link import EdgeLink, LinkOptions, LinkShape
 from partition.offload.planner import LinkEstimate, Plan, plan
-from partition.offload.replan import ReplanOptions
+from partition.offload.replan import ReplanOptions, Verdict
 from partition.runners.chain import Chain
 from partition.slices import SliceSpec
 
@@ -94,7 +94,8 @@ def split_chain(model_dir: str | Path, edge_url: str, device_layers: str | int, 
     With `replan` (and fallback), "auto" stays on the planner for the chain's life: the chain is cut at
     the best offload split even when device only wins now (it then starts device only and probes the
     edge), and the link re-plans as it measures (partition.offload.replan). An explicit N is the
-    operator's split: it is not re-planned (a failed edge still falls back)."""
+    operator's split: it is not re-planned, but a failed edge sends new sequences to the local deep
+    slice until a probe answers."""
     from partition.config import load_config
     from partition.runners import load_chain
 
@@ -123,8 +124,17 @@ def split_chain(model_dir: str | Path, edge_url: str, device_layers: str | int, 
         slices = ",".join(f"{a}:{b}" for a, b in zip(bounds, bounds[1:]))
         return load_chain(Path(model_dir), slices=slices, max_seq=max_seq, max_batch=max_batch,
                           device=device), note
+    # an explicit N is the operator's split: never planned away, but a failed edge still counts as
+    # device only for new sequences until a probe answers (instead of each one waiting out the deadline)
     return make_offload_chain(model_dir, n, edge_url, options, fallback=fallback, max_seq=max_seq, device=device,
-                              shape=shape, log=log, cuts=cuts, max_batch=max_batch), note
+                              shape=shape, log=log, cuts=cuts, max_batch=max_batch, replan=replan, board=board,
+                              decide=None if auto else keep_split(n), reason=note), note
+
+
+def keep_split(n: int) -> Callable[[LinkEstimate], Verdict]:
+    """The verdict for an explicit split: offload at N whatever the link (device only is not an option)."""
+    return lambda link: Verdict(1.0, None, f"the configured split N={n} (link {link.rtt_ms:.1f} ms RTT, "
+                                           f"{link.mbps:.1f} Mbit/s)")
 
 
 def exit_cuts(model_dir: str | Path) -> tuple[int, ...]:

@@ -55,7 +55,7 @@ class PolicyStats:
     switches: int
     probes: int
     probe_failures: int
-    reason: str                   # the planner's reason at the last change (or the fault)
+    reason: str                   # the planner's latest reason (or the fault's)
 
 
 def planner_verdict(shape: object, n: int, board: str, edge_board: str = "agx-orin-64gb", exit_rate: float = 0.0,
@@ -166,6 +166,7 @@ class SplitPolicy:
     def _replan(self, est: LinkEstimate) -> bool:
         v = self.decide(est)
         self._replans += 1
+        self._reason = v.reason
         self._since, self._last_t, self._last = 0, self.clock(), est
         gain = 1.0 + self.opts.hysteresis
         if v.local is None:
