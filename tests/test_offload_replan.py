@@ -203,3 +203,16 @@ def test_serve_auto_starts_device_only_for_the_shipped_model_and_exports_the_cho
     assert res.exit_code == 0, res.output
     out = json.loads(res.output[res.output.index("{"):])["edge"]
     assert out["replan"]["choice"] == "device" and "re-planned on the live link" in out["split"], out
+
+
+def test_edge_replan_settings_in_the_config() -> None:
+    from agent.config import ConfigError, config_from_mapping
+
+    cfg = config_from_mapping({"edge": {"url": "h:1", "replan_every": 8, "replan_hysteresis": 0.1,
+                                        "probe_interval_s": 2}}, "t.toml")
+    assert (cfg.edge_replan, cfg.edge_replan_every, cfg.edge_replan_hysteresis, cfg.edge_probe_interval_s) == \
+        (True, 8, 0.1, 2)
+    for bad, key in (({"replan_hysteresis": 1.5}, "edge.replan_hysteresis"), ({"replan_every": 0}, "replan_every"),
+                     ({"replan": "yes"}, "edge.replan")):
+        with pytest.raises(ConfigError, match=key):
+            config_from_mapping({"edge": {"url": "h:1", **bad}}, "t.toml")
