@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from partition.offload.planner import OBJECTIVES, LinkEstimate, split_cost
+from power.physics.costmodel import ModelShape
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,11 @@ class PolicyStats:
     reason: str                   # the planner's latest reason (or the fault's)
 
 
-def planner_verdict(shape: object, n: int, board: str, edge_board: str = "agx-orin-64gb", exit_rate: float = 0.0,
+def planner_verdict(shape: ModelShape, n: int, board: str, edge_board: str = "agx-orin-64gb", exit_rate: float = 0.0,
                     objective: str = "tok-s", precision: str = "fp16") -> Callable[[LinkEstimate], Verdict]:
     """Offload at N against device only, costed by the planner on `shape` (a ModelShape) for a link."""
     from power.physics.boards import BOARDS
-    from power.physics.costmodel import ModelShape
 
-    assert isinstance(shape, ModelShape)
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
     for b in (board, edge_board):
