@@ -14,7 +14,9 @@ a frozen `ServiceConfig`; command-line flags override the file. Every error name
     [smoke]   min_decode_tok_s, max_ttft_s (what `orin-agent smoke` asks of its short generation)
     [edge]    url (HOST:PORT of `orin-agent edge`; "" = no offload), device_layers (N or "auto"), token,
               fallback (hold the deep layers here too), link_dtype ("fp16" | "int8"), tls_ca, tls_cert,
-              tls_key, board (this device's board for the "auto" planner)
+              tls_key, board (this device's board for the "auto" planner), replan (with "auto" and fallback:
+              re-plan on the live link), replan_every (exchanges), replan_interval_s, replan_hysteresis
+              (a fraction), probe_interval_s (the bounded probe rate while device only)
 """
 from __future__ import annotations
 
@@ -96,6 +98,11 @@ class ServiceConfig:
     edge_tls_cert: str | None = None
     edge_tls_key: str | None = None
     edge_board: str = "orin-nano-8gb"
+    edge_replan: bool = True  # with device_layers "auto" and fallback: offload or device only, re-planned live
+    edge_replan_every: int = 32  # exchanges between re-plans ...
+    edge_replan_interval_s: float = 5.0  # ... or seconds, whichever first
+    edge_replan_hysteresis: float = 0.2  # re-plan at once on this relative move; switch for this relative gain
+    edge_probe_interval_s: float = 10.0  # while device only: at most one probe of the edge per this many seconds
     source: str = "defaults"
 
     def replace(self, **overrides: Any) -> "ServiceConfig":
@@ -198,6 +205,11 @@ class ServiceConfig:
                 raise bad("edge.device_layers", "must be a number of layers or 'auto'", self.device_layers)
             if self.link_dtype not in ("fp16", "int8"):
                 raise bad("edge.link_dtype", "must be 'fp16' or 'int8'", self.link_dtype)
+            if self.edge_replan_every < 1 or self.edge_replan_interval_s <= 0 or self.edge_probe_interval_s <= 0:
+                raise bad("edge.replan_every / replan_interval_s / probe_interval_s", "must be >= 1 / > 0 / > 0",
+                          (self.edge_replan_every, self.edge_replan_interval_s, self.edge_probe_interval_s))
+            if not 0 <= self.edge_replan_hysteresis < 1:
+                raise bad("edge.replan_hysteresis", "must be a fraction in [0, 1)", self.edge_replan_hysteresis)
             if self.speculate not in (None, "0") or (self.kv_blocks is not None):
                 raise bad("edge.url", "with an edge server, speculation (it verifies drafts with the deep "
                           "layers' logits, which the edge does not return) and model.kv_blocks are off",
@@ -252,6 +264,11 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("edge", "tls_cert"): ("edge_tls_cert", (str,)),
     ("edge", "tls_key"): ("edge_tls_key", (str,)),
     ("edge", "board"): ("edge_board", (str,)),
+    ("edge", "replan"): ("edge_replan", (bool,)),
+    ("edge", "replan_every"): ("edge_replan_every", (int,)),
+    ("edge", "replan_interval_s"): ("edge_replan_interval_s", (int, float)),
+    ("edge", "replan_hysteresis"): ("edge_replan_hysteresis", (int, float)),
+    ("edge", "probe_interval_s"): ("edge_probe_interval_s", (int, float)),
 }
 
 

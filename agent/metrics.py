@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from agent.board import BoardSnapshot
@@ -69,6 +69,44 @@ class _BudgetCollector(Collector):
             yield g
 
 
+class _EdgeCollector(Collector):
+    """The offload link's state (partition.offload.chain.offload_stats), read at scrape time."""
+    GAUGES = (("orin_agent_edge_rtt_seconds", "rtt_ms", 1e-3, "Link RTT, moving average of single-position exchanges"),
+              ("orin_agent_edge_bandwidth_mbps", "mbps", 1.0, "Link bandwidth from multi-position exchanges"))
+    COUNTERS = (("orin_agent_edge_round_trips", "round_trips", "Exchanges with the edge server"),
+                ("orin_agent_edge_bytes", "bytes", "Bytes over the link, both ways"),
+                ("orin_agent_edge_retries", "retries", "Retried exchanges"),
+                ("orin_agent_edge_rebuilds", "rebuilds", "Sessions rebuilt on the edge from the device's history"),
+                ("orin_agent_edge_fallbacks", "fallbacks", "Sequences moved to the local deep layers by a fault"))
+    POLICY = (("orin_agent_edge_replans", "replans", "Re-plans of the split on the measured link"),
+              ("orin_agent_edge_switches", "switches", "Changes between offload and device only"),
+              ("orin_agent_edge_probes", "probes", "Probes of the edge while device only"))
+
+    def __init__(self, stats: Callable[[], Mapping[str, object]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        st = self.stats()
+        if not st:
+            return
+        st = {**st, "bytes": int(st["bytes_up"]) + int(st["bytes_down"])}  # type: ignore[call-overload]
+        for name, key, scale, doc in self.GAUGES:
+            yield GaugeMetricFamily(name, doc, value=float(st[key]) * scale)  # type: ignore[arg-type]
+        for name, key, doc in self.COUNTERS:
+            yield CounterMetricFamily(name, doc, value=float(st[key]))  # type: ignore[arg-type]
+        pol = st.get("replan")
+        if not isinstance(pol, Mapping):
+            return
+        yield GaugeMetricFamily("orin_agent_edge_device_layers", "Layers new sequences run on the device now "
+                                "(the split N, or every layer when device only)", value=float(pol["device_layers"]))
+        yield GaugeMetricFamily("orin_agent_edge_device_only", "1 while new sequences run every layer here",
+                                value=1.0 if pol["choice"] == "device" else 0.0)
+        yield GaugeMetricFamily("orin_agent_edge_link_down", "1 while the edge counts as down (until a probe "
+                                "answers)", value=1.0 if pol["link_down"] else 0.0)
+        for name, key, doc in self.POLICY:
+            yield CounterMetricFamily(name, doc, value=float(pol[key]))
+
+
 class ServiceMetrics:
     def __init__(self, board_snapshot: Callable[[], BoardSnapshot] | None = None) -> None:
         r = self.registry = CollectorRegistry()
@@ -114,6 +152,10 @@ class ServiceMetrics:
     def watch_budget(self, status: Callable[[], Mapping[str, float | int | bool] | None]) -> None:
         """Export the power budget's gauges (budget, window average, headroom) from ``status`` at scrape time."""
         self.registry.register(_BudgetCollector(status))
+
+    def watch_edge(self, stats: Callable[[], Mapping[str, object]]) -> None:
+        """Export the offload link's counters and the re-planning state from ``stats`` at scrape time."""
+        self.registry.register(_EdgeCollector(stats))
 
     # EngineMetrics
     def on_first_token(self, ttft_s: float) -> None:

@@ -61,12 +61,16 @@ def edge_chain(cfg: ServiceConfig) -> Chain:
     here too: a failed edge degrades to local decoding; without, the request fails with the reason."""
     from partition.offload.auto import exit_cuts, split_chain
     from partition.offload.link import link_options
+    from partition.offload.replan import ReplanOptions
 
     assert cfg.edge is not None
     opts = link_options(cfg.edge_token or "", True, cfg.link_dtype, cfg.edge_tls_ca or "", cfg.edge_tls_cert or "",
                         cfg.edge_tls_key or "")
     chain, note = split_chain(cfg.model_dir, cfg.edge, cfg.device_layers, opts, fallback=cfg.edge_fallback,
                               max_seq=cfg.max_seq, max_batch=cfg.max_batch, device=cfg.device, board=cfg.edge_board,
-                              cuts=exit_cuts(cfg.model_dir) if cfg.exits_enabled else (), log=log.warning)
+                              cuts=exit_cuts(cfg.model_dir) if cfg.exits_enabled else (), log=log.warning,
+                              replan=ReplanOptions(cfg.edge_replan_every, cfg.edge_replan_interval_s,
+                                                   cfg.edge_replan_hysteresis, cfg.edge_probe_interval_s)
+                              if cfg.edge_replan else None)
     log.info("%s", note)
     return chain

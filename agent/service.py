@@ -195,6 +195,10 @@ class Service:
         if self.controller is not None:
             listeners.append(self.controller)
             metrics.watch_budget(self.controller.budget_status)
+        if cfg.edge:
+            from partition.offload.chain import offload_stats
+
+            metrics.watch_edge(lambda: offload_stats(chain))
         ctl = self.controller
         core = EngineCore(executor, tokenizer, listener=FanOut(*listeners), meter=meter, metrics=metrics,
                           scheduler=paged_scheduler(chain, tokenizer),

@@ -266,5 +266,11 @@ def test_serve_when_the_edge_dies_falls_back_or_fails_cleanly(tmp_path: Path) ->
             body = r2.json()
             assert r2.status_code == 500 and body["error"]["type"] == "server_error"
             assert "EdgeError" in body["error"]["message"] and "edge 127.0.0.1" in body["error"]["message"]
+            # the dead edge counts as device only: the next request does not try it (until a probe answers)
+            link = fb.engine.core.executor.chain.runners[-1]  # type: ignore[union-attr]
+            before = link.stats()
+            assert link.policy is not None and link.policy.stats().link_down
+            assert _complete(c1).json()["choices"][0]["text"] == ok
+            assert (link.stats().retries, link.stats().fallbacks) == (before.retries, before.fallbacks)
     finally:
         server.kill(signal.SIGKILL)

@@ -8,6 +8,10 @@ back. `send` takes any number of consecutive positions at once: a prefill, a reb
 of hidden states of tokens that exited early on the device (they cross in the next round trip).
 The rows of a batched step cross at once (one thread each). On the wire the hidden states are FP16,
 or per-position int8 with FP16 scales (`link_dtype`); gRPC runs over TLS when a CA is given.
+With a `policy` (partition.offload.replan) and a local deep slice, the link re-plans on its own
+measurements: new sequences run device only while the planner (or a fault) says so, sequences in
+flight move to the local slice (filled exactly from their history), and a background probe at a
+bounded rate brings new sequences back to the edge when the link recovers.
 
 Faults: every attempt has a gRPC deadline, retries are bounded, and the whole call has a deadline;
 when it passes, the call falls back to the local deep slice (if the device holds one) or raises
@@ -22,13 +26,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from partition.offload import protocol as P
 from partition.runners.base import SliceRunner
 from partition.slices import SliceSpec
+
+if TYPE_CHECKING:
+    from partition.offload.replan import SplitPolicy
 
 
 def short_error(msg: str, limit: int = 300) -> str:
@@ -160,6 +167,8 @@ class EdgeLink(SliceRunner):
         self._stats = LinkStats()
         self._lock = threading.Lock()        # the stats and the local fallback, shared by the row threads
         self._pool: ThreadPoolExecutor | None = None
+        self.policy: SplitPolicy | None = None   # re-planning (partition.offload.replan); needs `fallback`
+        self._probe: threading.Thread | None = None
 
     # --- the runner contract ------------------------------------------------------------------------
 
@@ -181,8 +190,9 @@ class EdgeLink(SliceRunner):
         deep KV is written on the edge; returns the logits (V,) after the last one."""
         st = self._slots[slot]
         p0, t = int(positions[0]), int(positions.shape[0])
-        if p0 == 0:
-            self._slots[slot] = st = _Slot(seq_id=self._base_id + slot + 1)
+        device_only = self._device_only()
+        if p0 == 0:   # a new sequence takes the path the policy chose; it keeps it unless the link degrades
+            self._slots[slot] = st = _Slot(seq_id=self._base_id + slot + 1, local=device_only)
         if p0 > len(st.history):
             raise ValueError(f"slot {slot} holds {len(st.history)} positions; position {p0} leaves a gap")
         del st.history[p0:]
@@ -190,6 +200,9 @@ class EdgeLink(SliceRunner):
         st.history.extend(h16)
         if st.local and self.fallback is not None:
             return self._local(slot, p0, t)
+        if device_only:   # re-planned to device only mid-sequence: its deep cache is filled here from history
+            st.local = True
+            return self._local(slot, 0, len(st.history))
         deadline = time.monotonic() + self.opts.deadline_s
         try:
             return self._remote(st, h16, positions, start=p0 == 0, deadline=deadline)
@@ -200,10 +213,44 @@ class EdgeLink(SliceRunner):
             self.log(f"edge {self.url} failed ({exc}); running layers {self.spec} on the device from here on")
             st.local = True
             self._bump(fallbacks=1)
+            if self.policy is not None:
+                self.policy.link_down(str(exc))
             return self._local(slot, 0, len(st.history))
 
     def stats(self) -> LinkStats:
         return self._stats
+
+    def wait_probe(self, timeout_s: float) -> bool:
+        """Wait for a background probe of the edge (re-planning) to end; True when none is running."""
+        t = self._probe
+        if t is not None:
+            t.join(timeout_s)
+        return t is None or not t.is_alive()
+
+    def _device_only(self) -> bool:
+        """The policy's choice for this step (False without a policy or a local deep slice); while device
+        only, starts a background probe of the edge when one is due."""
+        pol = self.policy
+        if pol is None or self.fallback is None or not pol.local:
+            return False
+        if pol.probe_due():
+            self._probe = threading.Thread(target=self._run_probe, name="edge-probe", daemon=True)
+            self._probe.start()
+        return True
+
+    def _run_probe(self) -> None:
+        from partition.offload.planner import LinkEstimate
+
+        assert self.policy is not None
+        try:
+            rtt, mbps = self.probe(pings=2, positions=32)
+        except Exception as exc:  # noqa: BLE001 - the probe must report back (a closed channel, anything)
+            self.policy.probe_done(None, str(exc))   # or the policy would wait on it forever
+            return
+        est = LinkEstimate(rtt, max(mbps, 0.1))
+        with self._lock:   # a fresh measurement replaces the running averages (stale since the switch)
+            self._stats = replace(self._stats, rtt_ms=est.rtt_ms, mbps=est.mbps)
+        self.policy.probe_done(est)
 
     def close(self) -> None:
         """Free this link's sequences on the edge (the last position again, with the end flag: an
@@ -221,6 +268,7 @@ class EdgeLink(SliceRunner):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self.wait_probe(self.opts.deadline_s)
         self.client.close()
 
     def probe(self, pings: int = 4, positions: int = 128) -> tuple[float, float]:
@@ -236,7 +284,7 @@ class EdgeLink(SliceRunner):
                 n = t if i == pings + 1 else 1
                 t0 = time.monotonic()
                 self._infer(seq_id, np.zeros((n, self.hidden), np.float16), np.arange(n, dtype=np.int32), True,
-                            time.monotonic() + self.opts.deadline_s, end=True)
+                            time.monotonic() + self.opts.deadline_s, end=True, account=False)
                 ms.append((time.monotonic() - t0) * 1e3)
         except (_Transient, _Fatal, _Lost) as exc:
             raise EdgeError(f"edge {self.url}: {exc}") from None
@@ -270,7 +318,7 @@ class EdgeLink(SliceRunner):
                          f"(last: {last})")
 
     def _infer(self, seq_id: int, h16: np.ndarray, positions: np.ndarray, start: bool, deadline: float,
-               end: bool = False) -> np.ndarray:
+               end: bool = False, account: bool = True) -> np.ndarray:
         g = self._grpc
         t = h16.shape[0]
         if self.opts.link_dtype == "int8":
@@ -311,8 +359,12 @@ class EdgeLink(SliceRunner):
             raise _Transient(msg) from None
         reply = self._check(res)
         ms = (time.monotonic() - t0) * 1e3
-        with self._lock:
-            self._account(t, up, down, ms)
+        if account:
+            with self._lock:
+                self._account(t, up, down, ms)
+            if self.policy is not None and self.fallback is not None:
+                s = self._stats
+                self.policy.observe(s.rtt_ms, s.mbps)
         return reply.logits if reply.logits is not None else P.logits_from_topk(reply, self.vocab)
 
     def _account(self, t: int, up: int, down: int, ms: float) -> None:
