@@ -28,8 +28,9 @@ from agent.engine.speculative import exit_executor_on
 from agent.engine.types import Finished, SamplingParams
 from partition.offload import EdgeError, EdgeLink, LinkOptions, LinkShape, make_offload_chain
 from partition.offload.auto import exit_cuts, measure_link, replan, split_chain
-from partition.offload.launch import DEFAULT_EDGE_PYTHON, EdgeOptions, EdgeServer, EdgeUnavailable
+from partition.offload.launch import EdgeServer
 from partition.offload.link import link_options
+from edge_helpers import start_edge
 from partition.paths import DEFAULT_MODEL_DIR
 from partition.tokenizer import Tokenizer
 from service_helpers import running_service
@@ -38,16 +39,7 @@ PROMPT = "import os\ndef"
 
 
 def _start(tmp: Path, **kw: object) -> EdgeServer:
-    if not DEFAULT_EDGE_PYTHON.exists():
-        pytest.skip(f"no edge Python at {DEFAULT_EDGE_PYTHON}: `bash scripts/edge-venv.sh` builds it "
-                    "(torch CPU, numpy<2, nvidia-pytriton)")
-    server = EdgeServer(EdgeOptions(DEFAULT_MODEL_DIR, 1, max_seq=256, cap=6, **kw), tmp / "edge.log")  # type: ignore[arg-type]
-    try:
-        server.start().wait_ready(120)
-    except EdgeUnavailable as exc:
-        server.kill(signal.SIGKILL)
-        pytest.skip(f"tritonserver could not start here: {str(exc)[-400:]}")
-    return server
+    return start_edge(tmp, cap=6, **kw)
 
 
 @pytest.fixture(scope="module")

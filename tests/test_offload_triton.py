@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from partition.offload import EdgeError, EdgeLink, LinkOptions, make_offload_chain
-from partition.offload.launch import DEFAULT_EDGE_PYTHON, EdgeOptions, EdgeServer, EdgeUnavailable
+from partition.offload.launch import DEFAULT_EDGE_PYTHON, EdgeServer
+from edge_helpers import start_edge
 from partition.paths import DEFAULT_MODEL_DIR
 from partition.runners import load_chain
 
@@ -23,16 +24,7 @@ PROMPT = [5, 9, 33, 12, 7, 40, 2]
 
 
 def _start(tmp: Path, **kw: object) -> EdgeServer:
-    if not DEFAULT_EDGE_PYTHON.exists():
-        pytest.skip(f"no edge Python at {DEFAULT_EDGE_PYTHON}: `bash scripts/edge-venv.sh` builds it "
-                    "(torch CPU, numpy<2, nvidia-pytriton)")
-    server = EdgeServer(EdgeOptions(DEFAULT_MODEL_DIR, 1, max_seq=256, cap=4, **kw), tmp / "edge.log")  # type: ignore[arg-type]
-    try:
-        server.start().wait_ready(120)
-    except EdgeUnavailable as exc:
-        server.kill(signal.SIGKILL)
-        pytest.skip(f"tritonserver could not start here: {str(exc)[-400:]}")
-    return server
+    return start_edge(tmp, cap=4, **kw)
 
 
 @pytest.fixture(scope="module")
