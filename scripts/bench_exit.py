@@ -32,7 +32,7 @@ import torch
 from agent.engine.executor import load_core
 from agent.engine.types import Finished, SamplingParams
 from partition.checkpoint import load_model
-from partition.exits.data import layer_states, split_texts, token_windows
+from partition.exits.data import greedy_disagreement, held_out_prompts
 from partition.exits.heads import calibrations
 from partition.paths import DEFAULT_MODEL_DIR
 from partition.tokenizer import Tokenizer
@@ -52,15 +52,6 @@ def run(core: object, prompt: list[int], params: SamplingParams) -> tuple[tuple[
     assert done is not None
     n = len(done.token_ids)
     return done.token_ids, (end - (first or t0)) / max(1, n - 1)
-
-
-@torch.no_grad()
-def disagreement(model: torch.nn.Module, prompt: list[int], out: tuple[int, ...]) -> tuple[int, int]:
-    """(emitted tokens that differ from the full model's greedy token on the same prefix, tokens)."""
-    ids = torch.tensor([prompt + list(out)])
-    _, _, logits = layer_states(model, ids, ())  # type: ignore[arg-type]
-    full = logits[0, len(prompt) - 1:len(prompt) - 1 + len(out)].argmax(-1)
-    return int((full != torch.tensor(out)).sum()), len(out)
 
 
 @torch.no_grad()
@@ -132,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = Tokenizer.from_dir(args.model)
-    prompts = token_windows(tok, split_texts(args.model, "test", None, 7), args.prompt_len, args.prompts, 7).tolist()
+    prompts = held_out_prompts(args.model, tok, args.prompt_len, args.prompts)
     targets = [c.target for c in calibrations(args.model)]
     ks = [int(k) for k in args.speculate.split(",") if k]
     plain = load_core(args.model, device=args.device)
@@ -162,14 +153,14 @@ def main(argv: list[str] | None = None) -> None:
             out, dt = run(exit_core, p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
                                                        max_disagreement=t))
             times.setdefault(f"exit {t}", []).append(dt)
-            w, n = disagreement(model, p, out)
+            w, n = greedy_disagreement(model, p, out), len(out)
             wrong[t][0] += w
             wrong[t][1] += n
             _merge(stats.setdefault(f"exit {t}", {}), exit_core.executor.exit_stats())  # type: ignore[attr-defined]
             all_core.executor.reset_stats()  # type: ignore[attr-defined]
             out, dt = run(all_core, p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, max_disagreement=t))
             times.setdefault(f"exit {t} all heads", []).append(dt)
-            w, n = disagreement(model, p, out)
+            w, n = greedy_disagreement(model, p, out), len(out)
             wrong.setdefault(f"{t} all", [0, 0])
             wrong[f"{t} all"][0] += w
             wrong[f"{t} all"][1] += n

@@ -36,7 +36,7 @@ from agent.engine.speculative import exit_executor_on
 from agent.engine.types import Finished, SamplingParams
 from partition.checkpoint import load_model
 from partition.config import load_config
-from partition.exits.data import layer_states, split_texts, token_windows
+from partition.exits.data import greedy_disagreement, held_out_prompts
 from partition.exits.heads import read_record
 from partition.offload import EdgeLink, LinkOptions, LinkShape, make_offload_chain
 from partition.offload.launch import EdgeOptions, EdgeServer
@@ -57,14 +57,6 @@ def run(core: EngineCore, prompt: list[int], params: SamplingParams) -> tuple[tu
             done = ev
     assert done is not None and first is not None
     return done.token_ids, time.perf_counter() - first, max(1, len(done.token_ids) - 1)
-
-
-@torch.no_grad()
-def disagreement(model: torch.nn.Module, prompt: list[int], out: tuple[int, ...]) -> int:
-    ids = torch.tensor([prompt + list(out)])
-    _, _, logits = layer_states(model, ids, ())  # type: ignore[arg-type]
-    full = logits[0, len(prompt) - 1:len(prompt) - 1 + len(out)].argmax(-1)
-    return int((full != torch.tensor(out)).sum())
 
 
 class Energy:
@@ -116,7 +108,7 @@ class Variant:
         out, dt, n = run(self.core, prompt, replace(params, max_disagreement=self.target))
         self.times.append(dt / n)
         self.n_tok += n
-        self.wrong += disagreement(model, prompt, out)
+        self.wrong += greedy_disagreement(model, prompt, out)
         if self.link is None or before is None:
             self.joules += energy.device_only() * n
             return
@@ -165,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     tok = Tokenizer.from_dir(args.model)
-    prompts = token_windows(tok, split_texts(args.model, "test", None, 7), args.prompt_len, args.prompts, 7).tolist()
+    prompts = held_out_prompts(args.model, tok, args.prompt_len, args.prompts)
     targets = [float(t) for t in args.targets.split(",") if t]
     splits = [int(n) for n in args.device_layers.split(",") if n]
     exit_layers = [int(l) for l in read_record(args.model).get("layers", [])]  # type: ignore[union-attr]

@@ -97,3 +97,18 @@ def layer_states(model: Transformer, ids: Tensor, layers: tuple[int, ...]) -> tu
     for layer in model.model.layers[cuts[-1]:n]:
         x = layer(x, cos, sin, mask, none[0], none[1])[0]
     return states, x, model.lm_head(model.model.norm(x)).float()
+
+
+def held_out_prompts(model_dir: Path, tokenizer: Tokenizer, prompt_len: int, n: int) -> list[list[int]]:
+    """The benchmarks' prompts: n windows of prompt_len tokens from the `test` split (seed 7)."""
+    return token_windows(tokenizer, split_texts(model_dir, "test", None, 7), prompt_len, n, 7).tolist()
+
+
+@torch.no_grad()
+def greedy_disagreement(model: Transformer, prompt: list[int], out: tuple[int, ...]) -> int:
+    """Emitted tokens that differ from the full model's greedy token on the same prefix (one
+    teacher-forced full-depth pass over prompt + out)."""
+    ids = torch.tensor([prompt + list(out)])
+    _, _, logits = layer_states(model, ids, ())
+    full = logits[0, len(prompt) - 1:len(prompt) - 1 + len(out)].argmax(-1)
+    return int((full != torch.tensor(out)).sum())
