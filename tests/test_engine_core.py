@@ -17,15 +17,17 @@ TEXT = " the quick brown fox jumps over the lazy dog and the quick brown fox aga
 class ScriptedExecutor:
     """Each request's n-th sampled token is script[n]; records every plan it is given."""
 
-    def __init__(self, script: list[int], max_batch: int = 2, max_seq: int = 64, fail: bool = False) -> None:
+    def __init__(self, script: list[int], max_batch: int = 2, max_seq: int = 64, fail: bool = False,
+                 error: Exception | None = None) -> None:
         self.script, self.max_batch, self.max_seq, self.fail = script, max_batch, max_seq, fail
+        self.error = error or RuntimeError("boom")
         self.plans: list[StepPlan] = []
         self.n_out: dict[str, int] = {}
 
     def execute(self, plan: StepPlan) -> StepOutput:
         self.plans.append(plan)
         if self.fail:
-            raise RuntimeError("boom")
+            raise self.error
         out = {}
         for c in plan.chunks:
             if c.sample:
@@ -105,6 +107,16 @@ def test_energy_is_shared_by_tokens_and_usage_counts(tok: Tokenizer) -> None:
         # 3 steps of 2 J each, shared by two requests with the same tokens in every step
         assert u.energy_joules == pytest.approx(3.0) and u.prompt_tokens == 3 and u.completion_tokens == 3
         assert u.ttft_s is not None and u.duration_s >= u.ttft_s
+
+
+def test_a_transient_runner_failure_ends_unavailable_with_its_one_line_reason(tok: Tokenizer) -> None:
+    # an OSError (the edge server's EdgeError, a timeout): the API answers 503 + Retry-After for it
+    ex = ScriptedExecutor(tok.encode(TEXT), fail=True, error=TimeoutError("edge 10.0.0.2:8001 did not answer in 3 s"))
+    core = EngineCore(ex, tok)
+    core.add_request(SeqRequest("a", (1, 2), SamplingParams(max_tokens=4)))
+    (out,) = core.step()
+    assert isinstance(out.event, Finished) and out.event.reason == "unavailable"
+    assert out.event.message == "the model runner failed: TimeoutError: edge 10.0.0.2:8001 did not answer in 3 s"
 
 
 def test_executor_failure_ends_its_requests_and_the_core_goes_on(tok: Tokenizer) -> None:

@@ -190,7 +190,7 @@ def create_app(state: ApiState) -> FastAPI:
                 elif isinstance(ev, Finished):
                     if ev.reason == "error":
                         return _error(500, ev.message or "generation failed", "server_error")
-                    if ev.reason == "shutdown":
+                    if ev.reason in ("shutdown", "unavailable"):
                         return _error(503, ev.message, "server_error", headers={"Retry-After": "5"})
                     return JSONResponse(completion_response(rid, model, kind, "".join(parts), ev.reason, ev.usage,
                                                             _logprobs(kind, lps, 0)[0] if want_logprobs else None))
@@ -217,7 +217,7 @@ def create_app(state: ApiState) -> FastAPI:
                     yield stream_chunk(rid, model, kind, created, text=ev.text, logprobs=lp)
                 elif isinstance(ev, Finished):
                     done = True
-                    if ev.reason in ("error", "shutdown"):
+                    if ev.reason in ("error", "shutdown", "unavailable"):
                         yield f"data: {json.dumps(error_body(ev.message or 'generation failed', 'server_error'))}\n\n"
                     else:
                         reason = ev.reason if ev.reason in ("stop", "length") else "stop"

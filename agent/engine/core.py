@@ -129,8 +129,10 @@ class EngineCore:
         log.exception("step failed (%s of %d rows)", plan.kind, len(plan.chunks))
         outs: list[RequestOutput] = []
         # an OSError (e.g. partition.offload's EdgeError: the edge server did not answer within its
-        # deadline) says what went wrong in one line, with no internals: the client gets that line
-        why = f"{type(exc).__name__}: {str(exc)[:300]}" if isinstance(exc, OSError) else type(exc).__name__
+        # deadline) says what went wrong in one line, with no internals: the client gets that line, and
+        # the request ends "unavailable" (the API answers 503 + Retry-After: a later try may succeed)
+        transient = isinstance(exc, OSError)
+        why = f"{type(exc).__name__}: {str(exc)[:300]}" if transient else type(exc).__name__
         for c in plan.chunks:
-            outs += self.abort(c.req_id, "error", f"the model runner failed: {why}")
+            outs += self.abort(c.req_id, "unavailable" if transient else "error", f"the model runner failed: {why}")
         return outs

@@ -219,7 +219,8 @@ class Delta:
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str  # "stop", "length", "cancelled", "error", "shutdown" (ended by the service's stop)
+    reason: str  # "stop", "length", "cancelled", "error", "shutdown" (ended by the service's stop),
+    # "unavailable" (a transient failure of something the step needs, e.g. the edge server: retry later)
     usage: Usage
     message: str = ""
     token_ids: tuple[int, ...] = ()  # the completion's tokens (EOS not included)
