@@ -10,7 +10,6 @@ computed from the data per token and group, so the two caches round differently;
 where the torch INT8 path also left the FP path (docs/BENCHMARKS.md)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -119,7 +118,6 @@ def test_trt_with_int8_kv_is_a_one_line_error(args: list[str], tmp_path: Path) -
 def test_config_takes_int8_on_ort_only_where_it_runs() -> None:
     from agent.config import ConfigError, config_from_mapping
 
-    assert dataclasses.replace(INT8).kv_cache == "int8"
     assert config_from_mapping({"model": {"kv_cache": "int8", "backend": "ort"}}, "t.toml").kv_cache == "int8"
     with pytest.raises(ConfigError, match="not built yet"):
         config_from_mapping({"model": {"kv_cache": "int8", "backend": "trt"}}, "t.toml")
