@@ -57,7 +57,7 @@ class ServiceConfig:
     slices: str | None = None
     max_seq: int | None = None  # None: the model's context, at most 2048
     device: str = "cpu"
-    kv_cache: str = "fp16"  # "int8": group-wise INT8 KV-cache (torch backend)
+    kv_cache: str = "fp16"  # "int8": INT8 KV-cache (torch: group-wise; ort: Q/DQ slices)
     kv_blocks: int | None = None  # a paged KV-cache of this many blocks of 16 tokens (torch, fp16 cache); None: rows
     threads: int = 0  # CPU threads for the model's kernels; 0 = every core but one
     exits: bool = False  # load the exit heads beside the model (implied by the next two)
@@ -141,8 +141,9 @@ class ServiceConfig:
             raise bad("model.backend", "must be 'torch', 'ort' or 'trt'", self.backend)
         if self.kv_cache not in ("fp16", "int8"):
             raise bad("model.kv_cache", "must be 'fp16' or 'int8'", self.kv_cache)
-        if self.kv_cache == "int8" and self.backend != "torch":
-            raise bad("model.kv_cache", "'int8' needs model.backend = 'torch'", self.kv_cache)
+        if self.kv_cache == "int8" and self.backend == "trt":
+            raise bad("model.kv_cache", "'int8' needs model.backend = 'torch' or 'ort' (trt: not built yet)",
+                      self.kv_cache)
         if self.kv_blocks is not None and (self.kv_blocks < 1 or self.backend != "torch" or self.kv_cache != "fp16"):
             raise bad("model.kv_blocks", "must be >= 1, with model.backend = 'torch' and kv_cache = 'fp16'",
                       self.kv_blocks)

@@ -123,8 +123,8 @@ def test_int8_option_errors() -> None:
     from partition.runners import BackendUnavailable, load_chain
     from partition.paths import DEFAULT_MODEL_DIR
 
-    with pytest.raises(BackendUnavailable, match="torch backend only"):
-        load_chain(DEFAULT_MODEL_DIR, backend="ort", kv_cache="int8")
+    with pytest.raises(BackendUnavailable, match="not built yet"):
+        load_chain(DEFAULT_MODEL_DIR, backend="trt", kv_cache="int8", device="cuda")
     with pytest.raises(ValueError, match="not one of"):
         load_chain(DEFAULT_MODEL_DIR, kv_cache="fp8")
 
@@ -136,4 +136,5 @@ def test_config_key() -> None:
     with pytest.raises(ConfigError, match="model.kv_cache"):
         config_from_mapping({"model": {"kv_cache": "int4"}}, "t.toml")
     with pytest.raises(ConfigError, match="backend"):
-        config_from_mapping({"model": {"kv_cache": "int8", "backend": "ort"}}, "t.toml")
+        config_from_mapping({"model": {"kv_cache": "int8", "backend": "trt"}}, "t.toml")
+    assert config_from_mapping({"model": {"kv_cache": "int8", "backend": "ort"}}, "t.toml").backend == "ort"

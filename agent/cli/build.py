@@ -26,6 +26,9 @@ def build(
                                  "TensorRT 8.5 parses) or dynamo."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Compare each slice with the torch "
                                 "slice on ONNX Runtime (fp32, max abs diff <= 1e-3)."),
+    kv_cache: str = typer.Option("fp16", "--kv-cache", help="fp16 (unquantised cache I/O) or int8: "
+                                 "QuantizeLinear/DequantizeLinear around each slice's K/V I/O with static per-channel "
+                                 "scales calibrated on the model's validation text (recorded in the manifest)."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON on stdout."),
     check_trt: Optional[str] = typer.Option(None, "--check-trt", help="Check the slices against one TensorRT "
                                             "version's ONNX-parser rules: 8.5, 8.6 or 10.3 (reuses a matching "
@@ -57,12 +60,15 @@ def build(
         if not model.is_dir():
             hint = " (the shipped model is not there yet: pass --model DIR)" if model == DEFAULT_MODEL_DIR else ""
             raise FileNotFoundError(f"model folder {model} does not exist{hint}")
-        options = ExportOptions(exporter=exporter)
+        options = ExportOptions(exporter=exporter, kv_cache=kv_cache)
         specs = resolve_slices(model, slices)
         if check_trt:
             rules_for(check_trt)  # an unknown version fails here, before any export
         if engine and engine != "trt":
             raise ValueError(f"--engine {engine!r}: the only engine is trt")
+        if engine and kv_cache == "int8":
+            raise ValueError("--engine trt with --kv-cache int8 is not built yet (the TensorRT runner binds fp32 "
+                             "cache buffers only); drop --engine, or build --kv-cache fp16 engines")
         if precision == "auto":
             from partition.trt.autoquant import parse_budget
             budget = parse_budget(max_ppl_increase)
@@ -111,7 +117,11 @@ def build(
                 diff = max(s["max_abs_diff"].values()) if s["max_abs_diff"] else float("nan")
                 typer.echo(f"{s['start']:>3}:{s['end']:<3} {out / s['file']}  max|ort-torch| {diff:.2e}  "
                            f"{sum(s['op_counts'].values())} nodes")
-            typer.echo(f"manifest: {out / 'manifest.json'} (opset {data['opset']}, {data['exporter']} exporter)")
+            typer.echo(f"manifest: {out / 'manifest.json'} (opset {data['opset']}, {data['exporter']} exporter, "
+                       f"{data['kv_cache']} KV-cache)")
+            cal = data["kv_calibration"]
+            if cal:
+                typer.echo(f"INT8 KV scales: {cal['tokens']} tokens of the {cal['data']}, {cal['method']}")
         if trt_errors:
             raise ValueError(f"not TensorRT {check_trt}-compatible ({len(trt_errors)} problems): "
                              + "; ".join(trt_errors))

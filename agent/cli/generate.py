@@ -40,7 +40,8 @@ def generate(
                                                      "calibrated heads keep disagreement with the full model "
                                                      "below this rate (orin-agent calibrate)."),
     kv_cache: str = typer.Option("fp16", "--kv-cache", help="KV-cache storage: fp16 (the model's dtype, "
-                                 "unquantised) or int8 (group-wise INT8 with FP16 scales; torch backend)."),
+                                 "unquantised) or int8 (torch: group-wise INT8 with FP16 scales; ort: INT8 Q/DQ slices with "
+                                 "static scales calibrated at build time; trt: not built yet)."),
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="Paged KV-cache of N blocks of 16 "
                                             "tokens per layer instead of per-row caches (torch backend, "
                                             "fp16 cache)."),

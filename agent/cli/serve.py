@@ -28,7 +28,7 @@ def serve(
     model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint folder (default: the shipped model)."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Sequences decoded together (cache rows)."),
     kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="KV-cache storage: fp16 or int8 "
-                                           "(torch backend; default from model.kv_cache, else fp16)."),
+                                           "(torch or ort backend; default from model.kv_cache, else fp16)."),
     exits: Optional[bool] = typer.Option(None, "--exits/--no-exits", help="Load the exit heads beside the model "
                                          "so requests may ask for early exits or speculation (orin_agent field)."),
     max_disagreement: Optional[float] = typer.Option(None, "--max-disagreement", help="Default early-exit "

@@ -57,16 +57,27 @@ def build_slices(model_dir: str | Path, slices: str | Sequence[SliceSpec] | None
     if stale.exists():
         stale.unlink()  # the folder is being rewritten: never leave a manifest over half a build
     done: list[SliceExport] = []
+    scales, calibration = None, None
+    if options.kv_cache == "int8":  # one set of scales for every slice, from the model's validation text
+        from partition.build.kv_qdq import compare_int8_with_torch, corpus_kv_scales, export_int8_kv_slice
+
+        scales, calibration = corpus_kv_scales(model, model_dir)
     for i, spec in enumerate(specs):
         if progress:
             progress(i, spec, "export")
         path = out_dir / slice_file(spec)
-        external, report = export_slice(model, spec, path, options)
+        if scales is not None:
+            external, report = False, export_int8_kv_slice(model, spec, path, scales, options)
+        else:
+            external, report = export_slice(model, spec, path, options)
         diffs: dict[str, float] = {}
         if verify:
             if progress:
                 progress(i, spec, "compare")
-            diffs = compare_with_torch(model, spec, path)
+            diffs = compare_with_torch(model, spec, path) if scales is None else \
+                compare_int8_with_torch(model, spec, path, scales)
+            if diffs.pop("kv_int8_steps", 0.0) > 1:  # more than a rounding tie: the Q/DQ are wrong
+                raise ExportError(f"slice {spec}: its INT8 K/V differ from torch's by more than one step")
             worst = max(diffs.values())
             if not worst <= NUMERIC_TOLERANCE:  # also catches NaN
                 raise ExportError(f"slice {spec}: ONNX Runtime and torch differ by {worst:.3g} "
@@ -77,7 +88,8 @@ def build_slices(model_dir: str | Path, slices: str | Sequence[SliceSpec] | None
         if progress:
             progress(i, spec, "done")
     manifest = BuildManifest(str(model_dir.resolve()), digest, model.config.to_dict(), options, tuple(done),
-                             versions(), _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+                             versions(), _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                             calibration)
     tmp = out_dir / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest.to_json(), indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out_dir / MANIFEST)

@@ -44,6 +44,7 @@ from partition.model import SliceModule, Transformer
 from partition.slices import SliceSpec
 
 EXPORTERS = ("torchscript", "dynamo")
+KV_CACHES = ("fp16", "int8")  # fp16: the graph contract above; int8: Q/DQ around the K/V I/O (kv_qdq.py)
 PROTOBUF_LIMIT = 2 * 1024 ** 3  # a ModelProto cannot be serialised above 2 GB
 NUMERIC_TOLERANCE = 1e-3  # fp32 max abs diff, ORT vs torch: the build's acceptance bound
 
@@ -59,13 +60,17 @@ class ExportOptions:
     exporter: str = "torchscript"
     opset: int = TARGET_OPSET
     fold_constants: bool = True
+    kv_cache: str = "fp16"
 
     def __post_init__(self) -> None:
         if self.exporter not in EXPORTERS:
             raise ValueError(f"exporter {self.exporter!r} is not one of {', '.join(EXPORTERS)}")
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"kv cache {self.kv_cache!r} is not one of {', '.join(KV_CACHES)}")
 
     def key(self) -> str:
-        return f"{self.exporter}-op{self.opset}{'-fold' if self.fold_constants else ''}"
+        kv = "" if self.kv_cache == "fp16" else f"-kv{self.kv_cache}"  # fp16 keys as before this option
+        return f"{self.exporter}-op{self.opset}{'-fold' if self.fold_constants else ''}{kv}"
 
 
 @dataclass(frozen=True)

@@ -14,25 +14,30 @@ What TensorRT takes decides the form (sources in partition/build/trt_check.py, Q
 The quality cost of static against dynamic group-wise scales is measured in docs/BENCHMARKS.md
 (`scripts/bench_kv_onnx.py`).
 
-`int8_kv_graph` rewrites an exported graph; `calibrate_kv_scales` computes the scales; `export_int8_kv_slice`
-exports, rewrites, saves and checks one slice. The graph keeps export.py's names (past_key_{i}, ...,
+`int8_kv_graph` rewrites an exported graph; `calibrate_kv_scales` computes the scales (`corpus_kv_scales`:
+on the model's validation split, as `orin-agent build --kv-cache int8` does); `export_int8_kv_slice`
+exports, rewrites, saves and checks one slice; `compare_int8_with_torch` is its numeric check. The graph keeps export.py's names (past_key_{i}, ...,
 new_value_{i}); only their type changes to int8, and OrtRunner sizes its cache from that type.
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from partition.build.export import ExportOptions, export_slice
+from partition.build.export import ExportOptions, example_inputs, export_slice
 from partition.build.trt_check import CheckReport, check_onnx_file
-from partition.model import Transformer
+from partition.model import SliceModule, Transformer
 from partition.slices import SliceSpec
 
 QMAX = 127  # symmetric INT8, as kernels/kv_quant.py
+CALIB_TOKENS = 4096  # as scripts/bench_kv_onnx.py, whose figures docs/BENCHMARKS.md reports
+CALIB_WINDOW = 256
 
 
 def kv_names(spec: SliceSpec) -> list[tuple[str, str]]:
@@ -108,3 +113,55 @@ def export_int8_kv_slice(model: Transformer, spec: SliceSpec, path: str | Path, 
     proto = int8_kv_graph(onnx.load(str(path)), spec, scales)
     onnx.save(proto, str(path))
     return check_onnx_file(path, options.opset)
+
+
+def corpus_kv_scales(model: Transformer, model_dir: str | Path, tokens: int = CALIB_TOKENS
+                     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Scales calibrated on the first `tokens` tokens of the model's validation split (corpus.json,
+    sha256-checked; never the test split), and the record of where they came from (for the manifest)."""
+    from partition.exits.data import split_texts
+    from partition.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    eos = tok.tk.token_to_id("<|endoftext|>")
+    texts = split_texts(Path(model_dir), "val")
+    ids = [t for x in texts for t in tok.encode(x) + ([eos] if eos is not None else [])][:tokens]
+    scales = calibrate_kv_scales(model, torch.tensor(ids), CALIB_WINDOW)
+    h = hashlib.sha256()
+    for k in sorted(scales):
+        h.update(k.encode() + scales[k].tobytes())
+    record = {"source": "calibrated at build time", "data": "corpus.json 'val' split (shuffled, seed 0)",
+              "texts": len(texts), "tokens": len(ids), "window": CALIB_WINDOW,
+              "method": "per channel of head_dim, per layer and K/V: absmax over tokens and KV heads / 127",
+              "scales_sha256": h.hexdigest()[:16]}
+    return scales, record
+
+
+def compare_int8_with_torch(model: Transformer, spec: SliceSpec, path: str | Path,
+                            scales: dict[str, np.ndarray]) -> dict[str, float]:
+    """The INT8-KV slice on ONNX Runtime (CPU) against the torch slice fed the same dequantised past:
+    max abs diff of the hidden states / logits for a prefill (B=1, T=7, P=0) and a decode (B=2, T=1,
+    P=9, random INT8 past), and "kv_int8_steps": the most the INT8 new K/V differ from torch's K/V
+    quantised with the same scales (1 = a rounding tie broken the other way)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    module = SliceModule(model, spec.start, spec.end).eval()
+    names = [i.name for i in sess.get_inputs()]
+    s = [torch.from_numpy(scales[p.split("_", 1)[1]]) for p, _ in kv_names(spec)]
+    gen = torch.Generator().manual_seed(1)
+    diffs: dict[str, float] = {"kv_int8_steps": 0.0}
+    for case, (b, pos, past_len) in {"prefill": (1, np.arange(7, dtype=np.int32)[None], 0),
+                                     "decode": (2, np.array([[5], [9]], dtype=np.int32), 9)}.items():
+        x, positions, *past = example_inputs(model, spec, b, pos, past_len, seed=1)
+        q = [torch.randint(-QMAX, QMAX + 1, p.shape, generator=gen, dtype=torch.int8) for p in past]
+        with torch.no_grad():
+            want = module(x, positions, *[qi.float() * si for qi, si in zip(q, s)])
+        got = sess.run(None, {n: a.numpy() for n, a in zip(names, [x, positions, *q])})
+        diffs[case] = float(np.max(np.abs(got[0] - want[0].numpy())))
+        for g, w, si in zip(got[1:], want[1:], s):
+            ref = torch.clamp(torch.round(w / si), -128, 127).numpy()
+            diffs["kv_int8_steps"] = max(diffs["kv_int8_steps"], float(np.max(np.abs(g.astype(np.float32) - ref))))
+    return diffs

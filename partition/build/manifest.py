@@ -2,7 +2,8 @@
 trust and reuse a build: the model hash (config.json and weights), the config, the slice ranges, each
 file's graph inputs/outputs with symbolic shapes and dtypes, opset, exporter, sha256, the versions of
 torch / onnx / onnxruntime / onnxscript and of the graph code, and the max abs difference against the
-torch slice measured at build time. Also the rule that says when a build can serve (`mismatch`).
+torch slice measured at build time; for an INT8-KV build (`kv_cache`), where its cache scales were
+calibrated (`kv_calibration`). Also the rule that says when a build can serve (`mismatch`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class BuildManifest:
     slices: tuple[SliceExport, ...]
     versions: dict[str, str]
     created: str
+    kv_calibration: dict[str, Any] | None = None  # INT8-KV builds: the scales' data and method
 
     @property
     def slices_str(self) -> str:
@@ -46,6 +48,8 @@ class BuildManifest:
             "exporter": self.options.exporter,
             "opset": self.options.opset,
             "export_options": dataclasses.asdict(self.options),
+            "kv_cache": self.options.kv_cache,
+            "kv_calibration": self.kv_calibration,
             "versions": self.versions,
             "created": self.created,
             "slices": [{
@@ -73,17 +77,17 @@ class BuildManifest:
                                      tensors(s["inputs"]), tensors(s["outputs"]), s["external_data"],
                                      s["max_abs_diff"], s["op_counts"], tuple(s["warnings"]))
                          for s in raw["slices"]),
-            versions=raw["versions"], created=raw["created"])
+            versions=raw["versions"], created=raw["created"], kv_calibration=raw.get("kv_calibration"))
 
 
 def graph_code_hash() -> str:
     """sha256 of the source that shapes the exported graph (model definition and exporter): a cached
     build made by other code is stale even when the weights and options match."""
     from partition import model
-    from partition.build import export
+    from partition.build import export, kv_qdq
 
     h = hashlib.sha256()
-    for mod in (model, export):
+    for mod in (model, export, kv_qdq):
         h.update(Path(mod.__file__).read_bytes())
     return h.hexdigest()[:16]
 
@@ -116,6 +120,9 @@ def mismatch(manifest: BuildManifest, build_dir: Path, digest: str, specs: Seque
         return "it was built from different weights or config"
     if [s.spec for s in manifest.slices] != list(specs):
         return f"its slices are {manifest.slices_str}, not {','.join(map(str, specs))}"
+    if manifest.options.kv_cache != options.kv_cache:
+        return (f"its KV-cache is {manifest.options.kv_cache}, not {options.kv_cache} (make one with "
+                f"`orin-agent build --kv-cache {options.kv_cache} --out DIR`)")
     if manifest.options != options:
         return f"it was exported with {manifest.options.key()}, not {options.key()}"
     if manifest.versions.get("graph_code") != graph_code_hash():

@@ -7,6 +7,7 @@ exported slices; CPU EP here, CUDA / TensorRT EPs through `providers`), "trt" (T
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -52,9 +53,11 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     cuda_graphs: replay decode steps as CUDA graphs (backend "torch"). None = on exactly when the
     device is CUDA: decode there is launch-bound, graphs match eager (tests/test_cuda.py) and were
     2.3-5.0x faster on an H200 (docs/BENCHMARKS.md); True on CPU or another backend is an error.
-    kv_cache: "fp16" (the model's dtype, unquantised) or "int8" (group-wise INT8, `kv_group` = 32 or 64
-    channels per FP16 scale: kernels/kv_quant.py); int8 is a torch-backend feature and turns CUDA
-    graphs off by default.
+    kv_cache: "fp16" (the model's dtype, unquantised) or "int8". torch: group-wise INT8, `kv_group` = 32
+    or 64 channels per FP16 scale, from the data (kernels/kv_quant.py), CUDA graphs off by default.
+    ort: slices with Q/DQ around the cache I/O and static per-channel scales calibrated at build time
+    (partition/build/kv_qdq.py); the build records it and is never reused for the other kind.
+    trt: refused (not built yet).
     kv_blocks: a paged KV-cache of that many blocks of `block_size` tokens per layer (torch backend, fp,
     eager; partition/runners/paged.py) instead of max_batch rows of max_seq; None = rows.
     """
@@ -66,10 +69,10 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
                          f"{backend!r}, device {device!r}); drop --cuda-graphs or use --backend torch --device cuda")
     if kv_cache not in KV_CACHE_KINDS:
         raise ValueError(f"kv cache {kv_cache!r} is not one of {', '.join(KV_CACHE_KINDS)}")
-    if kv_cache == "int8" and backend != "torch":
-        raise BackendUnavailable(f"--kv-cache int8 runs on the torch backend only: the {backend!r} slices keep "
-                                 "an unquantised cache (no QuantizeLinear/DequantizeLinear around the cache I/O "
-                                 "yet); use --backend torch or --kv-cache fp16")
+    if kv_cache == "int8" and backend == "trt":
+        raise BackendUnavailable("--kv-cache int8 with --backend trt is not built yet: the TensorRT runner binds "
+                                 "fp32 cache buffers only; use --backend ort --kv-cache int8 (the same Q/DQ slices "
+                                 "on ONNX Runtime) or --kv-cache fp16")
     if kv_cache == "int8" and cuda_graphs:
         raise ValueError("CUDA graphs capture a dense KV-cache; drop --cuda-graphs with --kv-cache int8")
     if kv_blocks is not None and (backend != "torch" or kv_cache != "fp16" or cuda_graphs):
@@ -105,8 +108,9 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
 
         if providers is None and on_cuda:
             providers = ["cuda"]
+        export = dataclasses.replace(export_options or ExportOptions(), kv_cache=kv_cache)
         folder, manifest = ensure_build(model_dir, specs, build_dir=build_dir, cache_dir=cache_dir,
-                                        options=export_options or ExportOptions(), log=_stderr)
+                                        options=export, log=_stderr)
         runners = [OrtRunner(folder / s.file, s.spec, seq, max_batch, providers=providers,
                              options=options or OrtOptions()) for s in manifest.slices]
     return Chain(runners)
