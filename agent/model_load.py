@@ -5,13 +5,13 @@ the smoke checks and the on-device benchmark."""
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from agent.api.extension import ExitPolicy
 from agent.config import ServiceConfig
 from agent.engine.executor import ChainExecutor
+from partition.runners.base import usable_cpus
 from partition.runners.chain import Chain
 
 log = logging.getLogger("orin_agent.service")
@@ -21,8 +21,9 @@ def compute_threads(cfg: ServiceConfig) -> int:
     """Threads for the model's CPU kernels: `model.threads`, or 0 = every core but one. The spare core
     keeps the HTTP loop, the power controller and the twin off the kernels' cores: measured on 2 cores
     (docs/BENCHMARKS.md), torch decode through the service ran at ~80 tok/s with 2 threads and ~210
-    with 1, because a preempted OpenMP thread stalls its whole team."""
-    return cfg.threads or max(1, (os.cpu_count() or 1) - 1)
+    with 1, because a preempted OpenMP thread stalls its whole team. Cores are counted after the power
+    budget has taken some offline (the controller opens first)."""
+    return cfg.threads or max(1, usable_cpus() - 1)
 
 
 def build_chain(cfg: ServiceConfig) -> Chain:

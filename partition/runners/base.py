@@ -7,6 +7,7 @@ every runner shares (`row_range`, `write_new_kv`). Slice geometry lives in parti
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
@@ -67,3 +68,12 @@ class SliceRunner(ABC):
         if positions.size and (int(positions.max()) >= self.max_seq or int(positions.min()) < 0):
             raise ContextFull(f"position {int(positions.max())} is outside the KV-cache of {self.max_seq} tokens")
         return rows
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, so offline cores (a power budget takes some
+    offline), taskset and container cpusets are left out; os.cpu_count() off Linux."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

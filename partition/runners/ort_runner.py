@@ -15,7 +15,6 @@ The default comes from a measurement on the 2-core CPU machine (docs/BENCHMARKS.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from partition.runners.base import SliceRunner, row_range, write_new_kv
+from partition.runners.base import SliceRunner, row_range, usable_cpus, write_new_kv
 from partition.slices import SliceSpec
 
 # Short names accepted in `providers`; full ORT names pass through.
@@ -79,16 +78,9 @@ def resolve_providers(providers: Sequence[str | tuple[str, dict[str, Any]]] | No
     return out
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def session_options(opts: OrtOptions) -> ort.SessionOptions:
     so = ort.SessionOptions()
-    so.intra_op_num_threads = opts.threads or _cpu_count()
+    so.intra_op_num_threads = opts.threads or usable_cpus()
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL  # a decoder graph is one chain: no branches to overlap
     so.graph_optimization_level = {
