@@ -18,6 +18,7 @@ import torch
 
 from partition.model import SliceModule, Transformer
 from partition.runners.base import ContextFull, SliceRunner
+from partition.runners.torch_runner import slice_input
 from partition.slices import SliceSpec
 
 
@@ -61,11 +62,7 @@ class PagedTorchRunner(SliceRunner):
         tables = torch.tensor([list(tb) + [0] * (width - len(tb)) for tb in block_tables], dtype=torch.int64,
                               device=self.device)  # (B, max_blocks), padded with block 0 (masked)
         pos = torch.from_numpy(positions).to(self.device)
-        if self.spec.is_first:
-            x = torch.as_tensor(np.asarray(x, dtype=np.int32) if not torch.is_tensor(x) else x,
-                                device=self.device).to(torch.int32)
-        else:
-            x = torch.as_tensor(x, device=self.device).to(self.dtype)
+        x = slice_input(x, self.spec.is_first, self.device, self.dtype)
         past_len = int(positions[:, 0].max())
         span = torch.arange(past_len, device=self.device).expand(b, past_len)  # (B, P)
         history = torch.arange(past_len, device=self.device)[None] < pos[:, :1]  # slots a row really has

@@ -91,11 +91,7 @@ class TorchRunner(SliceRunner):
         if self.graphs is not None and t == 1 and rows == list(range(b)) and not all_logits:
             return self.graphs.run(x, positions)
         pos = torch.from_numpy(positions).to(self.device)
-        if self.spec.is_first:
-            x = torch.as_tensor(np.asarray(x, dtype=np.int32) if not torch.is_tensor(x) else x,
-                                device=self.device).to(torch.int32)
-        else:
-            x = torch.as_tensor(x, device=self.device).to(self.dtype)
+        x = slice_input(x, self.spec.is_first, self.device, self.dtype)
         span = row_range(rows)
         if self.kv_in_place and span is not None:  # views of the cache up to the last new slot
             past = [c[span, :, :int(positions[:, -1].max()) + 1] for c in self.cache]
@@ -124,3 +120,12 @@ class TorchRunner(SliceRunner):
         for c, fresh in zip(self.cache, new):
             c.write_rows(fresh, rows_t, starts, use_triton=True)
         return out[:, -1] if self.spec.is_last and not all_logits else out
+
+
+def slice_input(x: Any, is_first: bool, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A slice's input on its device: token ids as int32 for the first slice, else hidden states in the
+    model's dtype (numpy arrays or tensors alike)."""
+    if is_first:
+        return torch.as_tensor(np.asarray(x, dtype=np.int32) if not torch.is_tensor(x) else x,
+                               device=device).to(torch.int32)
+    return torch.as_tensor(x, device=device).to(dtype)
