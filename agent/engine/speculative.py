@@ -368,7 +368,8 @@ def load_exit_executor(model: Path, backend: str = "torch", slices: str | None =
         cuts |= {int(part.split(":")[0]) for part in slices.split(",") if part.strip()} - {0}
     bounds = [0, *sorted(cuts), n]
     chain = load_chain(model, backend=backend, slices=",".join(f"{a}:{b}" for a, b in zip(bounds, bounds[1:])),
-                       max_seq=max_seq, max_batch=max_batch, device=device, cuda_graphs=False)
+                       max_seq=max_seq, max_batch=max_batch, device=device, cuda_graphs=False,
+                       model=heads_model if backend == "torch" else None)  # one copy of the weights
     return ExitExecutor(chain, heads, Path(model), exit_heads)
 
 

@@ -19,6 +19,7 @@ from partition.slices import SliceSpec, parse_slices
 
 if TYPE_CHECKING:  # both import heavy libraries (onnx, onnxruntime): loaded only for backend "ort"
     from partition.build.export import ExportOptions
+    from partition.model import Transformer
     from partition.runners.ort_runner import OrtOptions
 
 BACKENDS = ("torch", "ort", "trt")
@@ -39,7 +40,7 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
                cache_dir: Path | None = None, options: OrtOptions | None = None,
                export_options: ExportOptions | None = None,
                cuda_graphs: bool | None = None, kv_cache: str = "fp16", kv_group: int = 32,
-               kv_blocks: int | None = None, block_size: int = 16) -> Chain:
+               kv_blocks: int | None = None, block_size: int = 16, model: "Transformer | None" = None) -> Chain:
     """The model in `model_dir` as a Chain of slice runners.
 
     slices: "0:4,4:8" (contiguous, covering every layer) or None for one slice.
@@ -60,6 +61,8 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     trt: refused (not built yet).
     kv_blocks: a paged KV-cache of that many blocks of `block_size` tokens per layer (torch backend, fp,
     eager; partition/runners/paged.py) instead of max_batch rows of max_seq; None = rows.
+    model: the checkpoint already loaded on `device` (backend "torch"), e.g. the one the exit heads read
+    out through, so its weights are held once; None = load it here.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
@@ -93,7 +96,7 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
         from partition.checkpoint import load_model
         from partition.runners.torch_runner import TorchRunner
 
-        model = load_model(model_dir, device=device)
+        model = model if model is not None else load_model(model_dir, device=device)
         if kv_blocks is not None:
             from partition.runners.paged import PagedTorchRunner
 
