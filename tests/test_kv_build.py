@@ -27,6 +27,7 @@ from partition.runners import BackendUnavailable, load_chain
 from partition.runners.torch_runner import TorchRunner
 from partition.slices import SliceSpec, parse_slices
 from partition.tokenizer import Tokenizer
+from tests.test_kv_qdq import greedy_ids
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "model.safetensors").is_file(),
                                 reason="the shipped model is not in this checkout")
@@ -80,15 +81,7 @@ def test_ort_int8_greedy_equals_the_torch_int8_path(int8_build: tuple[Path, str]
                            max_seq=128)
         assert chain.runners[0].cache[0].dtype == np.int8
         q8 = TorchRunner(model, SliceSpec(0, n, n), 128, 1, kv_cache="int8")
-        got, want = [], []
-        for step, sink in ((chain.forward, got), (q8.run, want)):
-            pos = np.arange(len(ids), dtype=np.int32)[None]
-            logits = step(np.asarray([ids], np.int32), pos, [0])
-            for _ in range(64):
-                sink.append(int(np.asarray(logits).reshape(-1).argmax()))
-                pos = pos[:, -1:] + 1
-                logits = step(np.asarray([[sink[-1]]], np.int32), pos, [0])
-        assert got == want, prompt
+        assert greedy_ids(chain.forward, ids, 64) == greedy_ids(q8.run, ids, 64), prompt
 
 
 def test_fp16_request_on_an_int8_build_is_refused(int8_build: tuple[Path, str]) -> None:

@@ -6,6 +6,7 @@ input that is not dequantised)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -62,15 +63,19 @@ def test_ort_greedy_equals_the_torch_int8_path(int8_slices: tuple) -> None:
     torch_int8 = TorchRunner(model, SliceSpec(0, n, n), 160, 1, kv_cache="int8")
     for prompt in ("def parse(source, filename):", "class Queue:\n    def __init__(self"):
         ids = tok.encode(prompt)
-        got, want = [], []
-        for step, sink in ((ort_chain.forward, got), (torch_int8.run, want)):
-            pos = np.arange(len(ids), dtype=np.int32)[None]
-            logits = step(np.asarray([ids], np.int32), pos, [0])
-            for _ in range(32):
-                sink.append(int(np.asarray(logits).reshape(-1).argmax()))
-                pos = pos[:, -1:] + 1
-                logits = step(np.asarray([[sink[-1]]], np.int32), pos, [0])
-        assert got == want, prompt
+        assert greedy_ids(ort_chain.forward, ids, 32) == greedy_ids(torch_int8.run, ids, 32), prompt
+
+
+def greedy_ids(step: Callable[..., object], ids: list[int], n: int) -> list[int]:
+    """n greedy tokens from a one-row step function (a runner's `run` or a chain's `forward`, cache row 0)."""
+    out: list[int] = []
+    pos = np.arange(len(ids), dtype=np.int32)[None]
+    logits = step(np.asarray([ids], np.int32), pos, [0])
+    for _ in range(n):
+        out.append(int(np.asarray(logits).reshape(-1).argmax()))
+        pos = pos[:, -1:] + 1
+        logits = step(np.asarray([[out[-1]]], np.int32), pos, [0])
+    return out
 
 
 def _qdq_graph(scale: np.ndarray, zero: np.ndarray, scale_as_input: bool = False, into: str = "DequantizeLinear"
