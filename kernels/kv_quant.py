@@ -85,25 +85,51 @@ class Int8KVCache:
     """One layer's K or V cache, preallocated: int8 (B, KV, S, hd) and fp16 scales (B, KV, S, hd / G).
 
     Indexing follows a dense (B, KV, S, hd) tensor's for the first three dims; head_dim is never
-    indexed (it is cut into groups)."""
+    indexed (it is cut into groups).
 
-    def __init__(self, shape: tuple[int, int, int, int], group: int, device: torch.device | str = "cpu") -> None:
+    token_tile T > 1 stores the int8 values token-tiled, (B, KV, S / T, hd, T): T consecutive slots of a
+    channel are adjacent bytes. That is the V layout the Triton decode kernel reads fast (V is reduced
+    over slots; kernels.kv_triton); the bytes and the scales are the same. Reads through indexing
+    untile the slots they need (a copy, for prefill chunks); a write through `__setitem__` re-tiles the
+    whole cache (correct, slow: the Triton write path `write_rows(use_triton=True)` writes tiled)."""
+
+    def __init__(self, shape: tuple[int, int, int, int], group: int, device: torch.device | str = "cpu",
+                 token_tile: int = 1) -> None:
         b, kv, s, hd = shape
         check_group(hd, group)
+        if token_tile < 1 or s % token_tile:
+            raise ValueError(f"token_tile must divide the cache length {s}, got {token_tile}")
         self.group = group
-        self.q = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.token_tile = token_tile
+        self.q = torch.zeros(shape if token_tile == 1 else (b, kv, s // token_tile, hd, token_tile),
+                             dtype=torch.int8, device=device)
         self.scale = torch.zeros((b, kv, s, hd // group), dtype=torch.float16, device=device)
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        return torch.Size((*self.scale.shape[:3], self.q.shape[3]))
 
     @property
     def nbytes(self) -> int:
         return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
 
+    def values(self, slots: int | None = None) -> Tensor:
+        """The int8 values as (B, KV, S', hd), S' >= the first `slots` slots (all by default): the tensor
+        itself when untiled, else an untiled copy of the tiles that hold them."""
+        if self.token_tile == 1:
+            return self.q
+        n = self.q.shape[2] if slots is None else -(-slots // self.token_tile)
+        t = self.q[:, :, :n]
+        return t.transpose(-1, -2).reshape(t.shape[0], t.shape[1], n * self.token_tile, t.shape[3])
+
     def __getitem__(self, key: Index) -> QuantizedPast:
-        return QuantizedPast(self.q[key], self.scale[key])
+        if self.token_tile == 1:
+            return QuantizedPast(self.q[key], self.scale[key])
+        upto = None  # the common read, cache[rows, :, :n]: untile only the first n slots
+        if isinstance(key, tuple) and len(key) >= 3 and isinstance(key[2], slice) and key[2].stop is not None \
+                and key[2].stop >= 0 and key[2].step in (None, 1):
+            upto = key[2].stop
+        return QuantizedPast(self.values(upto)[key], self.scale[key])
 
     def write_rows(self, fresh: Tensor, rows: Tensor, starts: Tensor, use_triton: bool = False) -> None:
         """Quantise new K or V (B, KV, T, hd) into cache row rows[b] at slots starts[b] .. + T - 1.
@@ -121,7 +147,13 @@ class Int8KVCache:
     def __setitem__(self, key: Index, value: Tensor) -> None:
         """Quantise on write: `value` is float K or V with the indexed shape (..., hd)."""
         q, scale = quantize(value, self.group)
-        self.q[key] = q
+        if self.token_tile == 1:
+            self.q[key] = q
+        else:
+            dense = self.values()
+            dense[key] = q
+            b, kv, s, hd = dense.shape
+            self.q.copy_(dense.view(b, kv, s // self.token_tile, self.token_tile, hd).transpose(-1, -2))
         self.scale[key] = scale
 
 

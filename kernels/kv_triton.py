@@ -44,6 +44,9 @@ except ImportError:  # CPU-only installs: the reference in kernels.kv_quant is t
     tl = None
 
 BLOCK_H = 16  # query heads of one KV head, padded to tl.dot's smallest M
+# The V cache's token tile for the decode kernel (Int8KVCache(token_tile=...)): 16 slots of a channel in
+# one 16-byte run, the width of one async copy. 4 / 8 / 16 / 32 measured on an H200 (docs/BENCHMARKS.md).
+V_TOKEN_TILE = 16
 
 
 def available() -> bool:
@@ -55,7 +58,10 @@ if triton is not None:
     @triton.jit
     def _quantize_write_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, starts_ptr,
                                sx_b, sx_h, sx_t, sq_b, sq_h, sq_s, ss_b, ss_h, ss_s,
-                               KV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, N_GROUPS: tl.constexpr):
+                               KV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, N_GROUPS: tl.constexpr,
+                               TILE: tl.constexpr):
+        """TILE > 1: the int8 values are token-tiled (Int8KVCache(token_tile=TILE)): slot s, channel d at
+        (s // TILE) * sq_s + d * TILE + s % TILE of the (b, head) plane, sq_s = hd * TILE."""
         pid = tl.program_id(0)  # one (b, kv head, t) per program, all groups of it
         b = pid // (KV * T)
         h = (pid // T) % KV
@@ -74,7 +80,11 @@ if triton is not None:
         r = tl.floor(y + 0.5)
         r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie to the even side
         q = tl.minimum(tl.maximum(r, -127.0), 127.0)
-        tl.store(q_ptr + row * sq_b + h * sq_h + slot * sq_s + offs, q.to(tl.int8))
+        if TILE > 1:
+            q_off = (slot // TILE) * sq_s + offs * TILE + slot % TILE
+        else:
+            q_off = slot * sq_s + offs
+        tl.store(q_ptr + row * sq_b + h * sq_h + q_off, q.to(tl.int8))
         tl.store(s_ptr + row * ss_b + h * ss_h + slot * ss_s + tl.arange(0, N_GROUPS), scale)
 
     @triton.jit
@@ -152,18 +162,24 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_int8_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
-                                  sq_b, sq_h, sk_b, sk_h, sk_s, ss_b, ss_h, ss_s, so_b, so_h, so_sp, sm_b, sm_h,
-                                  sm_scale, split_len, HPK: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
-                                  NG: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HH: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, DENSE_SCALES: tl.constexpr, CVT: tl.constexpr,
-                                  PREFETCH: tl.constexpr):
+                                  sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, ss_b, ss_h, ss_s, so_b, so_h,
+                                  so_sp, sm_b, sm_h, sm_scale, split_len, HPK: tl.constexpr, HD: tl.constexpr,
+                                  G: tl.constexpr, NG: tl.constexpr, BLOCK_R: tl.constexpr,
+                                  BLOCK_HH: tl.constexpr, BLOCK_N: tl.constexpr, DENSE_SCALES: tl.constexpr,
+                                  CVT: tl.constexpr, V_TILE: tl.constexpr):
         """INT8 cache with no per-element dequantisation: row r = h * NG + g of the dot holds query head h
         masked to channel group g, so Q' @ K8^T gives each group's partial score, which is scaled by that
         slot's K scale and summed over the NG rows of a head. For V, row (h, g) gets p[h] times the V
         scale of group g, P' @ V8 accumulates (BLOCK_R, HD), and at the end head h keeps, of each
         channel, the row of that channel's group. The int8 tiles only go through an int8 -> fp16 cast.
-        BLOCK_R = BLOCK_HH * NG >= HPK * NG, BLOCK_R >= 16 (tl.dot's smallest M). PREFETCH: load the
-        next block's int8 tiles before working on this one (registers double-buffered by hand)."""
+        BLOCK_R = BLOCK_HH * NG >= HPK * NG, BLOCK_R >= 16 (tl.dot's smallest M).
+        V_TILE > 1: V is token-tiled (Int8KVCache(token_tile=V_TILE): V_TILE consecutive slots of a channel
+        are adjacent bytes, sv_s = HD * V_TILE is the stride of a tile), loaded as a (BLOCK_N / V_TILE, HD,
+        V_TILE) block and permuted to (BLOCK_N, HD) in registers: V is P @ V's right operand, reduced
+        over slots, and row-major int8 makes that operand a byte-wise gather from shared memory (64
+        single-byte loads per thread per block); tiled, it is 16-byte async copies and ldmatrix. A tile
+        is read whole when its first slot is below the split's end (the cache's capacity is a multiple
+        of V_TILE; the extra slots' probabilities and V scales are 0)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -181,24 +197,23 @@ if triton is not None:
         acc = tl.zeros((BLOCK_R, HD), tl.float32)
         row = tl.load(rows_ptr + b)  # the cache row of query row b
         kbase = row * sk_b + kvh * sk_h
+        vbase = row * sv_b + kvh * sv_h
         sbase = row * ss_b + kvh * ss_h
         offs_b = tl.arange(0, BLOCK_N)
-        if PREFETCH:
-            first = kbase + (lo + offs_b)[:, None] * sk_s + offs_d[None, :]
-            nk = tl.load(k_ptr + first, mask=((lo + offs_b) < hi)[:, None], other=0)
-            nv = tl.load(v_ptr + first, mask=((lo + offs_b) < hi)[:, None], other=0)
+        if V_TILE > 1:
+            offs_t = tl.arange(0, BLOCK_N // V_TILE)
+            v_tile = offs_t[:, None, None] * sv_s + offs_d[None, :, None] * V_TILE + tl.arange(0, V_TILE)[None, None, :]
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + offs_b
             n_ok = offs_n < hi
             kv_off = kbase + offs_n[:, None] * sk_s + offs_d[None, :]  # (BLOCK_N, HD)
-            if PREFETCH:
-                k8, v8 = nk, nv
-                n_next = (offs_n + BLOCK_N < hi)[:, None]
-                nk = tl.load(k_ptr + kv_off + BLOCK_N * sk_s, mask=n_next, other=0)
-                nv = tl.load(v_ptr + kv_off + BLOCK_N * sk_s, mask=n_next, other=0)
+            k8 = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0)
+            if V_TILE > 1:
+                t_ok = (start + offs_t * V_TILE < hi)[:, None, None]  # whole tiles: the loads stay 16-byte
+                v3 = tl.load(v_ptr + vbase + (start // V_TILE) * sv_s + v_tile, mask=t_ok, other=0)
+                v8 = tl.reshape(tl.permute(v3, (0, 2, 1)), (BLOCK_N, HD))
             else:
-                k8 = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0)
-                v8 = tl.load(v_ptr + kv_off, mask=n_ok[:, None], other=0)
+                v8 = tl.load(v_ptr + vbase + offs_n[:, None] * sv_s + offs_d[None, :], mask=n_ok[:, None], other=0)
             k = _int8_to_fp16(k8, CVT)
             v = _int8_to_fp16(v8, CVT)
             part = tl.dot(qr, tl.trans(k))  # (BLOCK_R, BLOCK_N): row (h, g) = group g's share of head h's score
@@ -269,26 +284,31 @@ def _need_triton() -> None:
 
 def quantize_write(fresh: Tensor, q_cache: Tensor, s_cache: Tensor, rows: Tensor, starts: Tensor) -> None:
     """Quantise new K or V (B, KV, T, hd) and write it into cache rows `rows` (B,) at slots
-    starts[b] .. starts[b] + T - 1, in place: q_cache int8 (Bmax, KV, S, hd), s_cache fp16 (Bmax, KV, S, hd / G)."""
+    starts[b] .. starts[b] + T - 1, in place: q_cache int8 (Bmax, KV, S, hd) or token-tiled (Bmax, KV, S / T',
+    hd, T') (Int8KVCache(token_tile=T')), s_cache fp16 (Bmax, KV, S, hd / G)."""
     _need_triton()
     b, kv, t, hd = fresh.shape
     n_groups = s_cache.shape[-1]
+    tile = q_cache.shape[-1] if q_cache.dim() == 5 else 1
     fresh = fresh.contiguous()
-    if fresh.stride(-1) != 1 or q_cache.stride(-1) != 1 or s_cache.stride(-1) != 1:
-        raise ValueError("the last dim (head_dim / groups) must be contiguous")
+    if fresh.stride(-1) != 1 or q_cache.stride(-1) != 1 or s_cache.stride(-1) != 1 or (
+            tile > 1 and q_cache.stride(-2) != tile):
+        raise ValueError("the last dim (head_dim / groups / token tile) must be contiguous")
     _quantize_write_kernel[(b * kv * t,)](
         fresh, q_cache, s_cache, rows.to(torch.int32).contiguous(), starts.to(torch.int32).contiguous(),
         fresh.stride(0), fresh.stride(1), fresh.stride(2), q_cache.stride(0), q_cache.stride(1), q_cache.stride(2),
-        s_cache.stride(0), s_cache.stride(1), s_cache.stride(2), KV=kv, T=t, G=hd // n_groups, N_GROUPS=n_groups)
+        s_cache.stride(0), s_cache.stride(1), s_cache.stride(2), KV=kv, T=t, G=hd // n_groups, N_GROUPS=n_groups,
+        TILE=tile)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: Tensor | None = None,
                      v_scale: Tensor | None = None, rows: Tensor | None = None, k_new: Tensor | None = None,
                      v_new: Tensor | None = None, n_splits: int | None = None, block_n: int = 64,
                      num_warps: int = 4, num_stages: int = 3, waves: float = 8.0, dense_scales: bool = True,
-                     cvt: int | None = None, prefetch: bool = False) -> Tensor:
+                     cvt: int | None = None) -> Tensor:
     """q (B, H, hd); k, v (B, KV, S, hd) int8 with scales (B, KV, S, hd / G), or fp16 with no scales;
     lengths (B,) int32: row b attends to slots [0, lengths[b]). Returns (B, H, hd) float32.
+    An INT8 v may be token-tiled, (B, KV, S / T, hd, T) (Int8KVCache(token_tile=T).q): the fast layout.
     rows (B,): the cache row of each query row (default 0..B-1; the cache may have more rows).
     k_new, v_new (B, KV, hd): the step's own K/V, attended unquantised besides the cache's slots.
 
@@ -297,7 +317,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     reduction). `block_n`, `num_warps`, `num_stages`: the split kernel's tile and launch settings;
     `dense_scales`, `cvt`: the INT8 kernel's scale loads and int8 -> fp16 conversion (`_int8_to_fp16`;
     default 2, the PTX one, on CUDA and 1 elsewhere, i.e. in Triton's interpreter); the simpler variants
-    are there for the GPU benchmark to measure against; `prefetch`: the INT8 kernel's hand double-buffering.
+    are there for the GPU benchmark to measure against.
     Defaults: the INT8 kernel's best settings in the sweep on an H200 (docs/BENCHMARKS.md)."""
     _need_triton()
     b, h, hd = q.shape
@@ -306,6 +326,11 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     if hpk > BLOCK_H or hd & (hd - 1):
         raise ValueError(f"needs <= {BLOCK_H} query heads per KV head and a power-of-two head_dim")
     is_int8 = k_scale is not None
+    v_tile = v.shape[-1] if v.dim() == 5 else 1
+    if v_tile > 1 and (not is_int8 or block_n % v_tile or v.shape[2] * v_tile < s_max or v.stride(-1) != 1
+                       or v.stride(-2) != v_tile):
+        raise ValueError(f"a token-tiled V needs an INT8 cache, block_n a multiple of its tile ({v_tile}), "
+                         f"room for {s_max} slots and contiguous tiles; got {tuple(v.shape)}, block_n {block_n}")
     if n_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         n_splits = max(1, min(math.ceil(waves * sms / (b * kv)), math.ceil(s_max / 256)))
@@ -319,15 +344,16 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     rows = (torch.arange(b, dtype=torch.int32, device=q.device) if rows is None
             else rows.to(torch.int32).contiguous())
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2))
+    v_strides = (v.stride(0), v.stride(1), v.stride(2))
     out_strides = (o.stride(0), o.stride(1), o.stride(2), m.stride(0), m.stride(1), 1.0 / math.sqrt(hd), split_len)
     if is_int8:
         ng = k_scale.shape[-1]
         block_r = max(16, triton.next_power_of_2(hpk * ng))
         _decode_split_int8_kernel[(b, kv, n_splits)](
-            q, k, v, k_scale, v_scale, lengths, rows, o, m, l_sum, *common, k_scale.stride(0), k_scale.stride(1),
+            q, k, v, k_scale, v_scale, lengths, rows, o, m, l_sum, *common, *v_strides, k_scale.stride(0), k_scale.stride(1),
             k_scale.stride(2), *out_strides, HPK=hpk, HD=hd, G=hd // ng, NG=ng, BLOCK_R=block_r, BLOCK_HH=block_r // ng,
             BLOCK_N=block_n, DENSE_SCALES=dense_scales, CVT=(2 if q.is_cuda else 1) if cvt is None else cvt,
-            PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
+            V_TILE=v_tile, num_warps=num_warps, num_stages=num_stages)
     else:
         _decode_split_kernel[(b, kv, n_splits)](
             q, k, v, lengths, rows, o, m, l_sum, *common, *out_strides, HPK=hpk, HD=hd, BLOCK_H=BLOCK_H,
@@ -367,5 +393,6 @@ class Int8DecodePast:
         """q (B, H, hd) and the step's own K/V (B, KV, hd), unquantised -> (B, H, hd) float32."""
         n = max(1, self.max_len)  # no past at all: the kernels see one masked slot
         kc, vc = self.cache, past_v.cache
-        return decode_attention(q, kc.q[:, :, :n], vc.q[:, :, :n], self.lengths, kc.scale[:, :, :n],
+        vq = vc.q[:, :, :-(-n // vc.token_tile)] if vc.token_tile > 1 else vc.q[:, :, :n]
+        return decode_attention(q, kc.q[:, :, :n], vq, self.lengths, kc.scale[:, :, :n],
                                 vc.scale[:, :, :n], rows=self.rows, k_new=k_new, v_new=v_new)

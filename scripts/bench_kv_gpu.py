@@ -3,8 +3,9 @@ machine with Triton; `scripts/bench_kv.py --gpu` calls `gpu_bench` here.
 
 Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head dim 128), one new token per row, contexts
 4k / 16k / 32k, batch 1 and 8. Contenders, all over the same K/V values:
-  - int8_triton: kernels.kv_triton.decode_attention over the INT8 cache (+ FP16 group scales);
-    int8_triton_prefetch: the same with the next block's tiles loaded by hand one iteration ahead;
+  - int8_triton: kernels.kv_triton.decode_attention over the INT8 cache (+ FP16 group scales) as the
+    model keeps it on CUDA: V token-tiled (Int8KVCache(token_tile=kernels.kv_triton.V_TOKEN_TILE));
+    int8_triton_rowmajor: the same kernel over a row-major V (the layout before tiling);
     int8_triton_tuned (with --int8-tuned-from SWEEP.json): at the best INT8 settings of a sweep;
   - fp16_triton: the same kernel's FP16 version (no scales, no conversion); fp16_triton_tuned: with the
     settings that were best for it in the sweep;
@@ -70,6 +71,7 @@ def copy_bandwidth() -> float:
 
 def make_caches(b: int, ctx: int, group: int, copies: int) -> list[dict[str, torch.Tensor]]:
     from kernels.kv_quant import quantize
+    from kernels.kv_triton import V_TOKEN_TILE
 
     h, kv, hd = SHAPE["n_heads"], SHAPE["n_kv_heads"], SHAPE["head_dim"]
     out = []
@@ -80,7 +82,8 @@ def make_caches(b: int, ctx: int, group: int, copies: int) -> list[dict[str, tor
         kq, ks = quantize(k, group)
         vq, vs = quantize(v, group)
         q = torch.randn(b, h, hd, device="cuda", dtype=torch.float16, generator=gen)
-        out.append({"q": q, "k": k, "v": v, "kq": kq, "ks": ks, "vq": vq, "vs": vs,
+        vt = vq.view(b, kv, ctx // V_TOKEN_TILE, V_TOKEN_TILE, hd).transpose(-1, -2).contiguous()
+        out.append({"q": q, "k": k, "v": v, "kq": kq, "ks": ks, "vq": vq, "vt": vt, "vs": vs,
                     "len": torch.full((b,), ctx, dtype=torch.int32, device="cuda")})
     return out
 
@@ -101,10 +104,9 @@ def contenders(kw: dict[str, object], int8_tuned: dict[str, object] | None = Non
             return packed(c)
 
     return {
-        "int8_triton": lambda c: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"], **kw),
-        "int8_triton_prefetch": lambda c: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"],
-                                                           **{**kw, "prefetch": True}),
-        **({"int8_triton_tuned": lambda c: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"],
+        "int8_triton": lambda c: decode_attention(c["q"], c["kq"], c["vt"], c["len"], c["ks"], c["vs"], **kw),
+        "int8_triton_rowmajor": lambda c: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"], **kw),
+        **({"int8_triton_tuned": lambda c: decode_attention(c["q"], c["kq"], c["vt"], c["len"], c["ks"], c["vs"],
                                                             **int8_tuned)} if int8_tuned else {}),
         "fp16_triton": lambda c: decode_attention(c["q"], c["k"], c["v"], c["len"], **kw),
         "fp16_triton_tuned": lambda c: decode_attention(c["q"], c["k"], c["v"], c["len"], **FP16_TUNED),
@@ -173,7 +175,7 @@ def gpu_bench(group: int = 32, contexts: tuple[int, ...] = (4096, 16384, 32768),
                 row["best_fp16_us"] = min(fp16)  # type: ignore[type-var]
                 row["speedup_int8_vs_best_fp16"] = round(min(fp16) / row["int8_triton_us"], 2)  # type: ignore[operator]
                 row["speedup_int8_vs_fp16_triton"] = round(row["fp16_triton_us"] / row["int8_triton_us"], 2)  # type: ignore[operator]
-                for var in ("prefetch", "tuned"):
+                for var in ("rowmajor", "tuned"):
                     if f"int8_triton_{var}_us" in row:
                         t8 = float(row[f"int8_triton_{var}_us"])  # type: ignore[arg-type]
                         row[f"speedup_int8_{var}_vs_best_fp16"] = round(min(fp16) / t8, 2)  # type: ignore[operator]
@@ -234,7 +236,7 @@ def sweep(group: int = 32, grid: list[dict[str, object]] | None = None) -> list[
         for name, kw in runs:
             r: dict[str, object] = {"batch": b, "context": ctx, "cache": name, **kw}
             if name == "int8":
-                fns = [lambda c=c, kw=kw: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"], **kw)
+                fns = [lambda c=c, kw=kw: decode_attention(c["q"], c["kq"], c["vt"], c["len"], c["ks"], c["vs"], **kw)
                        for c in cs]
             else:
                 fns = [lambda c=c, kw=kw: decode_attention(c["q"], c["k"], c["v"], c["len"], **kw) for c in cs]

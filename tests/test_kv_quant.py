@@ -36,9 +36,11 @@ def test_zero_group_and_wrong_group() -> None:
         quantize(torch.zeros(1, 96), 64)
 
 
-def test_cache_quantises_on_write_and_views_like_a_tensor() -> None:
+@pytest.mark.parametrize("tile", [1, 4])
+def test_cache_quantises_on_write_and_views_like_a_tensor(tile: int) -> None:
+    """Token-tiled storage (the V layout of the Triton decode kernel) reads and writes like the plain one."""
     torch.manual_seed(1)
-    cache = Int8KVCache((3, 2, 8, 64), 32)
+    cache = Int8KVCache((3, 2, 8, 64), 32, token_tile=tile)
     dense = torch.zeros(3, 2, 8, 64)
     fresh = torch.randn(2, 3, 64)
     cache[1, :, 4:7] = fresh
@@ -49,6 +51,11 @@ def test_cache_quantises_on_write_and_views_like_a_tensor() -> None:
     picked = cache[:, :, :7].index_select(0, torch.tensor([2, 1]))
     assert torch.equal(picked.dequantize(torch.float32), dense[[2, 1], :, :7])
     assert cache.nbytes == int8_cache_bytes((3, 2, 8, 64), 32)
+    assert cache.shape == (3, 2, 8, 64) and cache.q.shape == ((3, 2, 8, 64) if tile == 1 else (3, 2, 2, 64, 4))
+    if tile > 1:  # slot s, channel d of a (row, head) plane at tile s // 4, byte d * 4 + s % 4
+        assert torch.equal(cache.q[1, :, 1, :, 0:3], cache.values()[1, :, 4:7].transpose(-1, -2))
+        with pytest.raises(ValueError, match="divide"):
+            Int8KVCache((1, 1, 10, 64), 32, token_tile=4)
 
 
 def test_bytes_against_fp16() -> None:

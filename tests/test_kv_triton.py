@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kernels.kv_quant import attention_reference, quantize
+from kernels.kv_quant import Int8KVCache, attention_reference, quantize
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 PROBE_FAILED = 77  # the subprocess's exit status when the interpreter itself cannot run a loop
@@ -59,6 +59,12 @@ def check_quantize_write(device: str) -> None:
             assert torch.equal(sc[row, :, start:start + 3], rs[i])
             assert torch.equal(qc[row, :, start:start + 3], rq[i])  # bit for bit, ties to even included
         assert int(qc[1].abs().sum()) == 0 and int(qc[2, :, :5].abs().sum()) == 0  # nothing else written
+        tiled = Int8KVCache((3, 2, 48, 64), group, device, token_tile=16)  # slots 5-7 and 9-11 span a tile edge
+        quantize_write(fresh, tiled.q, tiled.scale, torch.tensor([2, 0], device=device),
+                       torch.tensor([13, 14], device=device))
+        assert torch.equal(tiled[2, :, 13:16].q, rq[0]) and torch.equal(tiled[0, :, 14:17].q, rq[1])
+        assert torch.equal(tiled[2, :, 13:16].scale, rs[0])
+        assert int(tiled.values().abs().sum()) == int(rq.abs().sum())  # nothing else written
 
 
 def check_decode_attention(device: str) -> None:
@@ -74,10 +80,20 @@ def check_decode_attention(device: str) -> None:
         vq, vs = quantize(v, group)
         want = attention_reference(q, kq, ks, vq, vs, lengths)
         variants = [{"dense_scales": d, "cvt": c} for d in (True, False) for c in (0, 1, 2) if c < 2 or device == "cuda"]
-        variants.append({"prefetch": True})
         for splits, variant in [(1, {})] + [(4, v) for v in variants]:
             got = decode_attention(q, kq, vq, lengths, ks, vs, n_splits=splits, **variant)
             assert torch.allclose(got, want, atol=3e-3), float((got - want).abs().max())
+        # V token-tiled, as Int8KVCache(token_tile=T) stores it; the capacity is a multiple of T (320)
+        kt = torch.nn.functional.pad(kq, (0, 0, 0, 20))
+        vt, kst, vst = (torch.nn.functional.pad(x, (0, 0, 0, 20)) for x in (vq, ks, vs))
+        vt[:, :, s:] = 127  # slots past every length: whole tiles are read, these must weigh nothing
+        for tile in (16, 32):
+            tiled = vt.view(b, kv, 320 // tile, tile, hd).transpose(-1, -2).contiguous()
+            for splits in (1, 4):
+                got = decode_attention(q, kt[:, :, :s], tiled, lengths, kst[:, :, :s], vst[:, :, :s], n_splits=splits)
+                assert torch.allclose(got, want, atol=3e-3), (tile, float((got - want).abs().max()))
+        with pytest.raises(ValueError, match="token-tiled"):
+            decode_attention(q, kq, tiled, lengths, ks, vs, block_n=16)
     # FP16 cache through the same kernel, against plain softmax attention
     kk, vv = k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1)
     scores = torch.einsum("bhd,bhsd->bhs", q, kk) / hd ** 0.5

@@ -17,12 +17,13 @@ kernels.kv_triton.decode_attention over the INT8 cache plus the step's own K/V; 
 reference formulation (dequantised past). On CPU the plain-PyTorch reference (kernels.kv_quant) runs."""
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from kernels.kv_triton import Int8DecodePast, available as kv_triton_available
+from kernels.kv_triton import V_TOKEN_TILE, Int8DecodePast, available as kv_triton_available
 from kernels.kv_quant import Int8KVCache
 from partition.model import SliceModule, Transformer
 from partition.runners.base import KV_CACHE_KINDS, SliceRunner, row_range, write_new_kv
@@ -58,19 +59,27 @@ class TorchRunner(SliceRunner):
         shape = (max_batch, cfg.n_kv_heads, max_seq, cfg.head_dim)
         # One K and one V buffer per layer, allocated once: (max_batch, KV, max_seq, hd).
         self.kv_cache = kv_cache
-        self.cache: list[Any] = (
-            [Int8KVCache(shape, kv_group, self.device) for _ in range(2 * spec.n_layers)] if kv_cache == "int8"
-            else [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * spec.n_layers)])
+        # Triton's CPU interpreter (TRITON_INTERPRET=1, a debugging backend) runs the kernels on a CPU model.
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        can_triton = kv_cache == "int8" and (self.device.type == "cuda" or interpreted) and kv_triton_available()
+        if kv_triton and not can_triton:
+            raise ValueError("kv_triton=True needs kv_cache='int8', a CUDA model and Triton installed")
+        self.kv_triton = (can_triton and self.device.type == "cuda") if kv_triton is None else kv_triton
+        if kv_cache == "int8":
+            # The Triton decode kernel reads V token-tiled (kernels.kv_triton.V_TOKEN_TILE); the capacity
+            # is rounded up to whole tiles (check_room still holds rows to max_seq).
+            tile = V_TOKEN_TILE if self.kv_triton else 1
+            tiled = (max_batch, cfg.n_kv_heads, -(-max_seq // tile) * tile, cfg.head_dim)
+            self.cache: list[Any] = [Int8KVCache(tiled, kv_group, self.device, token_tile=tile if i % 2 else 1)
+                                     for i in range(2 * spec.n_layers)]  # [K0, V0, K1, V1, ...]
+        else:
+            self.cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * spec.n_layers)]
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, but it is on {self.device}; "
                              "leave CUDA graphs off (the eager path is used) or load the model with device='cuda'")
         if compile_decode and not cuda_graphs:
             raise ValueError("compile_decode compiles the CUDA-graph decode step: it needs cuda_graphs=True")
         self.kv_in_place = (self.device.type == "cuda" and kv_cache == "fp16") if kv_in_place is None else kv_in_place
-        can_triton = kv_cache == "int8" and self.device.type == "cuda" and kv_triton_available()
-        if kv_triton and not can_triton:
-            raise ValueError("kv_triton=True needs kv_cache='int8', a CUDA model and Triton installed")
-        self.kv_triton = can_triton if kv_triton is None else kv_triton
         self.graphs = DecodeGraphs(self.module, self.cache, max_batch, max_seq, cfg.hidden_size, self.dtype,
                                    self.device, bucketed=graph_buckets, compile_step=compile_decode) if cuda_graphs else None
 
