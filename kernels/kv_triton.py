@@ -174,7 +174,7 @@ if triton is not None:
         channel, the row of that channel's group. The int8 tiles only go through an int8 -> fp16 cast.
         BLOCK_R = BLOCK_HH * NG >= HPK * NG, BLOCK_R >= 16 (tl.dot's smallest M).
         V_TILE > 1: V is token-tiled (Int8KVCache(token_tile=V_TILE): V_TILE consecutive slots of a channel
-        are adjacent bytes, sv_s = HD * V_TILE is the stride of a tile), loaded as a (BLOCK_N / V_TILE, HD,
+        are adjacent bytes, tiles HD * V_TILE bytes apart; sv_s unused), loaded as a (BLOCK_N / V_TILE, HD,
         V_TILE) block and permuted to (BLOCK_N, HD) in registers: V is P @ V's right operand, reduced
         over slots, and row-major int8 makes that operand a byte-wise gather from shared memory (64
         single-byte loads per thread per block); tiled, it is 16-byte async copies and ldmatrix. A tile
@@ -200,17 +200,19 @@ if triton is not None:
         vbase = row * sv_b + kvh * sv_h
         sbase = row * ss_b + kvh * ss_h
         offs_b = tl.arange(0, BLOCK_N)
-        if V_TILE > 1:
-            offs_t = tl.arange(0, BLOCK_N // V_TILE)
-            v_tile = offs_t[:, None, None] * sv_s + offs_d[None, :, None] * V_TILE + tl.arange(0, V_TILE)[None, None, :]
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + offs_b
             n_ok = offs_n < hi
             kv_off = kbase + offs_n[:, None] * sk_s + offs_d[None, :]  # (BLOCK_N, HD)
             k8 = tl.load(k_ptr + kv_off, mask=n_ok[:, None], other=0)
             if V_TILE > 1:
+                # A block's tiles are one contiguous run (tile stride HD * V_TILE, a constant: with the
+                # runtime stride every tile needs its own addresses, 30 registers more).
+                offs_t = tl.arange(0, BLOCK_N // V_TILE)
+                v_tile = (offs_t[:, None, None] * (HD * V_TILE) + offs_d[None, :, None] * V_TILE
+                          + tl.arange(0, V_TILE)[None, None, :])
                 t_ok = (start + offs_t * V_TILE < hi)[:, None, None]  # whole tiles: the loads stay 16-byte
-                v3 = tl.load(v_ptr + vbase + (start // V_TILE) * sv_s + v_tile, mask=t_ok, other=0)
+                v3 = tl.load(v_ptr + vbase + start * HD + v_tile, mask=t_ok, other=0)
                 v8 = tl.reshape(tl.permute(v3, (0, 2, 1)), (BLOCK_N, HD))
             else:
                 v8 = tl.load(v_ptr + vbase + offs_n[:, None] * sv_s + offs_d[None, :], mask=n_ok[:, None], other=0)
@@ -328,7 +330,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     is_int8 = k_scale is not None
     v_tile = v.shape[-1] if v.dim() == 5 else 1
     if v_tile > 1 and (not is_int8 or block_n % v_tile or v.shape[2] * v_tile < s_max or v.stride(-1) != 1
-                       or v.stride(-2) != v_tile):
+                       or v.stride(-2) != v_tile or v.stride(2) != hd * v_tile):
         raise ValueError(f"a token-tiled V needs an INT8 cache, block_n a multiple of its tile ({v_tile}), "
                          f"room for {s_max} slots and contiguous tiles; got {tuple(v.shape)}, block_n {block_n}")
     if n_splits is None:
