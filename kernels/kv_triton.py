@@ -9,11 +9,12 @@ pairs, so the group scales apply to per-group partial scores and to the probabil
 tiles only go through an int8 -> fp16 conversion (in PTX on packed bytes on CUDA). An FP16 kernel of the
 same structure reads an FP16 cache (`k_scale=None`) for the benchmark (scripts/bench_kv_gpu.py). A
 second kernel merges the splits and, in the model, the step's own unquantised K/V (`Int8DecodePast`,
-what partition.runners.torch_runner uses on CUDA). Measured on an H200 (docs/BENCHMARKS.md): 1.13x the
-best FP16 decode attention at batch 8 and 16k-32k context, on par at batch 1; it is latency-bound, not
-bandwidth-bound. A formulation without the (head, group) rows (head_dim in 4 chunks of one group each,
-4 dots and 4 accumulators, no cross-row reduction) was slower there (0.63-0.87x FP16: 255 registers per
-thread, 12.5 % occupancy; docs/BENCHMARKS.md).
+what partition.runners.torch_runner uses on CUDA). V is read token-tiled (Int8KVCache(token_tile=16),
+V_TOKEN_TILE): as P @ V's operand, reduced over slots, a row-major int8 V is a byte gather from shared
+memory. Measured on an H200 (docs/BENCHMARKS.md): 1.31-1.37x the best FP16 decode attention at batch 8
+and 16k-32k context, 1.08-1.14x at batch 1; issue-bound (0.64 warps issued per scheduler per cycle), not
+bandwidth-bound. Formulations that lost there: head_dim in 4 chunks of one group each (0.63-0.87x FP16:
+255 registers per thread) and dequantising to fp16 before FP16-style dots (0.72x the row layout).
 
 Why Triton rather than CUDA C++ through torch's extension loader: no host compiler or CUDA toolkit at
 run time, the kernel is JIT-compiled for the GPU it finds, and it runs on CPU in Triton's interpreter
