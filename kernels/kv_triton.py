@@ -107,7 +107,20 @@ if triton is not None:
         (the trick of FasterTransformer's and Marlin's dequantisers); 1 in plain Triton (integer ops on
         each element), 2 in PTX on four packed bytes at once (one xor, two byte permutes, two
         sub.f16x2: five instructions for four values; CUDA only)."""
-        if CVT == 2:
+        if CVT == 3:  # CVT 2 with the two constants as operands, set once, not per four values
+            return tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 t;
+                xor.b32 t, $2, 0x80808080;
+                prmt.b32 $0, t, $3, 0x4140;
+                prmt.b32 $1, t, $3, 0x4342;
+                sub.f16x2 $0, $0, $7;
+                sub.f16x2 $1, $1, $7;
+                }""",
+                constraints="=r,=r,r,r,r,r,r,r,r,r,r",  # packs of 4: x in one register, each constant in 4
+                args=[x, tl.full(x.shape, 0x64646464, tl.int32), tl.full(x.shape, 0x64806480, tl.int32)],
+                dtype=tl.float16, is_pure=True, pack=4)
+        elif CVT == 2:
             return tl.inline_asm_elementwise(
                 asm="""{
                 .reg .b32 t, m;
@@ -167,7 +180,7 @@ if triton is not None:
                                   so_sp, sm_b, sm_h, sm_scale, split_len, HPK: tl.constexpr, HD: tl.constexpr,
                                   G: tl.constexpr, NG: tl.constexpr, BLOCK_R: tl.constexpr,
                                   BLOCK_HH: tl.constexpr, BLOCK_N: tl.constexpr, DENSE_SCALES: tl.constexpr,
-                                  CVT: tl.constexpr, V_TILE: tl.constexpr):
+                                  CVT: tl.constexpr, V_TILE: tl.constexpr, QK_INT8: tl.constexpr = False):
         """INT8 cache with no per-element dequantisation: row r = h * NG + g of the dot holds query head h
         masked to channel group g, so Q' @ K8^T gives each group's partial score, which is scaled by that
         slot's K scale and summed over the NG rows of a head. For V, row (h, g) gets p[h] times the V
@@ -192,7 +205,13 @@ if triton is not None:
         offs_d = tl.arange(0, HD)
         sel = (offs_d // G)[None, :] == g_r[:, None]  # (BLOCK_R, HD): channel d belongs to row r's group
         qr = tl.load(q_ptr + b * sq_b + (kvh * HPK + h_r)[:, None] * sq_h + offs_d[None, :],
-                     mask=(h_r < HPK)[:, None] & sel, other=0.0).to(tl.float16)  # (BLOCK_R, HD)
+                     mask=(h_r < HPK)[:, None] & sel, other=0.0)  # (BLOCK_R, HD)
+        if QK_INT8:  # q quantised per (head, group) row: Q8 @ K8^T on the int8 tensor cores, int32 sums
+            q_amax = tl.max(tl.abs(qr.to(tl.float32)), axis=1)
+            q_scale = tl.where(q_amax > 0, q_amax / 127.0, 1.0)
+            qr = tl.minimum(tl.maximum(tl.floor(qr.to(tl.float32) / q_scale[:, None] + 0.5), -127.0), 127.0).to(tl.int8)
+        else:
+            qr = qr.to(tl.float16)
         m_i = tl.full((BLOCK_HH,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_HH,), tl.float32)
         acc = tl.zeros((BLOCK_R, HD), tl.float32)
@@ -217,9 +236,11 @@ if triton is not None:
                 v8 = tl.reshape(tl.permute(v3, (0, 2, 1)), (BLOCK_N, HD))
             else:
                 v8 = tl.load(v_ptr + vbase + offs_n[:, None] * sv_s + offs_d[None, :], mask=n_ok[:, None], other=0)
-            k = _int8_to_fp16(k8, CVT)
             v = _int8_to_fp16(v8, CVT)
-            part = tl.dot(qr, tl.trans(k))  # (BLOCK_R, BLOCK_N): row (h, g) = group g's share of head h's score
+            if QK_INT8:
+                part = tl.dot(qr, tl.trans(k8), out_dtype=tl.int32).to(tl.float32) * q_scale[:, None]
+            else:  # (BLOCK_R, BLOCK_N): row (h, g) = group g's share of head h's score
+                part = tl.dot(qr, tl.trans(_int8_to_fp16(k8, CVT)))
             if DENSE_SCALES:  # one contiguous (BLOCK_N, NG) tile per tensor, spread over rows in registers
                 s_off = sbase + offs_n[:, None] * ss_s + tl.arange(0, NG)[None, :]
                 ksc = tl.trans(tl.load(ks_ptr + s_off, mask=n_ok[:, None], other=0.0).to(tl.float32))  # (NG, BLOCK_N)
@@ -308,7 +329,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
                      v_scale: Tensor | None = None, rows: Tensor | None = None, k_new: Tensor | None = None,
                      v_new: Tensor | None = None, n_splits: int | None = None, block_n: int = 64,
                      num_warps: int = 4, num_stages: int = 3, waves: float = 8.0, dense_scales: bool = True,
-                     cvt: int | None = None) -> Tensor:
+                     cvt: int | None = None, qk_int8: bool = False) -> Tensor:
     """q (B, H, hd); k, v (B, KV, S, hd) int8 with scales (B, KV, S, hd / G), or fp16 with no scales;
     lengths (B,) int32: row b attends to slots [0, lengths[b]). Returns (B, H, hd) float32.
     An INT8 v may be token-tiled, (B, KV, S / T, hd, T) (Int8KVCache(token_tile=T).q): the fast layout.
@@ -356,7 +377,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
             q, k, v, k_scale, v_scale, lengths, rows, o, m, l_sum, *common, *v_strides, k_scale.stride(0), k_scale.stride(1),
             k_scale.stride(2), *out_strides, HPK=hpk, HD=hd, G=hd // ng, NG=ng, BLOCK_R=block_r, BLOCK_HH=block_r // ng,
             BLOCK_N=block_n, DENSE_SCALES=dense_scales, CVT=(2 if q.is_cuda else 1) if cvt is None else cvt,
-            V_TILE=v_tile, num_warps=num_warps, num_stages=num_stages)
+            V_TILE=v_tile, QK_INT8=qk_int8, num_warps=num_warps, num_stages=num_stages)
     else:
         _decode_split_kernel[(b, kv, n_splits)](
             q, k, v, lengths, rows, o, m, l_sum, *common, *out_strides, HPK=hpk, HD=hd, BLOCK_H=BLOCK_H,
@@ -383,6 +404,7 @@ class Int8DecodePast:
     rows: Tensor  # (B,) int32
     lengths: Tensor  # (B,) int32
     max_len: int
+    qk_int8: bool = False  # decode_attention(qk_int8=...): q quantised, Q.K on the int8 tensor cores
 
     @property
     def shape(self) -> torch.Size:
@@ -398,4 +420,4 @@ class Int8DecodePast:
         kc, vc = self.cache, past_v.cache
         vq = vc.q[:, :, :-(-n // vc.token_tile)] if vc.token_tile > 1 else vc.q[:, :, :n]
         return decode_attention(q, kc.q[:, :, :n], vq, self.lengths, kc.scale[:, :, :n],
-                                vc.scale[:, :, :n], rows=self.rows, k_new=k_new, v_new=v_new)
+                                vc.scale[:, :, :n], rows=self.rows, k_new=k_new, v_new=v_new, qk_int8=self.qk_int8)

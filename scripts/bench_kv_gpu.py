@@ -6,6 +6,8 @@ Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head dim 128), one new 
   - int8_triton: kernels.kv_triton.decode_attention over the INT8 cache (+ FP16 group scales) as the
     model keeps it on CUDA: V token-tiled (Int8KVCache(token_tile=kernels.kv_triton.V_TOKEN_TILE));
     int8_triton_rowmajor: the same kernel over a row-major V (the layout before tiling);
+    int8_triton_qk8: V tiled and q quantised per (head, group) to int8, Q.K on the int8 tensor cores
+    (`qk_int8=True`: changes numerics, so not the model's default);
     int8_triton_tuned (with --int8-tuned-from SWEEP.json): at the best INT8 settings of a sweep;
   - fp16_triton: the same kernel's FP16 version (no scales, no conversion); fp16_triton_tuned: with the
     settings that were best for it in the sweep;
@@ -106,6 +108,8 @@ def contenders(kw: dict[str, object], int8_tuned: dict[str, object] | None = Non
     return {
         "int8_triton": lambda c: decode_attention(c["q"], c["kq"], c["vt"], c["len"], c["ks"], c["vs"], **kw),
         "int8_triton_rowmajor": lambda c: decode_attention(c["q"], c["kq"], c["vq"], c["len"], c["ks"], c["vs"], **kw),
+        "int8_triton_qk8": lambda c: decode_attention(c["q"], c["kq"], c["vt"], c["len"], c["ks"], c["vs"],
+                                                      **{**kw, "qk_int8": True}),
         **({"int8_triton_tuned": lambda c: decode_attention(c["q"], c["kq"], c["vt"], c["len"], c["ks"], c["vs"],
                                                             **int8_tuned)} if int8_tuned else {}),
         "fp16_triton": lambda c: decode_attention(c["q"], c["k"], c["v"], c["len"], **kw),
@@ -175,7 +179,7 @@ def gpu_bench(group: int = 32, contexts: tuple[int, ...] = (4096, 16384, 32768),
                 row["best_fp16_us"] = min(fp16)  # type: ignore[type-var]
                 row["speedup_int8_vs_best_fp16"] = round(min(fp16) / row["int8_triton_us"], 2)  # type: ignore[operator]
                 row["speedup_int8_vs_fp16_triton"] = round(row["fp16_triton_us"] / row["int8_triton_us"], 2)  # type: ignore[operator]
-                for var in ("rowmajor", "tuned"):
+                for var in ("rowmajor", "qk8", "tuned"):
                     if f"int8_triton_{var}_us" in row:
                         t8 = float(row[f"int8_triton_{var}_us"])  # type: ignore[arg-type]
                         row[f"speedup_int8_{var}_vs_best_fp16"] = round(min(fp16) / t8, 2)  # type: ignore[operator]

@@ -31,14 +31,15 @@ def greedy(runner: TorchRunner, prompt: list[int], steps: int, slot: int) -> tup
     return tokens, seen
 
 
-def compare(device: str, dtype: torch.dtype, steps: int, prompts: tuple[list[int], ...]) -> float:
+def compare(device: str, dtype: torch.dtype, steps: int, prompts: tuple[list[int], ...], **fast_kw: object) -> float:
     """Greedy tokens of the Triton path == the reference's, prompt by prompt in different cache rows
     (row 2 of 3, so the kernels' row indirection is used); returns the largest logit difference."""
     model = load_model(DEFAULT_MODEL_DIR, dtype=dtype, device=device)
     n = model.config.n_layers
     ref = TorchRunner(model, SliceSpec(0, n, n), 160, 3, kv_cache="int8", kv_triton=False)
     # On CPU (the interpreter run) the Triton path is asked for: a CPU model does not take it by default.
-    fast = TorchRunner(model, SliceSpec(0, n, n), 160, 3, kv_cache="int8", kv_triton=True if device == "cpu" else None)
+    fast = TorchRunner(model, SliceSpec(0, n, n), 160, 3, kv_cache="int8",
+                       kv_triton=True if device == "cpu" else None, **fast_kw)
     assert fast.kv_triton and fast.cache[1].token_tile > 1 and fast.cache[0].token_tile == 1
     worst = 0.0
     for i, prompt in enumerate(prompts):

@@ -37,7 +37,7 @@ class TorchRunner(SliceRunner):
     def __init__(self, model: Transformer, spec: SliceSpec, max_seq: int, max_batch: int = 1,
                  cuda_graphs: bool = False, graph_buckets: bool = True, kv_in_place: bool | None = None,
                  compile_decode: bool = False, kv_cache: str = "fp16", kv_group: int = 32,
-                 kv_triton: bool | None = None) -> None:
+                 kv_triton: bool | None = None, kv_qk_int8: bool = False) -> None:
         """cuda_graphs: replay captured graphs for decode (needs a CUDA model: refused on CPU rather
         than silently ignored, so a benchmark never reports eager numbers as graphed ones).
         graph_buckets: capture per power-of-two past length instead of over the whole max_seq buffer.
@@ -46,7 +46,9 @@ class TorchRunner(SliceRunner):
         kv_cache: "fp16" (unquantised, in the model's dtype) or "int8" (group-wise, `kv_group` channels
         of head_dim per FP16 scale).
         kv_triton: the Triton kernels for an INT8 cache (None = on exactly for a CUDA model with Triton
-        installed; True elsewhere is refused, False keeps the PyTorch reference on the GPU too)."""
+        installed; True elsewhere is refused, False keeps the PyTorch reference on the GPU too).
+        kv_qk_int8: with the Triton path, decode steps quantise q per (head, group) and run Q.K on the
+        int8 tensor cores (kernels.kv_triton.decode_attention(qk_int8=True)); off by default."""
         if kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_KINDS)}, got {kv_cache!r}")
         if kv_cache == "int8" and cuda_graphs:
@@ -65,6 +67,9 @@ class TorchRunner(SliceRunner):
         if kv_triton and not can_triton:
             raise ValueError("kv_triton=True needs kv_cache='int8', a CUDA model and Triton installed")
         self.kv_triton = (can_triton and self.device.type == "cuda") if kv_triton is None else kv_triton
+        if kv_qk_int8 and not self.kv_triton:
+            raise ValueError("kv_qk_int8=True needs the Triton INT8 path (kv_cache='int8' on CUDA)")
+        self.kv_qk_int8 = kv_qk_int8
         if kv_cache == "int8":
             # The Triton decode kernel reads V token-tiled (kernels.kv_triton.V_TOKEN_TILE); the capacity
             # is rounded up to whole tiles (check_room still holds rows to max_seq).
@@ -122,7 +127,7 @@ class TorchRunner(SliceRunner):
         rows_t = torch.tensor(rows, dtype=torch.int32, device=self.device)
         starts = pos[:, 0].contiguous()
         if positions.shape[1] == 1:
-            past: list[Any] = [Int8DecodePast(c, rows_t, starts, past_len) for c in self.cache]
+            past: list[Any] = [Int8DecodePast(c, rows_t, starts, past_len, self.kv_qk_int8) for c in self.cache]
         else:
             past = self._past(rows, past_len)
         out, *new = self.module.run(x, pos, *past, all_logits=all_logits)
