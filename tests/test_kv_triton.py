@@ -92,6 +92,9 @@ def check_decode_attention(device: str) -> None:
             for splits in (1, 4):
                 got = decode_attention(q, kt[:, :, :s], tiled, lengths, kst[:, :, :s], vst[:, :, :s], n_splits=splits)
                 assert torch.allclose(got, want, atol=3e-3), (tile, float((got - want).abs().max()))
+            # q quantised per (head, group), Q.K on the int8 tensor cores: q's rounding on top (1/254 of a row's max)
+            got = decode_attention(q, kt[:, :, :s], tiled, lengths, kst[:, :, :s], vst[:, :, :s], n_splits=4, qk_int8=True)
+            assert float((got - want).norm() / want.norm()) < 1e-2, (tile, float((got - want).norm() / want.norm()))
         with pytest.raises(ValueError, match="token-tiled"):
             decode_attention(q, kq, tiled, lengths, ks, vs, block_n=16)
     # FP16 cache through the same kernel, against plain softmax attention

@@ -56,12 +56,20 @@ def test_triton_int8_path_matches_reference_cuda() -> None:
     assert worst < 0.1, worst  # fp16 dot products in the kernel against fp32 matmuls in the reference
 
 
+@pytest.mark.cuda
+def test_qk_int8_path_keeps_greedy_cuda() -> None:
+    """q quantised for Q.K (TorchRunner(kv_qk_int8=True)): greedy still equals the reference INT8 path."""
+    assert compare("cuda", torch.float16, 48, PROMPTS, kv_qk_int8=True) < 0.5
+
+
 def test_kv_triton_is_off_on_cpu_and_refused() -> None:
     model = load_model(DEFAULT_MODEL_DIR)
     n = model.config.n_layers
     assert not TorchRunner(model, SliceSpec(0, n, n), 32, 1, kv_cache="int8").kv_triton
     with pytest.raises(ValueError, match="CUDA"):
         TorchRunner(model, SliceSpec(0, n, n), 32, 1, kv_cache="int8", kv_triton=True)
+    with pytest.raises(ValueError, match="Triton INT8 path"):
+        TorchRunner(model, SliceSpec(0, n, n), 32, 1, kv_cache="int8", kv_qk_int8=True)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
