@@ -11,9 +11,10 @@ same structure reads an FP16 cache (`k_scale=None`) for the benchmark (scripts/b
 second kernel merges the splits and, in the model, the step's own unquantised K/V (`Int8DecodePast`,
 what partition.runners.torch_runner uses on CUDA). V is read token-tiled (Int8KVCache(token_tile=16),
 V_TOKEN_TILE): as P @ V's operand, reduced over slots, a row-major int8 V is a byte gather from shared
-memory. Measured on an H200 (docs/BENCHMARKS.md): 1.31-1.37x the best FP16 decode attention at batch 8
-and 16k-32k context, 1.08-1.14x at batch 1; issue-bound (0.64 warps issued per scheduler per cycle), not
-bandwidth-bound. Formulations that lost there: head_dim in 4 chunks of one group each (0.63-0.87x FP16:
+memory. Measured on an H200 (docs/BENCHMARKS.md): 1.33-1.36x the best FP16 decode attention at batch 8
+and 16k-32k context, 1.06-1.13x at batch 1; 1.45-1.50x at batch 8 with `qk_int8` (q quantised, Q.K on
+the int8 tensor cores; opt-in, it changes numerics). Issue-bound (0.64 warps issued per scheduler per
+cycle), not bandwidth-bound. Formulations that lost there: head_dim in 4 chunks of one group each (0.63-0.87x FP16:
 255 registers per thread) and dequantising to fp16 before FP16-style dots (0.72x the row layout).
 
 Why Triton rather than CUDA C++ through torch's extension loader: no host compiler or CUDA toolkit at
@@ -107,20 +108,7 @@ if triton is not None:
         (the trick of FasterTransformer's and Marlin's dequantisers); 1 in plain Triton (integer ops on
         each element), 2 in PTX on four packed bytes at once (one xor, two byte permutes, two
         sub.f16x2: five instructions for four values; CUDA only)."""
-        if CVT == 3:  # CVT 2 with the two constants as operands, set once, not per four values
-            return tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 t;
-                xor.b32 t, $2, 0x80808080;
-                prmt.b32 $0, t, $3, 0x4140;
-                prmt.b32 $1, t, $3, 0x4342;
-                sub.f16x2 $0, $0, $7;
-                sub.f16x2 $1, $1, $7;
-                }""",
-                constraints="=r,=r,r,r,r,r,r,r,r,r,r",  # packs of 4: x in one register, each constant in 4
-                args=[x, tl.full(x.shape, 0x64646464, tl.int32), tl.full(x.shape, 0x64806480, tl.int32)],
-                dtype=tl.float16, is_pure=True, pack=4)
-        elif CVT == 2:
+        if CVT == 2:
             return tl.inline_asm_elementwise(
                 asm="""{
                 .reg .b32 t, m;
