@@ -22,7 +22,8 @@ run time, the kernel is JIT-compiled for the GPU it finds, and it runs on CPU in
 (TRITON_INTERPRET=1) for tests without a GPU.
 
 Orin (sm_87): the target is not the problem (Triton emits PTX through its own LLVM and assembles it
-with the ptxas it bundles, for any Ampere-or-later capability); the toolchain is. JetPack ships no
+with the ptxas it bundles, for any Ampere-or-later capability: `scripts/kv_kernel_sass.py --arch 87`
+compiles these kernels for sm_87 on a machine without a GPU); the toolchain is. JetPack ships no
 Triton, NVIDIA's JetPack PyTorch wheels do not pull one in, and PyPI's aarch64 wheels are built for
 server (SBSA) CUDA, not L4T: Jetson users build Triton from source (triton-lang/triton#5498; the
 JetPack 7.2 image of roboflow/inference#2531 builds it from source for Orin sm_87 and Thor). So: not
