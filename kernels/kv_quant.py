@@ -81,6 +81,19 @@ class QuantizedPast:
         return QuantizedPast(self.q.index_select(dim, index), self.scale.index_select(dim, index))
 
 
+def tile_tokens(x: Tensor, tile: int) -> Tensor:
+    """(..., S, hd) -> (..., S / tile, hd, tile), contiguous: `tile` consecutive slots of a channel become
+    adjacent (Int8KVCache(token_tile=tile)'s storage). S must be a multiple of `tile`."""
+    *lead, s, hd = x.shape
+    return x.reshape(*lead, s // tile, tile, hd).transpose(-1, -2).contiguous()
+
+
+def untile_tokens(t: Tensor) -> Tensor:
+    """The inverse of `tile_tokens`: (..., S / tile, hd, tile) -> (..., S, hd) (a copy)."""
+    *lead, n, hd, tile = t.shape
+    return t.transpose(-1, -2).reshape(*lead, n * tile, hd)
+
+
 class Int8KVCache:
     """One layer's K or V cache, preallocated: int8 (B, KV, S, hd) and fp16 scales (B, KV, S, hd / G).
 
@@ -119,8 +132,7 @@ class Int8KVCache:
         if self.token_tile == 1:
             return self.q
         n = self.q.shape[2] if slots is None else -(-slots // self.token_tile)
-        t = self.q[:, :, :n]
-        return t.transpose(-1, -2).reshape(t.shape[0], t.shape[1], n * self.token_tile, t.shape[3])
+        return untile_tokens(self.q[:, :, :n])
 
     def __getitem__(self, key: Index) -> QuantizedPast:
         if self.token_tile == 1:
@@ -152,8 +164,7 @@ class Int8KVCache:
         else:
             dense = self.values()
             dense[key] = q
-            b, kv, s, hd = dense.shape
-            self.q.copy_(dense.view(b, kv, s // self.token_tile, self.token_tile, hd).transpose(-1, -2))
+            self.q.copy_(tile_tokens(dense, self.token_tile))
         self.scale[key] = scale
 
 

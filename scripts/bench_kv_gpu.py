@@ -72,7 +72,7 @@ def copy_bandwidth() -> float:
 
 
 def make_caches(b: int, ctx: int, group: int, copies: int) -> list[dict[str, torch.Tensor]]:
-    from kernels.kv_quant import quantize
+    from kernels.kv_quant import quantize, tile_tokens
     from kernels.kv_triton import V_TOKEN_TILE
 
     h, kv, hd = SHAPE["n_heads"], SHAPE["n_kv_heads"], SHAPE["head_dim"]
@@ -84,8 +84,8 @@ def make_caches(b: int, ctx: int, group: int, copies: int) -> list[dict[str, tor
         kq, ks = quantize(k, group)
         vq, vs = quantize(v, group)
         q = torch.randn(b, h, hd, device="cuda", dtype=torch.float16, generator=gen)
-        vt = vq.view(b, kv, ctx // V_TOKEN_TILE, V_TOKEN_TILE, hd).transpose(-1, -2).contiguous()
-        out.append({"q": q, "k": k, "v": v, "kq": kq, "ks": ks, "vq": vq, "vt": vt, "vs": vs,
+        out.append({"q": q, "k": k, "v": v, "kq": kq, "ks": ks, "vq": vq, "vs": vs,
+                    "vt": tile_tokens(vq, V_TOKEN_TILE),
                     "len": torch.full((b,), ctx, dtype=torch.int32, device="cuda")})
     return out
 

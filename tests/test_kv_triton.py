@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kernels.kv_quant import Int8KVCache, attention_reference, quantize
+from kernels.kv_quant import Int8KVCache, attention_reference, quantize, tile_tokens
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 PROBE_FAILED = 77  # the subprocess's exit status when the interpreter itself cannot run a loop
@@ -88,7 +88,7 @@ def check_decode_attention(device: str) -> None:
         vt, kst, vst = (torch.nn.functional.pad(x, (0, 0, 0, 20)) for x in (vq, ks, vs))
         vt[:, :, s:] = 127  # slots past every length: whole tiles are read, these must weigh nothing
         for tile in (16, 32):
-            tiled = vt.view(b, kv, 320 // tile, tile, hd).transpose(-1, -2).contiguous()
+            tiled = tile_tokens(vt, tile)
             for splits in (1, 4):
                 got = decode_attention(q, kt[:, :, :s], tiled, lengths, kst[:, :, :s], vst[:, :, :s], n_splits=splits)
                 assert torch.allclose(got, want, atol=3e-3), (tile, float((got - want).abs().max()))
