@@ -102,6 +102,27 @@ if triton is not None:
         return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
 
     @triton.jit
+    def _split_bounds(len_ptr, split_len):
+        """This program's query row, KV head and sequence split, and the split's slots [lo, hi): the loop
+        stops at the row's length, so splits past it only write an empty partial (m = -inf)."""
+        b = tl.program_id(0)
+        sp = tl.program_id(2)
+        lo = sp * split_len
+        return b, tl.program_id(1), sp, lo, tl.minimum(lo + split_len, tl.load(len_ptr + b))
+
+    @triton.jit
+    def _store_partial(o_ptr, m_ptr, l_ptr, acc, m_i, l_i, b, kvh, sp, so_b, so_h, so_sp, sm_b, sm_h,
+                       HPK: tl.constexpr, ROWS: tl.constexpr, HD: tl.constexpr):
+        """A split's partial output (ROWS, HD), max and sum for the merge kernel; rows past HPK are padding."""
+        offs_h = tl.arange(0, ROWS)
+        offs_d = tl.arange(0, HD)
+        h_ok = offs_h < HPK
+        heads = kvh * HPK + offs_h
+        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + sp * so_sp + offs_d[None, :], acc, mask=h_ok[:, None])
+        tl.store(m_ptr + b * sm_b + heads * sm_h + sp, m_i, mask=h_ok)
+        tl.store(l_ptr + b * sm_b + heads * sm_h + sp, l_i, mask=h_ok)
+
+    @triton.jit
     def _int8_to_fp16(x, CVT: tl.constexpr):
         """int8 -> fp16, exactly. CVT 0: the conversion instruction (a quarter of the FP32 rate on Hopper,
         one element each). CVT 1 and 2 go through the bits instead: x + 128 as a byte under the exponent
@@ -131,13 +152,8 @@ if triton is not None:
     def _decode_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
                              sq_b, sq_h, sk_b, sk_h, sk_s, so_b, so_h, so_sp, sm_b, sm_h, sm_scale, split_len,
                              HPK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-        """FP16 cache: one (row, KV head, split) per program, its HPK query heads as the rows of tl.dot.
-        The loop stops at the row's length: splits past it only write an empty partial (m = -inf)."""
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        sp = tl.program_id(2)
-        lo = sp * split_len
-        hi = tl.minimum(lo + split_len, tl.load(len_ptr + b))
+        """FP16 cache: one (row, KV head, split) per program, its HPK query heads as the rows of tl.dot."""
+        b, kvh, sp, lo, hi = _split_bounds(len_ptr, split_len)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HD)
         h_ok = offs_h < HPK
@@ -158,10 +174,7 @@ if triton is not None:
             s = tl.where(n_ok[None, :], s, -float("inf"))
             m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
-        heads = kvh * HPK + offs_h
-        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + sp * so_sp + offs_d[None, :], acc, mask=h_ok[:, None])
-        tl.store(m_ptr + b * sm_b + heads * sm_h + sp, m_i, mask=h_ok)
-        tl.store(l_ptr + b * sm_b + heads * sm_h + sp, l_i, mask=h_ok)
+        _store_partial(o_ptr, m_ptr, l_ptr, acc, m_i, l_i, b, kvh, sp, so_b, so_h, so_sp, sm_b, sm_h, HPK, BLOCK_H, HD)
 
     @triton.jit
     def _decode_split_int8_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
@@ -183,11 +196,7 @@ if triton is not None:
         single-byte loads per thread per block); tiled, it is 16-byte async copies and ldmatrix. A tile
         is read whole when its first slot is below the split's end (the cache's capacity is a multiple
         of V_TILE; the extra slots' probabilities and V scales are 0)."""
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        sp = tl.program_id(2)
-        lo = sp * split_len
-        hi = tl.minimum(lo + split_len, tl.load(len_ptr + b))
+        b, kvh, sp, lo, hi = _split_bounds(len_ptr, split_len)
         offs_r = tl.arange(0, BLOCK_R)
         h_r = offs_r // NG
         g_r = offs_r % NG
@@ -249,12 +258,7 @@ if triton is not None:
             a_r = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_HH, NG)), (BLOCK_R,))
             acc = acc * a_r[:, None] + tl.dot(p_r.to(tl.float16), v)
         out = tl.sum(tl.reshape(tl.where(sel, acc, 0.0), (BLOCK_HH, NG, HD)), axis=1)  # (BLOCK_HH, HD)
-        offs_h = tl.arange(0, BLOCK_HH)
-        h_ok = offs_h < HPK
-        heads = kvh * HPK + offs_h
-        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + sp * so_sp + offs_d[None, :], out, mask=h_ok[:, None])
-        tl.store(m_ptr + b * sm_b + heads * sm_h + sp, m_i, mask=h_ok)
-        tl.store(l_ptr + b * sm_b + heads * sm_h + sp, l_i, mask=h_ok)
+        _store_partial(o_ptr, m_ptr, l_ptr, out, m_i, l_i, b, kvh, sp, so_b, so_h, so_sp, sm_b, sm_h, HPK, BLOCK_HH, HD)
 
     @triton.jit
     def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, kn_ptr, vn_ptr, n_splits, sm_scale, sq_b, sq_h, sn_b, sn_h,
