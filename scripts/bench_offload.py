@@ -33,7 +33,7 @@ import torch
 from agent.engine.core import EngineCore
 from agent.engine.executor import ChainExecutor, load_core
 from agent.engine.speculative import exit_executor_on
-from agent.engine.types import Finished, SamplingParams
+from agent.engine.types import SamplingParams
 from partition.checkpoint import load_model
 from partition.config import load_config
 from partition.exits.data import greedy_disagreement, held_out_prompts
@@ -46,17 +46,8 @@ from partition.tokenizer import Tokenizer
 from power.physics.boards import BOARDS
 from power.physics.costmodel import OperatingPoint, decode_step, shape_of
 
-
-def run(core: EngineCore, prompt: list[int], params: SamplingParams) -> tuple[tuple[int, ...], float, int]:
-    """(completion ids, decode seconds after the first token, decode tokens)."""
-    first = done = None
-    for ev in core.generate(prompt, params):
-        if first is None:
-            first = time.perf_counter()
-        if isinstance(ev, Finished):
-            done = ev
-    assert done is not None and first is not None
-    return done.token_ids, time.perf_counter() - first, max(1, len(done.token_ids) - 1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script from any cwd
+from scripts.bench_exit import run  # noqa: E402  (completion ids, decode seconds per token after the first)
 
 
 class Energy:
@@ -105,8 +96,9 @@ class Variant:
         before = self.link.stats() if self.link is not None else None
         if self.target is not None:
             self.core.executor.reset_stats()  # type: ignore[attr-defined]
-        out, dt, n = run(self.core, prompt, replace(params, max_disagreement=self.target))
-        self.times.append(dt / n)
+        out, per_token = run(self.core, prompt, replace(params, max_disagreement=self.target))
+        n = max(1, len(out) - 1)  # decode tokens: those after the first
+        self.times.append(per_token)
         self.n_tok += n
         self.wrong += greedy_disagreement(model, prompt, out)
         if self.link is None or before is None:
