@@ -99,15 +99,20 @@ def split_cost(shape: ModelShape, n: int, device: BoardSpec, edge: BoardSpec, li
                      round(dev.power_w, 2), round(mem_gb, 3), not why, why)
 
 
+def check_choice(objective: str, *boards: str) -> None:
+    """ValueError unless `objective` is one of OBJECTIVES and every board is in the twin's BOARDS."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
+    for b in boards:
+        if b not in BOARDS:
+            raise ValueError(f"unknown board {b!r}; boards: {', '.join(BOARDS)}")
+
+
 def plan(shape: ModelShape, device_board: str, link: LinkEstimate, edge_board: str = "agx-orin-64gb",
          precision: str = "fp16", context: int = 512, exit_rate: float = 0.0,
          power_budget_w: float | None = None, objective: str = "tok-s") -> Plan:
     """Every split from 1 layer on the device to all of them; the best feasible one and why."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
-    for b in (device_board, edge_board):
-        if b not in BOARDS:
-            raise ValueError(f"unknown board {b!r}; boards: {', '.join(BOARDS)}")
+    check_choice(objective, device_board, edge_board)
     if link.rtt_ms < 0 or link.mbps <= 0:
         raise ValueError(f"a link needs RTT >= 0 ms and bandwidth > 0 Mbit/s (got {link.rtt_ms}, {link.mbps})")
     if not 0.0 <= exit_rate < 1.0:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from partition.offload.planner import OBJECTIVES, LinkEstimate, split_cost
+from partition.offload.planner import LinkEstimate, check_choice, split_cost
 from power.physics.costmodel import ModelShape
 
 
@@ -64,11 +64,7 @@ def planner_verdict(shape: ModelShape, n: int, board: str, edge_board: str = "ag
     """Offload at N against device only, costed by the planner on `shape` (a ModelShape) for a link."""
     from power.physics.boards import BOARDS
 
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
-    for b in (board, edge_board):
-        if b not in BOARDS:
-            raise ValueError(f"unknown board {b!r}; boards: {', '.join(BOARDS)}")
+    check_choice(objective, board, edge_board)
     device, edge = BOARDS[board], BOARDS[edge_board]
 
     def score(tok_s: float, j: float) -> float:
