@@ -40,12 +40,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Iterable, Mapping, TypeVar
 
 from power.physics.costmodel import OperatingPoint, decode_step, prefill_step
 from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, served_size
 from power.policy.profiles import Budget, Profile
 from power.policy.thermal import ThermalState, ThermalVerdict
+
+T = TypeVar("T")
 
 __all__ = ["Budget", "BudgetController", "BudgetState", "BudgetStatus", "account", "allowed_power"]
 
@@ -158,13 +160,18 @@ def window_average(budget: Budget, state: BudgetState, now: float) -> float:
     return window_energy(budget, state, now - budget.window_s, now) / max(span, 1e-9)
 
 
-def pareto(points: list[tuple[float, float, int, int]]) -> list[tuple[float, float, int, int]]:
-    """The points no other point beats on both time and power, fastest first."""
-    out: list[tuple[float, float, int, int]] = []
-    for c in sorted(points, key=lambda c: (c[1], c[0])):        # by power, then time
-        if not out or c[0] < out[-1][0]:
+def pareto_front(items: Iterable[T], power: Callable[[T], float], speed: Callable[[T], float]) -> list[T]:
+    """The items no other item beats on both power and speed, by rising power (each faster than the last)."""
+    out: list[T] = []
+    for c in sorted(items, key=lambda c: (power(c), -speed(c))):
+        if not out or speed(c) > speed(out[-1]):
             out.append(c)
-    return out[::-1]
+    return out
+
+
+def pareto(points: list[tuple[float, float, int, int]]) -> list[tuple[float, float, int, int]]:
+    """The (seconds, watts, GPU Hz, EMC Hz) points no other point beats on both time and power, fastest first."""
+    return pareto_front(points, power=lambda c: c[1], speed=lambda c: -c[0])[::-1]
 
 
 class BudgetController:

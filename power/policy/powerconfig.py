@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from power.physics.boards import BoardSpec, ModeSpec, active_tpcs
 from power.physics.costmodel import ModelShape, OperatingPoint, decode_step, prefill_step
+from power.policy.budget import pareto_front
 
 PREFILL_CHUNK = 512         # the scheduler's max_prefill_chunk: prefill runs in chunks of this size
 
@@ -74,11 +75,8 @@ def hull_rate(ways: list[tuple[float, float]], watts: float) -> float:
 
 
 def _frontier(ways: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for p, r in sorted(ways):
-        if not out or r > out[-1][1]:
-            out.append((p, r))
-    return out
+    """The (W, rate) ways on the Pareto front, by rising power."""
+    return pareto_front(ways, power=lambda w: w[0], speed=lambda w: w[1])
 
 
 def _points(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec, cores: int | None, mix: Mix,
