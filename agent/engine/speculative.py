@@ -229,8 +229,11 @@ class ExitExecutor(ChainExecutor):
             for c in special:
                 self.rows[c.req_id] = self.exits.new_row(c.start_pos + len(c.token_ids))
                 self.prompt_len[c.req_id] = c.start_pos + len(c.token_ids)
-            step = self._count_plain(plan.chunks) if plan.kind == "decode" else None
-            return StepOutput(tokens, time.perf_counter() - t0, logprobs=logprobs, depth=step)
+            if plan.kind == "prefill":
+                return StepOutput(tokens, time.perf_counter() - t0, logprobs=logprobs)
+            depth = _StepDepth(self.exits.n_layers)
+            self._count_plain(plan.chunks, depth)
+            return StepOutput(tokens, time.perf_counter() - t0, logprobs=logprobs, depth=self._record(depth))
         depth = _StepDepth(self.exits.n_layers)
         if plain:
             plain_tokens, logprobs = self._forward(plain)
@@ -243,24 +246,18 @@ class ExitExecutor(ChainExecutor):
                 tokens[c.req_id], more[c.req_id] = emitted[0], tuple(emitted[1:])
             else:
                 tokens[c.req_id] = self._exit_step(c, s, depth)
-        step = depth.freeze()
-        if step is not None:
-            self.stats.add(step)
-        return StepOutput(tokens, time.perf_counter() - t0, more, logprobs, step)
+        return StepOutput(tokens, time.perf_counter() - t0, more, logprobs, self._record(depth))
 
-    def _count_plain(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], depth: _StepDepth | None = None
-                     ) -> DepthStats | None:
-        """Exit-mode rows that compute no head ran plain, at full depth: count them as such (into
-        `depth`, or into a step record of their own, added to the stats, when `depth` is None)."""
-        own = depth is None
-        d = _StepDepth(self.exits.n_layers) if depth is None else depth
+    def _count_plain(self, chunks: list[SeqChunk] | tuple[SeqChunk, ...], depth: _StepDepth) -> None:
+        """Exit-mode rows that compute no head ran plain, at full depth: count them as such."""
         for c in chunks:
             if self.samplers[c.req_id].params.max_disagreement is not None:
-                d.token(self.exits.n_layers)
-                d.deep_passes += 1
-        if not own:
-            return None
-        step = d.freeze()
+                depth.token(self.exits.n_layers)
+                depth.deep_passes += 1
+
+    def _record(self, depth: _StepDepth) -> DepthStats | None:
+        """The step's depth record, added to the running stats (None: no exit-mode row ran)."""
+        step = depth.freeze()
         if step is not None:
             self.stats.add(step)
         return step
