@@ -30,12 +30,12 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from kernels.kv_quant import QMAX
 from partition.build.export import ExportOptions, example_inputs, export_slice
 from partition.build.trt_check import CheckReport, check_onnx_file
 from partition.model import SliceModule, Transformer
 from partition.slices import SliceSpec
 
-QMAX = 127  # symmetric INT8, as kernels/kv_quant.py
 CALIB_TOKENS = 4096  # as scripts/bench_kv_onnx.py, whose figures docs/BENCHMARKS.md reports
 CALIB_WINDOW = 256
 
@@ -46,7 +46,7 @@ def kv_names(spec: SliceSpec) -> list[tuple[str, str]]:
 
 
 @torch.inference_mode()
-def calibrate_kv_scales(model: Transformer, ids: torch.Tensor, window: int = 256) -> dict[str, np.ndarray]:
+def calibrate_kv_scales(model: Transformer, ids: torch.Tensor, window: int = CALIB_WINDOW) -> dict[str, np.ndarray]:
     """Per-channel scales {"key_{i}" / "value_{i}": (head_dim,) float32} for every layer: absmax over
     the K/V that `ids` (1-D token ids, cut into `window`-token pieces) produce, over tokens and KV
     heads, / 127."""
@@ -126,7 +126,7 @@ def corpus_kv_scales(model: Transformer, model_dir: str | Path, tokens: int = CA
     eos = tok.tk.token_to_id("<|endoftext|>")
     texts = split_texts(Path(model_dir), "val")
     ids = [t for x in texts for t in tok.encode(x) + ([eos] if eos is not None else [])][:tokens]
-    scales = calibrate_kv_scales(model, torch.tensor(ids), CALIB_WINDOW)
+    scales = calibrate_kv_scales(model, torch.tensor(ids))
     h = hashlib.sha256()
     for k in sorted(scales):
         h.update(k.encode() + scales[k].tobytes())
