@@ -222,12 +222,16 @@ def decode_step(spec: BoardSpec, shape: ModelShape, precision: str, op: Operatin
     # each weight tile is dequantised once per step, for every row of the batch (GEMV and GEMM kernels
     # alike load a tile, expand it in registers/shared memory and use it for all rows)
     ops = flops + shape.body_params * prec.dequant_ops
-    if batch >= params.gemm_batch:
-        rate = op.tpcs * TENSOR_FLOP_PER_TPC_CYCLE * op.gpu_hz * params.tensor_eff
-    else:       # small-batch GEMV on CUDA cores
-        rate = op.tpcs * CUDA_FLOP_PER_TPC_CYCLE * op.gpu_hz * params.cuda_eff
     overhead = shape.layers * params.overhead_cycles_per_layer / op.gpu_hz
-    return _finish(spec, op, "decode", batch, flops, nbytes, ops / rate, overhead, params)
+    return _finish(spec, op, "decode", batch, flops, nbytes, ops / decode_rate(op, batch, params), overhead, params)
+
+
+def decode_rate(op: OperatingPoint, batch: int, params: CostParams = DEFAULT_PARAMS) -> float:
+    """FLOP/s of a decode step's matrix work: tensor cores from ``params.gemm_batch`` rows on, else
+    small-batch GEMV on CUDA cores."""
+    if batch >= params.gemm_batch:
+        return op.tpcs * TENSOR_FLOP_PER_TPC_CYCLE * op.gpu_hz * params.tensor_eff
+    return op.tpcs * CUDA_FLOP_PER_TPC_CYCLE * op.gpu_hz * params.cuda_eff
 
 
 def prefill_step(spec: BoardSpec, shape: ModelShape, precision: str, op: OperatingPoint,

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from power.physics.boards import BoardSpec
-from power.physics.costmodel import (CUDA_FLOP_PER_TPC_CYCLE, DEFAULT_PARAMS, PRECISIONS, TENSOR_FLOP_PER_TPC_CYCLE,
-                                     CostParams, ModelShape, OperatingPoint, StepCost, _finish)
+from power.physics.costmodel import (DEFAULT_PARAMS, PRECISIONS, CostParams, ModelShape, OperatingPoint, StepCost,
+                                     _finish, decode_rate)
 
 TRANSLATOR_BYTES = 2.0  # the exit heads' d x d translators are stored in FP16 (exits.safetensors)
 
@@ -105,11 +105,7 @@ def exit_decode_step(spec: BoardSpec, shape: ModelShape, precision: str, op: Ope
     nbytes = (layers_read * lp * prec.weight_bytes + head_reads * head_params * prec.head_bytes
               + translator_reads * translator * TRANSLATOR_BYTES + batch * context * kv * layers_per_row)
     ops = flops + layers_read * lp * prec.dequant_ops
-    if batch >= params.gemm_batch:
-        rate = op.tpcs * TENSOR_FLOP_PER_TPC_CYCLE * op.gpu_hz * params.tensor_eff
-    else:
-        rate = op.tpcs * CUDA_FLOP_PER_TPC_CYCLE * op.gpu_hz * params.cuda_eff
     # launches: one per layer read, and an exit decision (a head, then a device-to-host read of its
     # top-1 probability) costs about one layer's launch overhead too (an estimate, like the per-layer one)
     overhead = (layers_read + translator_reads) * params.overhead_cycles_per_layer / op.gpu_hz
-    return _finish(spec, op, "decode", batch, flops, nbytes, ops / rate, overhead, params)
+    return _finish(spec, op, "decode", batch, flops, nbytes, ops / decode_rate(op, batch, params), overhead, params)
