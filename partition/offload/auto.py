@@ -16,13 +16,12 @@ from typing import Callable, Sequence
 
 from partition.offload.chain import make_offload_chain
 from partition.offload.link import EdgeLink, LinkOptions, LinkShape
-from partition.offload.planner import LinkEstimate, Plan, plan
+from partition.offload.planner import MIN_MBPS, LinkEstimate, Plan, plan
 from partition.offload.replan import ReplanOptions, Verdict
 from partition.runners.chain import Chain
 from partition.slices import SliceSpec
 
 DEFAULT_DEVICE_BOARD = "orin-nano-8gb"
-MIN_MBPS = 0.1
 
 
 @dataclass(frozen=True)

@@ -239,7 +239,7 @@ class EdgeLink(SliceRunner):
         return True
 
     def _run_probe(self) -> None:
-        from partition.offload.planner import LinkEstimate
+        from partition.offload.planner import MIN_MBPS, LinkEstimate
 
         assert self.policy is not None
         try:
@@ -247,7 +247,7 @@ class EdgeLink(SliceRunner):
         except Exception as exc:  # noqa: BLE001 - the probe must report back (a closed channel, anything)
             self.policy.probe_done(None, str(exc))   # or the policy would wait on it forever
             return
-        est = LinkEstimate(rtt, max(mbps, 0.1))
+        est = LinkEstimate(rtt, max(mbps, MIN_MBPS))
         with self._lock:   # a fresh measurement replaces the running averages (stale since the switch)
             self._stats = replace(self._stats, rtt_ms=est.rtt_ms, mbps=est.mbps)
         self.policy.probe_done(est)

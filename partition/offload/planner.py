@@ -24,6 +24,9 @@ from power.physics.equations import Activity, Clocks, power
 OBJECTIVES = ("tok-s", "energy")
 
 
+MIN_MBPS = 0.1  # the floor of a measured bandwidth (a probe or a link with no multi-position exchange yet)
+
+
 @dataclass(frozen=True)
 class LinkEstimate:
     rtt_ms: float
