@@ -58,17 +58,14 @@ def exit_mode(options: OrinAgentOptions | None, policy: ExitPolicy, wants_logpro
     assert options is not None
     if not policy.available:
         field = "speculate" if options.speculate is not None else "max_disagreement"
-        e = InvalidRequest(f"orin_agent.{field}: this server was started without exit heads; start it with "
-                           "`orin-agent serve --exits` (or --max-disagreement / --speculate)", f"orin_agent.{field}")
-        e.code = "unsupported_parameter"
-        raise e
+        raise InvalidRequest(f"orin_agent.{field}: this server was started without exit heads; start it with "
+                             "`orin-agent serve --exits` (or --max-disagreement / --speculate)", f"orin_agent.{field}",
+                             "unsupported_parameter")
     k = options.speculate
     speculate = policy.auto_speculate if k == "auto" else int(k or 0)
     if speculate and not policy.speculation:
-        e = InvalidRequest("orin_agent.speculate: this server runs the deep layers on an edge server, which "
-                           "returns no logits to verify drafts with; ask for max_disagreement instead",
-                           "orin_agent.speculate")
-        e.code = "unsupported_parameter"
-        raise e
+        raise InvalidRequest("orin_agent.speculate: this server runs the deep layers on an edge server, which "
+                             "returns no logits to verify drafts with; ask for max_disagreement instead",
+                             "orin_agent.speculate", "unsupported_parameter")
     md = None if options.max_disagreement is None else float(options.max_disagreement)
     return speculate, md

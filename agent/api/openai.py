@@ -242,9 +242,7 @@ def render_chat(template: str | None, messages: list[Message], eos_token: str = 
 
 
 def _unsupported(name: str, what: str) -> BadRequest:
-    e = BadRequest(f"{name} is not supported by this service ({what})", name)
-    e.code = "unsupported_parameter"
-    return e
+    return BadRequest(f"{name} is not supported by this service ({what})", name, "unsupported_parameter")
 
 
 def _refuse_unsupported(body: "_Base") -> None:
