@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from agent.engine.types import MAX_SPECULATE
 from partition.paths import DEFAULT_MODEL_DIR
 
 if sys.version_info >= (3, 11):
@@ -154,8 +155,8 @@ class ServiceConfig:
         if self.max_disagreement is not None and not 0 <= self.max_disagreement < 1:
             raise bad("model.max_disagreement", "must be a rate in [0, 1)", self.max_disagreement)
         if self.speculate is not None and self.speculate != "auto" and \
-                not (self.speculate.isdigit() and int(self.speculate) <= 16):
-            raise bad("model.speculate", "must be 'auto' or draft tokens 0..16", self.speculate)
+                not (self.speculate.isdigit() and int(self.speculate) <= MAX_SPECULATE):
+            raise bad("model.speculate", f"must be 'auto' or draft tokens 0..{MAX_SPECULATE}", self.speculate)
         if self.max_disagreement is not None and self.speculate not in (None, "0"):
             raise bad("model.speculate", "early exits (max_disagreement) and speculation are two modes: "
                       "give one", self.speculate)

@@ -13,11 +13,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from agent.board import BoardSnapshot
-from agent.engine.types import DepthStats, StepPlan, Usage
+from agent.engine.types import MAX_SPECULATE, DepthStats, StepPlan, Usage
 
 PHASES = ("prefill", "decode", "idle")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-DRAFT_BUCKETS = tuple(range(17))  # accepted draft tokens per round: speculate is at most 16
+DRAFT_BUCKETS = tuple(range(MAX_SPECULATE + 1))  # accepted draft tokens per round
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 

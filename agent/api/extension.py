@@ -18,9 +18,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
-from agent.engine.types import InvalidRequest
-
-MAX_SPECULATE = 16  # SamplingParams' own bound on draft tokens per round
+from agent.engine.types import MAX_SPECULATE, InvalidRequest
 
 
 class OrinAgentOptions(BaseModel):

@@ -44,6 +44,7 @@ class EngineStopped(RuntimeError):
 
 
 MAX_LOGPROBS = 20  # OpenAI's API reference: top_logprobs is 0..20
+MAX_SPECULATE = 16  # draft tokens per self-speculative round, at most
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,8 @@ class SamplingParams:
             # torch.Generator.manual_seed takes 64 bits; the API's JSON integers stay in the signed range
             (self.seed is None or 0 <= self.seed < 2 ** 63, "seed", "seed must be in [0, 2**63)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
-            (0 <= self.speculate <= 16, "speculate", f"speculate must be in 0..16 draft tokens, got {self.speculate}"),
+            (0 <= self.speculate <= MAX_SPECULATE, "speculate",
+             f"speculate must be in 0..{MAX_SPECULATE} draft tokens, got {self.speculate}"),
             (self.max_disagreement is None or 0 <= self.max_disagreement < 1, "max_disagreement",
              f"max_disagreement must be in [0, 1), got {self.max_disagreement}"),
             (not (self.speculate and self.max_disagreement is not None), "speculate",
