@@ -109,12 +109,18 @@ def ceilings(model_dir: Path, head_share: float, exit_head_share: float) -> list
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def prompt_args(doc: str | None) -> argparse.ArgumentParser:
+    """The parser of a held-out-prompt benchmark: the model, how many prompts, their length, new tokens."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=64)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = prompt_args(__doc__)
     ap.add_argument("--speculate", default="2,4")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the H200 numbers in docs/BENCHMARKS.md)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")

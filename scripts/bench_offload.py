@@ -17,7 +17,6 @@ trip: `partition.offload.LinkShape`):
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -41,13 +40,12 @@ from partition.exits.heads import read_record
 from partition.offload import EdgeLink, LinkOptions, LinkShape, make_offload_chain
 from partition.offload.launch import EdgeOptions, EdgeServer
 from partition.offload.planner import idle_w
-from partition.paths import DEFAULT_MODEL_DIR
 from partition.tokenizer import Tokenizer
 from power.physics.boards import BOARDS
 from power.physics.costmodel import OperatingPoint, decode_step, shape_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script from any cwd
-from scripts.bench_exit import run  # noqa: E402  (completion ids, decode seconds per token after the first)
+from scripts.bench_exit import prompt_args, run  # noqa: E402  (run: ids, decode seconds per token after the first)
 
 
 class Energy:
@@ -135,11 +133,7 @@ class Variant:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=24)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap = prompt_args(__doc__)
     ap.add_argument("--device-layers", default="4,6", help="splits to measure, comma-separated")
     ap.add_argument("--targets", default="0.01,0.05", help="max-disagreement targets")
     ap.add_argument("--rtt-ms", type=float, default=20.0)
