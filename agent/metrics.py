@@ -70,7 +70,7 @@ class _BudgetCollector(Collector):
 
 
 class _EdgeCollector(Collector):
-    """The offload link's state (partition.offload.chain.offload_stats), read at scrape time."""
+    """The offload link's state (partition.offload.offload_chain.offload_stats), read at scrape time."""
     GAUGES = (("orin_agent_edge_rtt_seconds", "rtt_ms", 1e-3, "Link RTT, moving average of single-position exchanges"),
               ("orin_agent_edge_bandwidth_mbps", "mbps", 1.0, "Link bandwidth from multi-position exchanges"))
     COUNTERS = (("orin_agent_edge_round_trips", "round_trips", "Exchanges with the edge server"),

@@ -196,7 +196,7 @@ class Service:
             listeners.append(self.controller)
             metrics.watch_budget(self.controller.budget_status)
         if cfg.edge:
-            from partition.offload.chain import offload_stats
+            from partition.offload.offload_chain import offload_stats
 
             metrics.watch_edge(lambda: offload_stats(chain))
         ctl = self.controller

@@ -1,6 +1,6 @@
 """The energy benchmark: a request trace replayed through the real controller against the twin, in
 virtual time, for several policies side by side. The CLI is agent/cli/bench.py, which drives each policy
-with the service's own Scheduler (agent.benchpower); :func:`simple_driver` here is a plain
+with the service's own Scheduler (agent.benchmark.power_replay); :func:`simple_driver` here is a plain
 prefill-first engine for power's own tests. One policy on one twin tree is power.bench_run.PolicyRun
 (the twin, the policy, the step-time integration and the accounting).
 

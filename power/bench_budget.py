@@ -1,6 +1,6 @@
 """The power-budget benchmark: under a cap of W watts, the budgeted controller beside the nvpmodel mode of
 that wattage under the stock governors, over the same seeded trace, each on a fresh twin tree, driven by
-an engine (agent.benchpower's scheduler driver from the CLI; power.bench.simple_driver in tests).
+an engine (agent.benchmark.power_replay's scheduler driver from the CLI; power.bench.simple_driver in tests).
 
 Per policy the energy bench's record (power.bench.PolicyResult) plus: output tokens per second of the
 whole run, per-stream decode speed (1 / p50 time per output token), the maximum sliding-window average

@@ -1,7 +1,7 @@
 """One policy of the energy benchmark on one twin tree, in virtual time: the twin, the policy (a
 baseline written like nvpmodel / jetson_clocks would, or the real controller behind
 :class:`power.applier.PowerLoop`) and the accounting. An engine drives it (power.bench.simple_driver,
-or agent.benchpower's driver over the service's real Scheduler) through four calls: ``event`` (a phase
+or agent.benchmark.power_replay's driver over the service's real Scheduler) through four calls: ``event`` (a phase
 event), ``step`` (run one prefill or decode step), ``idle_until`` and ``result``.
 
 Time of a step: the step's work progresses at the rate the cost model (``power.physics.costmodel``) gives

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from agent.benchpower import run_power_bench
+from agent.benchmark.power_replay import run_power_bench
 from agent.cli import app
 from power.bench import BenchConfig
 from power.bench_run import PolicyRun

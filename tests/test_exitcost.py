@@ -54,7 +54,7 @@ def test_exit_rates_parse_and_map_onto_the_priced_model() -> None:
 
 
 def test_energy_bench_credits_exits(tmp_path) -> None:  # noqa: ANN001
-    from agent.benchpower import run_power_bench
+    from agent.benchmark.power_replay import run_power_bench
     from power.bench import BenchConfig
 
     def jpt(**kw: object) -> float:

@@ -17,7 +17,7 @@ from agent.engine.executor import ChainExecutor, load_core
 from agent.engine.types import Finished, SamplingParams
 from agent.metrics import ServiceMetrics
 from partition.offload import EdgeLink, LinkOptions, LinkShape, make_offload_chain
-from partition.offload.chain import offload_stats
+from partition.offload.offload_chain import offload_stats
 from partition.offload.planner import LinkEstimate
 from partition.offload.replan import ReplanOptions, SplitPolicy, Verdict, planner_verdict
 from partition.paths import DEFAULT_MODEL_DIR

@@ -18,7 +18,7 @@ from partition.checkpoint import random_model, save_model
 from partition.config import ModelConfig
 from partition.trt import engines as engines_mod
 from partition.trt.api import TrtVersion
-from partition.trt.builder import BuildRequest, EngineBuildError, build_engine_plan
+from partition.trt.api_builder import BuildRequest, EngineBuildError, build_engine_plan
 from partition.trt.cache import EngineCache, EngineKey
 from partition.trt.engines import Device, EngineOptions, build_engines, workspace_bytes
 from partition.trt.precision import PrecisionPlan, PrecisionUnavailable, check_weight_only_graph, keep_fp32, plan_for

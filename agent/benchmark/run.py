@@ -96,7 +96,7 @@ class ProfileRun:
 PHASE_CODE = {"prefill": 0, "decode": 1, "idle": 2}
 
 
-class _Sampler:
+class _BoardRecorder:
     """The engine's phases (a listener: each change timed, the GPU/EMC clocks read as a phase ends) and a
     thread that samples the board's power, temperatures and clocks every ``SAMPLE_S``."""
 
@@ -182,7 +182,7 @@ def _run_profile(opts: BenchOptions, profile: str, chain: "Chain", tokenizer: "T
     cfg = opts.config
     spec = TRACES[opts.trace]
     reader = BoardReader(opts.root)
-    sampler = _Sampler(reader)
+    sampler = _BoardRecorder(reader)
     driver = TwinDriver(Path(opts.root)) if opts.twin else None
     ctl, ctl_error = None, None
     try:
@@ -230,7 +230,7 @@ def _run_profile(opts: BenchOptions, profile: str, chain: "Chain", tokenizer: "T
     return _summarise(profile, time.monotonic() - t0, done, sampler, ctl_error)
 
 
-def _summarise(profile: str, seconds: float, done: list[RequestStats], s: _Sampler, err: str | None) -> ProfileRun:
+def _summarise(profile: str, seconds: float, done: list[RequestStats], s: _BoardRecorder, err: str | None) -> ProfileRun:
     """Energy per phase: each sample interval's power times the time each phase ran within it (a
     prefill is often shorter than one interval, so labelling whole intervals would miss it)."""
     tl = s.tl

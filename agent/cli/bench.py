@@ -1,5 +1,5 @@
 """`orin-agent bench ...`: benchmarks. ``bench power`` replays a request trace through the power
-controller against the twin in virtual time, through the service's own scheduler (agent.benchpower over
+controller against the twin in virtual time, through the service's own scheduler (agent.benchmark.power_replay over
 power.bench), and prints one row per policy; ``bench run`` is the end-to-end benchmark of the running
 configuration in real time (agent.benchmark), writing report.json, PNG plots and summary.md. Thin: the
 logic is in those packages; this file parses options and prints."""
@@ -99,7 +99,7 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
                                                     "(e.g. VDD_GPU_SOC) instead of module power (with --power-cap).")
           ) -> None:
     """Energy per token, TTFT/TPOT, peak power and temperature per policy, side by side."""
-    from agent.benchpower import run_power_bench
+    from agent.benchmark.power_replay import run_power_bench
     from power.bench import BenchConfig, compare, default_out_dir, save_results
 
     with cli_errors():
@@ -135,7 +135,7 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
 
 def _capped(cfg: BenchConfig, watts: float, window_s: float, out: Path, json_out: bool,
             rail: str | None = None) -> None:
-    from agent.benchpower import run_power_budget_bench
+    from agent.benchmark.power_replay import run_power_budget_bench
     from power.bench_budget import save_budget_results
 
     rows = run_power_budget_bench(cfg, watts, window_s, rail)

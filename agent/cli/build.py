@@ -135,8 +135,8 @@ def build(
                        f"fp16 ({100 * auto.bytes_ratio:.1f}%)")
         if engine:
             from partition.trt.api import TrtUnavailable
-            from partition.trt.builder import EngineBuildError
-            from partition.trt.load import build_slice_engines
+            from partition.trt.api_builder import EngineBuildError
+            from partition.trt.slice_engines import build_slice_engines
 
             try:
                 built = build_slice_engines(out, manifest, precision, builder, workspace_mb, max_batch, max_seq,

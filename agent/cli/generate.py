@@ -63,7 +63,7 @@ def generate(
     from agent.engine.executor import load_core
     from agent.engine.types import Finished, SamplingParams
     from partition.offload.auto import offload_chain_for_generate
-    from partition.offload.chain import offload_stats, offload_summary
+    from partition.offload.offload_chain import offload_stats, offload_summary
     from partition.offload.link import link_options
 
     with cli_errors():

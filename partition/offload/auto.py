@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from partition.offload.chain import make_offload_chain
+from partition.offload.offload_chain import make_offload_chain
 from partition.offload.link import EdgeLink, LinkOptions, LinkShape
 from partition.offload.planner import MIN_MBPS, LinkEstimate, Plan, plan
 from partition.offload.replan import ReplanOptions, Verdict

@@ -3,7 +3,7 @@
 Every backend (PyTorch, ONNX Runtime, TensorRT) implements `SliceRunner`; a `Chain` of runners whose
 layer ranges tile [0, n_layers) is the model. Arrays cross the seam as numpy or torch (each runner
 says which with `array_kind`); the chain converts where two backends meet. Also the two cache helpers
-every runner shares (`row_range`, `write_new_kv`). Slice geometry lives in partition.slices.
+every runner shares (`row_range`, `write_new_kv`) and the default cache length (`default_max_seq`). Slice geometry lives in partition.slices.
 """
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ def write_new_kv(cache: Sequence[Any], new: Sequence[Any], rows: Sequence[int], 
 # KV-cache storage: "fp16" = unquantised in the model's dtype (fp16 on a GPU, fp32 on CPU), "int8" =
 # group-wise INT8 with FP16 scales (kernels/kv_quant.py; torch backend).
 KV_CACHE_KINDS = ("fp16", "int8")
+MAX_SEQ_CAP = 8192  # default cache length cap: presets declare up to 131072 positions
+
+
+def default_max_seq(max_position_embeddings: int) -> int:
+    """The KV-cache length when none is asked for: the model's context, capped at MAX_SEQ_CAP (one rule
+    for `load_chain` and for the TensorRT engines `orin-agent build` makes, so that their profiles match)."""
+    return min(int(max_position_embeddings), MAX_SEQ_CAP)
 
 
 class ContextFull(ValueError):

@@ -18,10 +18,10 @@ from typing import Callable
 from partition.build.export import SliceExport
 from partition.build.manifest import BuildManifest
 from partition.trt.api import TrtVersion, load_tensorrt, version_of
-from partition.trt.builder import BuildRequest, EngineBuildError, build_engine_plan
+from partition.trt.api_builder import BuildRequest, EngineBuildError, build_engine_plan
 from partition.trt.cache import EngineCache, EngineKey
 from partition.trt.precision import PrecisionPlan, check_weight_only_graph
-from partition.trt.profiles import Profile, ProfileLimits, build_profiles, profiles_key
+from partition.trt.profiles import ProfileLimits, ShapeProfile, build_profiles, profiles_key
 from partition.trt.trtexec import DEFAULT_TRTEXEC, fp32_node_names, parse_banner_version, trtexec_command
 
 ENGINES = "engines.json"
@@ -146,7 +146,7 @@ def build_engines(build_dir: Path, manifest: BuildManifest, opts: EngineOptions,
     return done
 
 
-def _run_trtexec(onnx_path: Path, cache: EngineCache, key: EngineKey, profiles: tuple[Profile, ...], opts: EngineOptions,
+def _run_trtexec(onnx_path: Path, cache: EngineCache, key: EngineKey, profiles: tuple[ShapeProfile, ...], opts: EngineOptions,
                  ws: int, version: TrtVersion, device: Device) -> tuple[bytes, float]:
     import onnx
 

@@ -59,7 +59,8 @@ class InputRange:
 
 
 @dataclass(frozen=True)
-class Profile:
+class ShapeProfile:
+    """One TensorRT optimisation profile: the min / opt / max shape of every dynamic input (not a power profile)."""
     name: str
     inputs: tuple[InputRange, ...]
 
@@ -82,13 +83,13 @@ def _resolve(spec: TensorSpec, dims: dict[str, tuple[int, int, int]]) -> InputRa
     return InputRange(spec.name, tuple(out[0]), tuple(out[1]), tuple(out[2]))
 
 
-def build_profiles(inputs: Sequence[TensorSpec], limits: ProfileLimits) -> tuple[Profile, Profile]:
+def build_profiles(inputs: Sequence[TensorSpec], limits: ProfileLimits) -> tuple[ShapeProfile, ShapeProfile]:
     """The prefill and decode profiles for a slice's graph inputs (from its manifest entry): every input
     with a symbolic dim gets a range, in graph order, including each past_key_i / past_value_i."""
     dynamic = [s for s in inputs if any(isinstance(d, str) for d in s.shape)]
     prefill, decode = limits.dims()
-    return (Profile(PROFILE_NAMES[PREFILL], tuple(_resolve(s, prefill) for s in dynamic)),
-            Profile(PROFILE_NAMES[DECODE], tuple(_resolve(s, decode) for s in dynamic)))
+    return (ShapeProfile(PROFILE_NAMES[PREFILL], tuple(_resolve(s, prefill) for s in dynamic)),
+            ShapeProfile(PROFILE_NAMES[DECODE], tuple(_resolve(s, decode) for s in dynamic)))
 
 
 def profile_for(t: int) -> int:
@@ -101,7 +102,7 @@ def shape_text(shape: Shape) -> str:
     return "x".join(str(d) for d in shape)
 
 
-def profiles_key(profiles: Sequence[Profile]) -> str:
+def profiles_key(profiles: Sequence[ShapeProfile]) -> str:
     """A canonical text of the profiles, part of the engine cache key."""
     return ";".join(f"{p.name}:" + ",".join(f"{i.name}={shape_text(i.min)}/{shape_text(i.opt)}/{shape_text(i.max)}"
                                             for i in p.inputs) for p in profiles)

@@ -18,14 +18,14 @@ from typing import Sequence
 
 from partition.trt.api import TrtVersion
 from partition.trt.precision import PrecisionPlan, builder_flags, keep_fp32
-from partition.trt.profiles import Profile, shape_text
+from partition.trt.profiles import ShapeProfile, shape_text
 
 DEFAULT_TRTEXEC = "/usr/src/tensorrt/bin/trtexec"  # JetPack's location (TENSORRT.md)
 
 _FLAG_ARGS = {"FP16": "--fp16", "INT8": "--int8", "OBEY_PRECISION_CONSTRAINTS": "--precisionConstraints=obey"}
 
 
-def _shapes(profile: Profile, which: str) -> str:
+def _shapes(profile: ShapeProfile, which: str) -> str:
     return ",".join(f"{r.name}:{shape_text(getattr(r, which))}" for r in profile.inputs)
 
 
@@ -34,10 +34,10 @@ def fp32_node_names(node_names: Sequence[str]) -> list[str]:
     return [n for n in node_names if n and keep_fp32(n)]
 
 
-def trtexec_command(onnx_path: Path, engine_path: Path, profiles: Sequence[Profile], plan: PrecisionPlan,
+def trtexec_command(onnx_path: Path, engine_path: Path, profiles: Sequence[ShapeProfile], plan: PrecisionPlan,
                     workspace_mb: int, timing_cache: Path, version: TrtVersion, fp32_layers: Sequence[str] = (),
                     optimization_level: int | None = None, trtexec: str = DEFAULT_TRTEXEC) -> list[str]:
-    """The trtexec argv that builds the same engine as partition.trt.builder.build_engine_plan."""
+    """The trtexec argv that builds the same engine as partition.trt.api_builder.build_engine_plan."""
     cmd = [trtexec, f"--onnx={onnx_path}", f"--saveEngine={engine_path}", f"--memPoolSize=workspace:{int(workspace_mb)}",
            f"--timingCacheFile={timing_cache}"]
     for p in profiles:

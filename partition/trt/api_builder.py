@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 from partition.trt.api import network_flags, version_of
 from partition.trt.precision import PrecisionPlan, builder_flags, keep_fp32
-from partition.trt.profiles import Profile
+from partition.trt.profiles import ShapeProfile
 
 
 class EngineBuildError(RuntimeError):
@@ -27,7 +27,7 @@ class EngineBuildError(RuntimeError):
 @dataclass(frozen=True)
 class BuildRequest:
     onnx_path: Path
-    profiles: tuple[Profile, ...]
+    profiles: tuple[ShapeProfile, ...]
     plan: PrecisionPlan
     workspace_bytes: int
     optimization_level: int | None = None  # 0..5, TensorRT >= 8.6; None = TensorRT's default (3)
@@ -123,7 +123,7 @@ def build_engine_plan(trt: ModuleType, req: BuildRequest, timing_cache: bytes | 
                        time.monotonic() - t0, pinned)
 
 
-def _check_profiles(dynamic: Sequence[str], profiles: Sequence[Profile], path: Path) -> None:
+def _check_profiles(dynamic: Sequence[str], profiles: Sequence[ShapeProfile], path: Path) -> None:
     for prof in profiles:
         have = {r.name for r in prof.inputs}
         missing = [n for n in dynamic if n not in have]

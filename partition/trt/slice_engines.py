@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from partition.build.manifest import BuildManifest
+from partition.runners.base import default_max_seq
 from partition.trt.cache import EngineCache
 from partition.trt.engines import EngineOptions, SliceEngine, build_engines
 from partition.trt.precision import plan_for
@@ -39,8 +40,6 @@ def build_slice_engines(folder: Path, manifest: BuildManifest, precision: str = 
                         cache_dir: Path | None = None, log: Callable[[str], None] | None = None) -> list[SliceEngine]:
     """`orin-agent build --engine trt`: an engine per slice of the build in `folder`, for the same
     max_batch / max_seq defaults as `load_chain` (the model's context capped at MAX_SEQ_CAP)."""
-    from partition.runners.load import MAX_SEQ_CAP
-
-    seq = max_seq or min(int(manifest.config["max_position_embeddings"]), MAX_SEQ_CAP)
+    seq = max_seq or default_max_seq(manifest.config["max_position_embeddings"])
     opts = engine_options(precision, max_batch, seq, builder, workspace_mb)
     return build_engines(folder, manifest, opts, EngineCache(cache_dir), log=log)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from partition.runners.base import KV_CACHE_KINDS, SliceRunner
+from partition.runners.base import KV_CACHE_KINDS, SliceRunner, default_max_seq
 from partition.runners.chain import Chain
 from partition.slices import SliceSpec, parse_slices
 
@@ -23,7 +23,6 @@ if TYPE_CHECKING:  # both import heavy libraries (onnx, onnxruntime): loaded onl
     from partition.runners.ort_runner import OrtOptions
 
 BACKENDS = ("torch", "ort", "trt")
-MAX_SEQ_CAP = 8192  # default cache length cap: presets declare up to 131072 positions
 
 
 class BackendUnavailable(ValueError):
@@ -88,7 +87,7 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     config = load_config(model_dir)
     n = config.n_layers
     specs = parse_slices(slices, n) if slices else [SliceSpec(0, n, n)]
-    seq = max_seq or min(config.max_position_embeddings, MAX_SEQ_CAP)
+    seq = max_seq or default_max_seq(config.max_position_embeddings)
     if backend == "trt":
         return Chain(_trt_runners(model_dir, specs, seq, max_batch, device, build_dir, cache_dir, export_options))
     runners: list[SliceRunner] = []
@@ -130,7 +129,7 @@ def _trt_runners(model_dir: Path, specs: list[SliceSpec], seq: int, max_batch: i
         raise BackendUnavailable(f"backend 'trt' runs on the GPU: pass --device cuda, not {device!r}")
     from partition.build import ensure_build
     from partition.build.export import ExportOptions
-    from partition.trt.load import trt_runners
+    from partition.trt.slice_engines import trt_runners
 
     folder, manifest = ensure_build(model_dir, specs, build_dir=build_dir, cache_dir=cache_dir,
                                     options=export_options or ExportOptions(), log=_stderr)
