@@ -4,6 +4,8 @@ it through PyTorch's own kernels where they apply, with a plain dequantise-then-
 Canonical form (what checkpoints unpack to, partition/quantize.py): integer codes q (N, K) in
 [0, 2^bits), per-group scales s (N, G) and integer zero points z (N, G), group of column k = g_idx[k]
 (k // group_size unless the checkpoint is act-ordered); weight = (q - z[:, g]) * s[:, g].
+Float-min form (`mins=`, GGUF's Q4_1 / Q4_K blocks, partition/gguf/tensors.py): weight = q * s[:, g] + m[:, g]
+with a float m per group instead of an integer zero point.
 
 Kernels (PyTorch's ATen ops, no home-made GEMV):
   - INT8, symmetric per output channel (z == 128): on CPU `aten._weight_int8pack_mm(x, int8 (N, K),
@@ -12,7 +14,8 @@ Kernels (PyTorch's ATen ops, no home-made GEMV):
     kernel in torch 2.11 but it ran an 8B decode step in 59 ms against 8 ms for bf16 on an H200).
   - INT4, sequential groups of 32..256: `aten._weight_int4pack_mm` (CUDA, tinygemm, bf16 activations)
     or `aten._weight_int4pack_mm_for_cpu`, after `_convert_weight_to_int4pack[_for_cpu]`. tinygemm
-    dequantises as (q - 8) * scale + zero with a float zero, so zero = (8 - z) * s.
+    dequantises as (q - 8) * scale + zero with a float zero, so zero = (8 - z) * s (float-min form:
+    zero = m + 8 * s, the same arithmetic).
   - anything else (act-order g_idx, asymmetric INT8, odd shapes): the reference path.
 The kernel is chosen once, when the layer is built on its device (`QuantLinear.kernel` says which).
 """
@@ -26,9 +29,12 @@ INT4_GROUPS = (32, 64, 128, 256)  # group sizes tinygemm takes (aten/src/ATen/na
 INT8_SYM_ZERO = 128  # the zero point of symmetric INT8 in the GPTQ convention (2 ** (bits - 1))
 
 
-def dequantize(q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor) -> Tensor:
-    """Reference: (q - z[:, g_idx]) * s[:, g_idx] in the scales' dtype, shape (N, K)."""
+def dequantize(q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, mins: Tensor | None = None) -> Tensor:
+    """Reference: (q - z[:, g_idx]) * s[:, g_idx] (or q * s[:, g_idx] + m[:, g_idx] with float `mins`)
+    in the scales' dtype, shape (N, K)."""
     g = g_idx.long()
+    if mins is not None:
+        return q.to(scales.dtype) * scales[:, g] + mins[:, g].to(scales.dtype)
     return (q.to(scales.dtype) - zeros[:, g].to(scales.dtype)) * scales[:, g]
 
 
@@ -51,11 +57,18 @@ def _pack_int4(q: Tensor, tiles: int) -> Tensor:
 class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) with W held as `bits`-bit codes; see the module docstring."""
 
-    def __init__(self, q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, bits: int, group_size: int,
-                 bias: Tensor | None = None, dtype: torch.dtype = torch.float32, reference: bool = False) -> None:
+    def __init__(self, q: Tensor, scales: Tensor, zeros: Tensor | None, g_idx: Tensor, bits: int, group_size: int,
+                 bias: Tensor | None = None, dtype: torch.dtype = torch.float32, reference: bool = False,
+                 mins: Tensor | None = None) -> None:
         """q (N, K) integer codes, scales (N, G), zeros (N, G) integer, g_idx (K,): on the target device.
-        dtype: the activations' dtype. reference: force the dequantise-then-matmul path."""
+        dtype: the activations' dtype. reference: force the dequantise-then-matmul path.
+        mins: float (N, G) group minimums instead of zero points (weight = q * s + m; zeros is then None)."""
         super().__init__()
+        if (zeros is None) == (mins is None):
+            raise ValueError("QuantLinear takes either integer zero points (zeros) or float group minimums (mins)")
+        self.has_mins = mins is not None
+        if zeros is None:  # only the kernel choice looks at zeros: no symmetric-INT8 shortcut for mins
+            zeros = torch.zeros_like(scales, dtype=torch.int32)
         if bits not in (4, 8):
             raise ValueError(f"weight-only quantisation supports 4 or 8 bits, not {bits}")
         self.out_features, self.in_features = q.shape
@@ -72,18 +85,23 @@ class QuantLinear(nn.Module):
             assert tiles is not None
             self.register_buffer("weight", _pack_int4(q, tiles))
             s = scales.float()
-            zero = (8 - zeros.float()) * s  # tinygemm: w = (q - 8) * s + zero
+            # tinygemm: w = (q - 8) * s + zero
+            zero = mins.float() + 8 * s if mins is not None else (8 - zeros.float()) * s
             act = torch.bfloat16 if device.type == "cuda" else dtype
             self.register_buffer("scales_zeros", torch.stack([s.T, zero.T], dim=-1).to(act).contiguous())  # (G, N, 2)
         else:
             self.register_buffer("weight", q.to(torch.uint8).contiguous())
             self.register_buffer("scales", scales.to(dtype).contiguous())
-            self.register_buffer("zeros", zeros.to(torch.uint8).contiguous())
+            if mins is not None:
+                self.register_buffer("mins", mins.to(dtype).contiguous())
+            else:
+                self.register_buffer("zeros", zeros.to(torch.uint8).contiguous())
             self.register_buffer("g_idx", g_idx.to(torch.int32).contiguous())
 
     def _pick_kernel(self, q: Tensor, zeros: Tensor, sequential: bool, dtype: torch.dtype) -> str:
         cuda = q.device.type == "cuda"
-        if self.bits == 8 and zeros.shape[1] == 1 and bool((zeros == INT8_SYM_ZERO).all()):  # per channel
+        if (self.bits == 8 and not self.has_mins and zeros.shape[1] == 1
+                and bool((zeros == INT8_SYM_ZERO).all())):  # per channel
             return "int8dq" if cuda else "int8pack"
         if (self.bits == 4 and sequential and self.group_size in INT4_GROUPS and self.out_features % 8 == 0
                 and _inner_k_tiles(self.in_features) is not None and self.in_features % self.group_size == 0):
@@ -96,7 +114,8 @@ class QuantLinear(nn.Module):
     def dequantized_weight(self) -> Tensor:
         """The weight (N, K) in float32, whatever the kernel (for tests and tools, not the hot path)."""
         if self.kernel == "reference":
-            return dequantize(self.weight, self.scales.float(), self.zeros, self.g_idx)
+            return dequantize(self.weight, self.scales.float(), getattr(self, "zeros", None), self.g_idx,
+                              getattr(self, "mins", None))
         eye = torch.eye(self.in_features, device=self.weight.device,
                         dtype=self.scales.dtype if self.kernel.startswith("int8") else self.scales_zeros.dtype)
         return self._fast(eye).float().T.contiguous()
@@ -114,12 +133,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel == "reference":
-            w = dequantize(self.weight, self.scales, self.zeros, self.g_idx).to(x.dtype)
+            w = dequantize(self.weight, self.scales, getattr(self, "zeros", None), self.g_idx,
+                           getattr(self, "mins", None)).to(x.dtype)
             return F.linear(x, w, self.bias)
         y = self._fast(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}, "
-                f"kernel={self.kernel}")
+                f"kernel={self.kernel}" + (", float mins" if self.has_mins else ""))
 

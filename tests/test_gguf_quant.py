@@ -1,0 +1,36 @@
+"""GGUF block formats as the project's weight-only layout: QuantLinear's float-min form (Q4_1 / Q4_K:
+weight = q * s + m per 32-group) through the INT4 kernel and the reference path, and each GGUF block
+type unpacked by partition/gguf/quants.py to exactly what the gguf package dequantises."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.weight_only import QuantLinear
+
+
+def _min_form(n: int = 64, k: int = 256, g: int = 32, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    s = torch.rand(n, k // g, generator=gen) * 0.01 + 1e-3
+    m = -torch.rand(n, k // g, generator=gen) * 0.08
+    g_idx = torch.arange(k) // g
+    return q, s, m, g_idx, q.float() * s[:, g_idx] + m[:, g_idx]
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_gguf_float_min_quant_linear_matches_its_weight(reference: bool) -> None:
+    q, s, m, g_idx, w = _min_form()
+    lin = QuantLinear(q, s, None, g_idx, 4, 32, mins=m, reference=reference)
+    assert lin.kernel == ("reference" if reference else "int4pack_cpu")
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(lin(x), x @ w.T, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lin.dequantized_weight(), w, atol=1e-6, rtol=1e-6)
+
+
+def test_gguf_float_min_quant_linear_takes_mins_or_zeros_not_both() -> None:
+    q, s, m, g_idx, _ = _min_form()
+    with pytest.raises(ValueError, match="either"):
+        QuantLinear(q, s, torch.full_like(s, 8, dtype=torch.int32), g_idx, 4, 32, mins=m)
+    with pytest.raises(ValueError, match="either"):
+        QuantLinear(q, s, None, g_idx, 4, 32)
