@@ -28,7 +28,7 @@ from power.hw.nvpmodel import ModeReading
 from power.hw.parsers import NvpModelConf
 from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, StepSample
 from power.policy.profiles import Profile
-from power.policy.tables import BoardTables
+from power.hw.tables import BoardTables
 from power.policy.thermal import ZoneSample
 from power.hw.writer import ClockWriter
 

@@ -21,7 +21,7 @@ from power.physics.costmodel import ModelShape
 from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Planner, Readings
 from power.policy.powerconfig import Mix
 from power.policy.profiles import DEFAULT_USER_DIR, Profile, ProfileStore
-from power.policy.tables import BoardTables
+from power.hw.tables import BoardTables
 from power.policy.thermal import ZoneSample
 from power.state import write_state
 

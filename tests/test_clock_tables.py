@@ -1,8 +1,8 @@
-"""The one snap helper (power.policy.tables.snap): a minimum snaps up, a maximum down, never outside
+"""The one snap helper (power.hw.tables.snap): a minimum snaps up, a maximum down, never outside
 the table; ``slack`` forgives float rounding."""
 from __future__ import annotations
 
-from power.policy.tables import snap
+from power.hw.tables import snap
 
 TABLE = (100, 200, 300)
 

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from power.policy.profiles import ClockValue, ProfileError, ProfileStore, parse_clock
-from power.policy.tables import resolve_clock
+from power.policy.profiles import ClockValue, ProfileError, ProfileStore, parse_clock, resolve_clock
 
 SHIPPED = ("balanced", "eco", "max", "performance")
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from power.hw import sysfs
-from power.policy.tables import snap
+from power.hw.tables import snap
 from power.hw.writer import ClockWriter
 
 CPU_DIR = "/sys/devices/system/cpu"

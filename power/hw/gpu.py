@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from power.hw import sysfs
 from power.hw.errors import FeatureUnavailable
 from power.hw.writer import ClockWriter
-from power.policy.tables import snap
+from power.hw.tables import snap
 
 DEVFREQ_CLASS = "/sys/class/devfreq"
 GA10B_COMPATIBLE = "nvidia,ga10b"

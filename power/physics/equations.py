@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from power.physics.boards import BoardSpec
-from power.policy.tables import snap
+from power.hw.tables import snap
 
 PHASES = ("prefill", "decode", "idle")
 

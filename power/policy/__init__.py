@@ -1,2 +1,2 @@
-"""power.policy: what the controller decides — clock tables and the one snap helper, profiles (TOML),
+"""power.policy: what the controller decides — profiles (TOML, resolved against power.hw.tables),
 the DVFS controller and thermal control. Pure decisions: no files, nothing from power.twin."""

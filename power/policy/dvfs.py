@@ -35,8 +35,8 @@ from typing import Mapping
 from power.physics.boards import BoardSpec, active_tpcs
 from power.physics.costmodel import (CostParams, DEFAULT_PARAMS, ModelShape, OperatingPoint, decode_step, model_shape,
                              prefill_step)
-from power.policy.profiles import Profile
-from power.policy.tables import BoardTables, resolve_clock, snap
+from power.hw.tables import BoardTables, snap
+from power.policy.profiles import Profile, resolve_clock
 from power.policy.thermal import ThermalState, ThermalVerdict, ZoneSample, thermal_step
 
 EWMA_ALPHA = 0.3            # weight of a new step-time sample in the correction ratio

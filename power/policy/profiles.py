@@ -21,6 +21,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from power.hw.tables import snap
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10 (JetPack 6's Ubuntu 22.04): the same parser, from PyPI
@@ -51,6 +53,19 @@ class ClockValue:
         if self.kind == "fraction":
             return f"{self.value:g} of max"
         return f"{self.value / 1e6:g} MHz"
+
+
+def resolve_clock(v: ClockValue, table: tuple[int, ...], top: int, *, up: bool, scale: float = 1.0) -> int | None:
+    """A table entry for ``v`` (None for auto), never above ``top`` (the mode's cap). A fraction is of
+    the board's maximum; ``up`` snaps to the next entry (minimums, EMC), else the one below (maximums).
+    ``scale`` converts Hz to the table's unit (1e-3 for kHz)."""
+    if v.kind == "auto":
+        return None
+    want = v.value * table[-1] if v.kind == "fraction" else v.value * scale
+    if v.kind == "fraction" and v.value == 0.0:
+        return table[0]
+    f = snap(table, want, up=up, slack=0.5)
+    return min(f, top)
 
 
 @dataclass(frozen=True)

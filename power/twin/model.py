@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from power.physics.boards import BoardSpec, active_tpcs, board_for
-from power.policy.tables import snap
+from power.hw.tables import snap
 from power.twin.layout import WORKLOAD_FILE, ZONE_KINDS, TwinPaths, read_meta, twin_paths
 from power.physics.equations import (IDLE, PHASES, Workload, FAN_POLL_S, PHASE_CPU_CORES, PHASE_INTENSITY, Activity, Clocks,
                                 Power, Temperatures, clamp_to_limits, cpu_governor, emc_governor,

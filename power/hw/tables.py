@@ -1,15 +1,12 @@
 """Clock tables and snapping: the tables the controller picks from (GPU/EMC in Hz, CPU in kHz) with the
-power mode's caps, the one helper that snaps a wanted frequency onto a table, and the resolution of a
-profile's clock value against a table. Used by the hardware setters, the equations, the policy and the twin.
+power mode's caps, and the one helper that snaps a wanted frequency onto a table. Used by the hardware
+setters (a min snaps up, a max down), the equations, the policy and the twin; the lowest layer that needs
+them is this one, so they live here.
 """
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from power.policy.profiles import ClockValue
 
 
 def snap(table: tuple[int, ...], want: float, *, up: bool, slack: float = 0.0) -> int:
@@ -49,16 +46,3 @@ class BoardTables:
     def cpu_top(self) -> int:
         cap = self.cpu_cap_khz or self.cpu_khz[-1]
         return max([f for f in self.cpu_khz if f <= cap] or [self.cpu_khz[0]])
-
-
-def resolve_clock(v: ClockValue, table: tuple[int, ...], top: int, *, up: bool, scale: float = 1.0) -> int | None:
-    """A table entry for ``v`` (None for auto), never above ``top`` (the mode's cap). A fraction is of
-    the board's maximum; ``up`` snaps to the next entry (minimums, EMC), else the one below (maximums).
-    ``scale`` converts Hz to the table's unit (1e-3 for kHz)."""
-    if v.kind == "auto":
-        return None
-    want = v.value * table[-1] if v.kind == "fraction" else v.value * scale
-    if v.kind == "fraction" and v.value == 0.0:
-        return table[0]
-    f = snap(table, want, up=up, slack=0.5)
-    return min(f, top)
