@@ -104,7 +104,7 @@ class Int8KVCache:
     channel are adjacent bytes. That is the V layout the Triton decode kernel reads fast (V is reduced
     over slots; kernels.kv_triton); the bytes and the scales are the same. Reads through indexing
     untile the slots they need (a copy, for prefill chunks); a write through `__setitem__` re-tiles the
-    whole cache (correct, slow: the Triton write path `write_rows(use_triton=True)` writes tiled)."""
+    whole cache (correct, slow: the Triton write path kernels.kv_triton.quantize_write writes tiled)."""
 
     def __init__(self, shape: tuple[int, int, int, int], group: int, device: torch.device | str = "cpu",
                  token_tile: int = 1) -> None:
@@ -143,15 +143,10 @@ class Int8KVCache:
             upto = key[2].stop
         return QuantizedPast(self.values(upto)[key], self.scale[key])
 
-    def write_rows(self, fresh: Tensor, rows: Tensor, starts: Tensor, use_triton: bool = False) -> None:
-        """Quantise new K or V (B, KV, T, hd) into cache row rows[b] at slots starts[b] .. + T - 1.
-        use_triton: one launch of kernels.kv_triton.quantize_write (CUDA; equal to `quantize` bit for
-        bit); else row by row through `__setitem__`."""
-        if use_triton:
-            from kernels.kv_triton import quantize_write
-
-            quantize_write(fresh, self.q, self.scale, rows, starts)
-            return
+    def write_rows(self, fresh: Tensor, rows: Tensor, starts: Tensor) -> None:
+        """Quantise new K or V (B, KV, T, hd) into cache row rows[b] at slots starts[b] .. + T - 1, row by
+        row through `__setitem__` (the one-launch CUDA write is kernels.kv_triton.quantize_write, equal to
+        this bit for bit; the kernel module builds on this one, never the reverse)."""
         t = fresh.shape[2]
         for i, (row, start) in enumerate(zip(rows.tolist(), starts.tolist())):
             self[row, :, start:start + t] = fresh[i]

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from kernels.kv_triton import V_TOKEN_TILE, Int8DecodePast, available as kv_triton_available
+from kernels.kv_triton import V_TOKEN_TILE, Int8DecodePast, available as kv_triton_available, quantize_write
 from kernels.kv_quant import Int8KVCache
 from partition.model import SliceModule, Transformer
 from partition.runners.base import KV_CACHE_KINDS, SliceRunner, row_range, write_new_kv
@@ -132,7 +132,7 @@ class TorchRunner(SliceRunner):
             past = self._past(rows, past_len)
         out, *new = self.module.run(x, pos, *past, all_logits=all_logits)
         for c, fresh in zip(self.cache, new):
-            c.write_rows(fresh, rows_t, starts, use_triton=True)
+            quantize_write(fresh, c.q, c.scale, rows_t, starts)
         return out[:, -1] if self.spec.is_last and not all_logits else out
 
 
