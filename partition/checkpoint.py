@@ -1,6 +1,7 @@
 """Checkpoint folders: load a Hugging Face folder (config.json, one or many *.safetensors, tokenizer.json)
 into the one model definition, build random-weight models from presets, and save folders back.
-A folder whose config.json has `quantization_config` (GPTQ / AWQ) is loaded by partition/quantize.py.
+A folder whose config.json has `quantization_config` (GPTQ / AWQ) is loaded by partition/quantize.py;
+a GGUF file (or its alias, or the model folder made for it, partition/gguf/folder.py) by partition/gguf.
 
 Loading builds the model on the `meta` device (no memory), reads each tensor once from the
 memory-mapped safetensors file and hands it to the module with `assign=True`, so the weights are
@@ -27,6 +28,11 @@ class CheckpointError(ValueError):
 
 
 def _shards(model_dir: Path) -> list[Path]:
+    from partition.gguf.folder import gguf_source
+
+    source = gguf_source(model_dir)
+    if source is not None:  # a GGUF file's model folder: the file holds every weight
+        return [source]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -48,9 +54,18 @@ def _shards(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> Transformer:
-    """Load a checkpoint folder as a Transformer in `dtype` on `device`, in eval mode."""
-    model_dir = Path(model_dir)
+               device: str | torch.device = "cpu", dequantize: bool = False) -> Transformer:
+    """Load a checkpoint folder, a .gguf file or a model alias as a Transformer in `dtype` on `device`, in
+    eval mode. A GGUF's quantised blocks stay codes (QuantLinear) unless `dequantize` (floats in `dtype`,
+    e.g. for ONNX export or re-quantisation)."""
+    from partition.gguf.folder import gguf_source, is_gguf_ref, resolve_model
+
+    model_dir = resolve_model(model_dir) if is_gguf_ref(model_dir) else Path(model_dir)
+    source = gguf_source(model_dir) if model_dir.is_dir() else None
+    if source is not None:
+        from partition.gguf.tensors import load_gguf_model
+
+        return load_gguf_model(source, dtype, device, dequantize=dequantize)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a folder; pass a checkpoint folder with config.json, "
                               "*.safetensors and tokenizer.json")

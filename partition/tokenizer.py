@@ -27,10 +27,14 @@ class Tokenizer:
     eos_ids: frozenset[int]
     bos_id: int | None = None
     chat_template: str | None = None
+    add_bos: bool = False  # tokenizer_config.json's add_bos_token: encode() starts the text with BOS
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, config: ModelConfig | None = None) -> "Tokenizer":
-        model_dir = Path(model_dir)
+        """From a model folder (a .gguf file or a model alias: the folder made for it, partition/gguf)."""
+        from partition.gguf.folder import is_gguf_ref, resolve_model
+
+        model_dir = resolve_model(model_dir) if is_gguf_ref(model_dir) else Path(model_dir)
         if not model_dir.is_dir():
             raise TokenizerError(f"{model_dir}: no such model folder; give a checkpoint folder with config.json, "
                                  "*.safetensors and tokenizer.json (or leave --model out for the shipped model)")
@@ -56,14 +60,18 @@ class Tokenizer:
             eos.add(tk.token_to_id(eos_tok))
         bos = config.bos_token_id if config else None
         template = side.get("chat_template")
-        return cls(tk, frozenset(eos), bos, template if isinstance(template, str) else None)
+        add_bos = side.get("add_bos_token") is True and bos is not None
+        return cls(tk, frozenset(eos), bos, template if isinstance(template, str) else None, add_bos)
 
     @property
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.tk.encode(text, add_special_tokens=False).ids
+        ids = self.tk.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id, *ids]  # once, also when a chat template already wrote it
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=True)

@@ -1,7 +1,4 @@
-"""GGUF model files (llama.cpp / Ollama): the header as a ModelConfig (reader), the tensors as the one model
-definition with block-quantised projections kept as codes (tensors, quants), the tokenizer (tokenizer)."""
-from partition.gguf.reader import GGUFError, GGUFModel, read_model
-from partition.gguf.tensors import layout, load_gguf_model
-from partition.gguf.tokenizer import GGUFTokenizer, build_tokenizer
-
-__all__ = ["GGUFError", "GGUFModel", "GGUFTokenizer", "build_tokenizer", "layout", "load_gguf_model", "read_model"]
+"""GGUF model files (llama.cpp / Ollama). folder: `--model` values (a .gguf file, an alias) as model folders,
+torch- and numpy-free; reader: the header as a ModelConfig; tensors (+ quants): the weights as the one model
+definition with block-quantised projections kept as codes; tokenizer: the tokenizer from the vocabulary.
+Import the submodule you need: this package's import stays light, for the torch-free half."""

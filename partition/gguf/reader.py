@@ -17,15 +17,12 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
 from partition.config import ModelConfig, ModelConfigError, RopeScaling
+from partition.gguf.folder import GGUFError
 
 # GGUF architecture -> (the project's architecture, whether llama.cpp's converter permuted Q/K for its
 # rope: convert_hf_to_gguf.py's LlamaModel.modify_tensors permutes q_proj/k_proj; Qwen2Model does not)
 ARCHITECTURES: dict[str, tuple[str, bool]] = {"llama": ("LlamaForCausalLM", True),
                                               "qwen2": ("Qwen2ForCausalLM", False)}
-
-
-class GGUFError(ValueError):
-    """A GGUF file this runtime cannot load; the message names the file, the key or tensor, and what to do."""
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
