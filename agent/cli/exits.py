@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from agent.cli.common import cli_errors, print_json
-from agent.cli.generate import MODEL_HELP
+from agent.cli.options import MODEL_HELP
 from partition.paths import DEFAULT_MODEL_DIR
 
 

@@ -10,16 +10,14 @@ from typing import Optional
 import typer
 
 from agent.cli.common import cli_errors, print_json
+from agent.cli.options import EdgeOptions, ExitOptions, ModelOptions, options, shared_options
 from partition.paths import DEFAULT_MODEL_DIR
 
-MODEL_HELP = "Checkpoint folder (config.json, *.safetensors, tokenizer.json); default: the shipped model."
 
-
+@shared_options
 def generate(
     prompt: str = typer.Argument(..., help="Text to continue."),
-    model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help=MODEL_HELP),
-    backend: str = typer.Option("torch", help="Runner: torch (PyTorch) or ort (ONNX Runtime; exports the "
-                                "slices on first use and caches them)."),
+    model_opts: ModelOptions = options(ModelOptions, model=DEFAULT_MODEL_DIR, backend="torch", kv_cache="fp16"),
     slices: Optional[str] = typer.Option(None, help="Layer ranges, e.g. 0:4,4:8 (default: one slice)."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
@@ -34,28 +32,10 @@ def generate(
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay decode "
                                                "steps as CUDA graphs (torch backend; default: on with "
                                                "--device cuda, off on CPU, where asking for it is an error)."),
-    speculate: Optional[str] = typer.Option(None, "--speculate", help="Self-speculative decoding: K draft "
-                                            "tokens per round from an exit head, or 'auto' (same output)."),
-    max_disagreement: Optional[float] = typer.Option(None, "--max-disagreement", help="Exit early where the "
-                                                     "calibrated heads keep disagreement with the full model "
-                                                     "below this rate (orin-agent calibrate)."),
-    kv_cache: str = typer.Option("fp16", "--kv-cache", help="KV-cache storage: fp16 (the model's dtype, "
-                                 "unquantised) or int8 (torch: group-wise INT8 with FP16 scales; ort: INT8 Q/DQ slices with "
-                                 "static scales calibrated at build time; trt: not built yet)."),
-    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="Paged KV-cache of N blocks of 16 "
-                                            "tokens per layer instead of per-row caches (torch backend, "
-                                            "fp16 cache)."),
+    exit_opts: ExitOptions = options(ExitOptions),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
-    edge: Optional[str] = typer.Option(None, "--edge", help="HOST:PORT of an edge server (orin-agent edge) "
-                                       "that runs the deep layers."),
-    device_layers: str = typer.Option("4", "--device-layers", help="With --edge: layers run here, or 'auto' "
-                                      "(the planner on the link measured to the edge)."),
-    edge_token: str = typer.Option("", "--edge-token", envvar="ORIN_AGENT_EDGE_TOKEN", help="Bearer token."),
-    link_dtype: str = typer.Option("fp16", "--link-dtype", help="Hidden states on the link: fp16 or int8 "
-                                   "(per-position int8 with FP16 scales: about half the bytes)."),
-    edge_tls_ca: str = typer.Option("", "--edge-tls-ca", help="PEM CA of the edge's certificate: gRPC over TLS."),
-    edge_tls_cert: str = typer.Option("", "--edge-tls-cert", help="PEM client certificate (mutual TLS)."),
-    edge_tls_key: str = typer.Option("", "--edge-tls-key", help="PEM client key (mutual TLS)."),
+    edge_opts: EdgeOptions = options(EdgeOptions, device_layers="4", edge_token="", link_dtype="fp16",
+                                     edge_tls_ca="", edge_tls_cert="", edge_tls_key=""),
     board: str = typer.Option("orin-nano-8gb", "--board", help="With --device-layers auto: this device's "
                               "board in the planner's cost model."),
 ) -> None:
@@ -66,8 +46,11 @@ def generate(
     from partition.offload.offload_chain import offload_stats, offload_summary
     from partition.offload.link import link_options
 
+    model, backend, kv_cache, kv_blocks = (model_opts.model, model_opts.backend, model_opts.kv_cache,
+                                           model_opts.kv_blocks)
+    max_disagreement, edge = exit_opts.max_disagreement, edge_opts.edge
     with cli_errors():
-        k = resolve_speculate(model, speculate)
+        k = resolve_speculate(model, exit_opts.speculate)
         if edge and k:
             raise ValueError("--speculate verifies drafts with the last slice's every-position logits, which "
                              "the edge does not return; use --max-disagreement with --edge, or drop --edge")
@@ -76,8 +59,10 @@ def generate(
                                 speculate=k, max_disagreement=max_disagreement)
         chain, split = None, ""
         if edge:
-            opts = link_options(edge_token, temperature != 0, link_dtype, edge_tls_ca, edge_tls_cert, edge_tls_key)
-            chain, split = offload_chain_for_generate(model, edge, device_layers, max_disagreement, opts, backend,
+            e = edge_opts
+            opts = link_options(e.edge_token, temperature != 0, e.link_dtype, e.edge_tls_ca, e.edge_tls_cert,
+                                e.edge_tls_key)
+            chain, split = offload_chain_for_generate(model, edge, e.device_layers, max_disagreement, opts, backend,
                                                       slices, max_seq, device, board)
         exits = bool(k) or max_disagreement is not None
         core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain, exits=exits,

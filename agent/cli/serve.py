@@ -2,6 +2,7 @@
 fresh twin with a few streamed requests)."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Optional
@@ -9,67 +10,49 @@ from typing import Optional
 import typer
 
 from agent.cli.common import cli_errors, print_json
-from agent.config import DEFAULT_CONFIG_PATH, ServiceConfig
+from agent.cli.options import BoardOptions, EdgeOptions, ExitOptions, ModelOptions, options, shared_options
+from agent.config import ServiceConfig
 from partition.paths import DEFAULT_MODEL_DIR
 
 
+@shared_options
 def serve(
-    config: Optional[Path] = typer.Option(None, "--config", help=f"Config file (default {DEFAULT_CONFIG_PATH} "
-                                          "if present, else built-in defaults)."),
-    root: Optional[str] = typer.Option(None, "--root", help="Board sysfs root (default: / on an Orin, else a "
-                                       "fresh twin in a temp dir)."),
-    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Where the restore journal lives "
-                                          f"(default {ServiceConfig.run_dir})."),
+    board_opts: BoardOptions = options(BoardOptions, notes={
+        "root": "Default: / on an Orin, else a fresh twin in a temp dir.",
+        "run_dir": f"Default: {ServiceConfig.run_dir}."}),
     host: Optional[str] = typer.Option(None, "--host", help=f"Listen address (default {ServiceConfig.host})."),
     port: Optional[int] = typer.Option(None, "--port", help=f"Listen port (default {ServiceConfig.port}; 0 = any free port)."),
     token: Optional[str] = typer.Option(None, "--token", help="Bearer token required on every endpoint but "
                                         "/health (prefer server.token_file in the config)."),
-    backend: Optional[str] = typer.Option(None, "--backend", help="torch or ort."),
-    model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint folder (default: the shipped model)."),
+    model_opts: ModelOptions = options(ModelOptions, notes={
+        "kv_cache": "Default: the config's model.kv_cache, else fp16.",
+        "kv_blocks": "Default: the config's model.kv_blocks, else per-row caches."}),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Sequences decoded together (cache rows)."),
-    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="KV-cache storage: fp16 or int8 "
-                                           "(torch or ort backend; default from model.kv_cache, else fp16)."),
     exits: Optional[bool] = typer.Option(None, "--exits/--no-exits", help="Load the exit heads beside the model "
                                          "so requests may ask for early exits or speculation (orin_agent field)."),
-    max_disagreement: Optional[float] = typer.Option(None, "--max-disagreement", help="Default early-exit "
-                                                     "target of every request (calibrated; implies --exits)."),
-    speculate: Optional[str] = typer.Option(None, "--speculate", help="Default self-speculation of every "
-                                            "request: K draft tokens or 'auto' (lossless; implies --exits)."),
-    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="Paged KV-cache of N blocks of 16 tokens "
-                                            "per layer (torch backend, fp16 cache; default from "
-                                            "model.kv_blocks, else per-row caches)."),
+    exit_opts: ExitOptions = options(ExitOptions, notes={
+        "speculate": "Every request's default; implies --exits.",
+        "max_disagreement": "Every request's default; implies --exits."}),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error."),
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="Power budget, W: the sliding-window "
                                               "average board power the controller holds (over the watts of "
                                               "the profile's budget section)."),
-    edge: Optional[str] = typer.Option(None, "--edge", help="HOST:PORT of an edge server (orin-agent edge) that "
-                                       "runs the deep layers."),
-    device_layers: Optional[str] = typer.Option(None, "--device-layers", help="With --edge: layers run here, or "
-                                                "'auto' (the planner on the link measured at start)."),
-    edge_token: Optional[str] = typer.Option(None, "--edge-token", envvar="ORIN_AGENT_EDGE_TOKEN",
-                                             help="The edge's bearer token."),
+    edge_opts: EdgeOptions = options(EdgeOptions),
     edge_fallback: Optional[bool] = typer.Option(None, "--edge-fallback/--no-edge-fallback", help="Hold the deep "
                                                  "layers here too, so a failed edge degrades to local decoding "
                                                  "(default on); off: such requests fail with the reason."),
-    link_dtype: Optional[str] = typer.Option(None, "--link-dtype", help="Hidden states on the link: fp16 or int8."),
-    edge_tls_ca: Optional[str] = typer.Option(None, "--edge-tls-ca", help="PEM CA of the edge's certificate "
-                                              "(gRPC over TLS)."),
-    edge_tls_cert: Optional[str] = typer.Option(None, "--edge-tls-cert", help="PEM client certificate (mutual TLS)."),
-    edge_tls_key: Optional[str] = typer.Option(None, "--edge-tls-key", help="PEM client key (mutual TLS)."),
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM; then drain, restore the board and exit 0."""
     from agent.config import load_config
     from agent.service import Service, setup_logging
 
     with cli_errors():
-        cfg = load_config(config).replace(root=root, run_dir=run_dir, host=host, port=port, token=token,
-                                          backend=backend, model_dir=model, max_batch=max_batch,
-                                          kv_cache=kv_cache, kv_blocks=kv_blocks, log_level=log_level, exits=exits,
-                                          max_disagreement=max_disagreement, speculate=speculate,
-                                          power_cap_w=power_cap, edge=edge, device_layers=device_layers,
-                                          edge_token=edge_token, edge_fallback=edge_fallback,
-                                          link_dtype=link_dtype, edge_tls_ca=edge_tls_ca,
-                                          edge_tls_cert=edge_tls_cert, edge_tls_key=edge_tls_key)
+        b, m = board_opts, model_opts
+        cfg = load_config(b.config).replace(root=b.root, run_dir=b.run_dir, host=host, port=port, token=token,
+                                            backend=m.backend, model_dir=m.model, max_batch=max_batch,
+                                            kv_cache=m.kv_cache, kv_blocks=m.kv_blocks, log_level=log_level,
+                                            exits=exits, power_cap_w=power_cap, edge_fallback=edge_fallback,
+                                            **dataclasses.asdict(exit_opts), **dataclasses.asdict(edge_opts))
         setup_logging(cfg.log_level)
         code = Service(cfg).run()
     raise typer.Exit(code)

@@ -11,16 +11,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from agent.cli.common import cli_errors, print_json, root_option
+from agent.cli.common import cli_errors, print_json
+from agent.cli.options import BoardOptions, options, shared_options
 
 _STYLE = {"pass": "green", "fail": "bold red", "skip": "yellow"}
 
 
-def smoke(root: Path = root_option(),
-          run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Restore journal (default: the "
-                                                 "service's: /run/orin-agent on a board, ROOT/run/orin-agent on a twin)."),
-          config: Optional[Path] = typer.Option(None, "--config", help="Service config (default "
-                                                "/etc/orin-agent/agent.toml if present): model, profile, [smoke] minimums."),
+@shared_options
+def smoke(board_opts: BoardOptions = options(BoardOptions, root="/", notes={
+              "config": "Read for the model, the profile and the [smoke] minimums.",
+              "run_dir": "Default: the service's, /run/orin-agent on a board, ROOT/run/orin-agent on a twin."}),
           build_dir: Optional[Path] = typer.Option(None, "--build-dir", help="An `orin-agent build` folder to "
                                                    "check against its manifest (skipped without one)."),
           service_url: Optional[str] = typer.Option(None, "--service-url", help="A running service to ask "
@@ -32,6 +32,8 @@ def smoke(root: Path = root_option(),
     from agent.smoke import CheckResult, SmokeOptions, default_run_dir, run_smoke
     from power.hw import sysfs
 
+    root = Path(board_opts.root if board_opts.root is not None else "/")
+    run_dir, config = board_opts.run_dir, board_opts.config
     with cli_errors():
         if not root.is_dir():
             raise FileNotFoundError(f"--root {root}: no such directory (the board's / or a twin folder: "
