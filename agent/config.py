@@ -76,7 +76,7 @@ class ServiceConfig:
     run_dir: str = "/run/orin-agent"
     lock_dir: str | None = None  # one instance per board root; None: <run_dir's parent>/orin-agent/locks
     profile: str = "balanced"
-    power_control: bool = True  # run power.controller (phase-aware DVFS + thermal) when it can open the board
+    power_control: bool = True  # run power.runtime.controller (phase-aware DVFS + thermal) when it can open the board
     power_cap_w: float | None = None  # a power budget over the profile's [budget] watts (power.policy.budget)
     max_batch: int = 8
     max_queue: int = 64

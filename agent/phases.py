@@ -3,7 +3,7 @@
 Before each step `EngineCore` tells its `PhaseListener` what the step is (an
 `agent.engine.types.PhaseEvent`): a prefill of `n_tokens` prompt tokens (compute-bound), a decode of
 `batch` sequences whose longest context is `context` tokens (memory-bound), or idle (nothing to run).
-The power controller (power.controller) and the twin's driver listen here; `NullListener` changes
+The power controller (power.runtime.controller) and the twin's driver listen here; `NullListener` changes
 nothing, `RecordingListener` keeps the events (tests, benchmarks) and `FanOut` puts several behind one.
 
 Listeners are called on the engine thread, between steps: they must return quickly (hand the event

@@ -24,7 +24,7 @@ from agent.api.openai import Limits, prompt_char_limit
 from agent.api.routes import ApiState, create_app
 from agent.api.server import server_config
 from agent.board import BoardReader, EnergyMeter, TwinDriver, is_orin, make_twin_root, recover_board, restore_board
-from power.controller import PowerController
+from power.runtime.controller import PowerController
 from power.hw.rootlock import RootLock, default_lock_dir
 from power.physics.costmodel import shape_of
 from agent.config import ServiceConfig
@@ -226,7 +226,7 @@ class Service:
         self._check_stop()
 
     def _open_controller(self, model_config: ModelConfig) -> Any:
-        """power.controller on the board (or twin), or None: the service then runs at the board's own
+        """power.runtime.controller on the board (or twin), or None: the service then runs at the board's own
         clocks. Fails soft: a board the controller cannot drive is logged, never fatal."""
         b, cfg = self.board, self.cfg
         if not cfg.power_control or b is None or b.root is None or b.run_dir is None:

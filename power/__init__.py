@@ -1,4 +1,5 @@
-"""power: the board and its control. Layers, lowest first: ``power.hw`` (files and tools), ``power.physics``
-(specs, equations, cost model), ``power.policy`` (tables, profiles, DVFS, thermal), the runtime
-(``power.control``, ``power.applier``, ``power.controller``), and ``power.twin`` (the simulated board) and
-``power.bench`` on top. ``power`` never imports ``agent``."""
+"""power: the board and its control, in ranks, lowest first, each importing only lower ones:
+``power.hw`` (files, tools, clock tables) < ``power.physics`` (specs, equations, cost model) < ``power.policy``
+(profiles, DVFS, thermal, budget: pure decisions) < ``power.twin`` (the simulated board) < ``power.runtime``
+(the board session, applier, loop, the service's controller thread, meter, state, status) < ``power.bench``
+(the energy benchmark in virtual time). ``power`` never imports ``agent``; tests/test_architecture.py checks."""

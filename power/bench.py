@@ -7,7 +7,7 @@ prefill-first engine for power's own tests. One policy on one twin tree is power
 Per policy, on a fresh twin tree (tmpfs when there is one): baselines MAXN + jetson_clocks (every clock
 pinned, CPU idle states and GPU rail-gating off, as NVIDIA's tool does), stock MAXN (default governors,
 what most users run) and the board's boot default mode; the shipped profiles and ``auto`` run the
-controller through :class:`power.applier.PowerLoop`, writing through the journaled board layer.
+controller through :class:`power.runtime.loop.PowerLoop`, writing through the journaled board layer.
 
 Reported per policy: J/token (board energy of the whole trace, idle included, over output tokens),
 busy J/token (energy of prefill and decode steps over output tokens) and idle watts, TTFT and time per

@@ -30,7 +30,7 @@ from power.physics.exitcost import parse_exit_rates
 from power.policy.budget import Budget, BudgetState
 from power.policy.powerconfig import Mix
 from power.policy.profiles import ProfileStore
-from power.powercap import install
+from power.runtime.cap import install
 from power.traces import TRACES, Request, make_trace
 
 MEASURE_WINDOW_S = 60.0         # the window the objective is measured over

@@ -1,6 +1,6 @@
 """One policy of the energy benchmark on one twin tree, in virtual time: the twin, the policy (a
 baseline written like nvpmodel / jetson_clocks would, or the real controller behind
-:class:`power.applier.PowerLoop`) and the accounting. An engine drives it (power.bench.simple_driver,
+:class:`power.runtime.loop.PowerLoop`) and the accounting. An engine drives it (power.bench.simple_driver,
 or agent.benchmark.power_replay's driver over the service's real Scheduler) through four calls: ``event`` (a phase
 event), ``step`` (run one prefill or decode step), ``idle_until`` and ``result``.
 
@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from power.applier import PowerLoop, read_zone_samples
-from power.control import open_session
+from power.runtime.loop import PowerLoop
+from power.runtime.applier import read_zone_samples
+from power.runtime.session import open_session
 from power.hw.backends import open_board
 from power.physics.boards import board_for
 from power.physics.costmodel import OperatingPoint, StepCost, decode_step, model_shape, prefill_step

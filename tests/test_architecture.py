@@ -56,7 +56,7 @@ def test_no_import_statement_crosses_the_layers() -> None:
     assert bad == []
 
 
-@pytest.mark.parametrize("module", ["power.control", "power.controller"])
+@pytest.mark.parametrize("module", ["power.runtime.session", "power.runtime.controller"])
 def test_the_controller_does_not_load_the_twin_model(module: str) -> None:
     """The production controller runs without the simulator's model (only its tool runner, for twin
     roots, is loaded when such a root is opened)."""

@@ -21,7 +21,7 @@ def test_slack_and_empty_table() -> None:
 def test_the_board_spec_follows_the_trees_l4t_layout(tmp_path) -> None:
     """A Nano on r35 is the original spec, on r36 the Super spec (JetPack 6's faster EMC): the spec is
     picked by the layout (r35/r36) the identity reads, not by the release number (36.4.3)."""
-    from power.control import spec_of
+    from power.runtime.session import spec_of
     from power.hw.backends import open_board
     from power.physics.boards import BOARDS, NANO_SUPER
     from power.twin.layout import create_twin

@@ -155,7 +155,7 @@ def test_sampling_params_errors_name_the_field(kwargs: dict, param: str) -> None
 
 
 def test_row_limit_caps_the_rows_admitted_each_step(tok: Tokenizer) -> None:
-    """The power budget's admission limit (power.controller.PowerController.max_rows) is read every step."""
+    """The power budget's admission limit (power.runtime.controller.PowerController.max_rows) is read every step."""
     limit = [1]
     ex = ScriptedExecutor(tok.encode(TEXT), max_batch=2)
     core = EngineCore(ex, tok, row_limit=lambda: limit[0])

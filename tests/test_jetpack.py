@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from agent.cli import app
-from power.applier import ClockApplier, tables_from_board
-from power.control import open_session, spec_of
+from power.runtime.applier import ClockApplier, tables_from_board
+from power.runtime.session import open_session, spec_of
 from power.hw import backends
 from power.hw.backends import JtopBoard, SysfsBoard, open_board
 from power.hw.errors import ToolError
@@ -67,7 +67,7 @@ def test_no_file_of_the_tree_needs_python_311() -> None:
 
 
 @pytest.mark.parametrize("modules", [
-    "power.control, power.controller, power.status, agent.cli.power, agent.cli.twin",
+    "power.runtime.session, power.runtime.controller, power.runtime.status, agent.cli.power, agent.cli.twin",
     "agent.api",
 ])
 def test_the_power_half_and_the_api_import_no_torch(modules: str) -> None:

@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from agent.cli import app
-from power.applier import ClockApplier, PowerLoop, read_zone_samples, tables_from_board
+from power.runtime.applier import ClockApplier, read_zone_samples, tables_from_board
+from power.runtime.loop import PowerLoop
 from power.hw.backends import SysfsBoard
 from power.bench import BenchConfig, compare, run_bench
 from power.physics.boards import BOARDS

@@ -66,7 +66,7 @@ def _online(root: Path) -> int:
 
 
 def test_session_refuses_a_reboot_mode_and_restore_brings_cores_back(tmp_path: Path) -> None:
-    from power.control import open_session
+    from power.runtime.session import open_session
 
     root = _twin(tmp_path)
     assert _online(root) == 8
@@ -83,7 +83,7 @@ def test_session_refuses_a_reboot_mode_and_restore_brings_cores_back(tmp_path: P
 
 
 def test_session_with_reboot_allowed_takes_the_chosen_mode(tmp_path: Path) -> None:
-    from power.control import open_session
+    from power.runtime.session import open_session
 
     root = _twin(tmp_path)
     s = open_session(root, tmp_path / "run", BALANCED, "llama-3-8b", power_cap_w=15.0, profile_dir=None,

@@ -10,7 +10,7 @@ import pytest
 
 from power.policy.budget import BudgetController
 from power.policy.profiles import Budget, ProfileError, ProfileStore
-from power.powercap import budget_for, with_cap
+from power.runtime.cap import budget_for, with_cap
 
 
 def store_with(tmp_path: Path, text: str) -> ProfileStore:
@@ -48,9 +48,9 @@ def test_power_cap_overrides_the_profile(tmp_path: Path) -> None:
 
 def test_service_controller_capped_on_a_twin(tmp_path: Path) -> None:
     from agent.metrics import ServiceMetrics
-    from power.controller import PowerController
+    from power.runtime.controller import PowerController
     from power.policy.dvfs import PhaseIn
-    from power.state import describe_state
+    from power.runtime.state import describe_state
     from power.twin import create_twin
 
     root = tmp_path / "twin"
@@ -100,7 +100,7 @@ def test_power_set_records_the_cap(tmp_path: Path) -> None:
                                  "--power-cap", "15"])
     assert r.exit_code == 0, r.output
     assert "power budget 15 W over 10 s" in r.output
-    from power.state import STATE_FILE
+    from power.runtime.state import STATE_FILE
     state = json.loads((run / STATE_FILE).read_text())
     assert state["budget"] == {"watts": 15.0, "window_s": 10.0}
     bad = CliRunner().invoke(app, ["power", "set", "balanced", "--root", str(root), "--run-dir", str(run),

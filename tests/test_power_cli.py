@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from agent.cli import app
 from power.hw.backends import JtopBoard, SysfsBoard
 from power.hw.journal import JOURNAL_NAME
-from power.status import read_status
+from power.runtime.status import read_status
 from power_tree import make_tree, snapshot
 
 runner = CliRunner()

@@ -9,7 +9,7 @@ import pytest
 from power.hw import sysfs
 from power.hw.backends import SysfsBoard, open_board
 from power.hw.discovery import discover
-from power.status import read_status
+from power.runtime.status import read_status
 from power_tree import make_tree, put
 
 

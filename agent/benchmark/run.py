@@ -1,6 +1,6 @@
 """`orin-agent bench run`: the end-to-end benchmark of the running configuration (model, backend, power
 profile) in real time, on the board or a twin. A short request trace goes through the service's own
-engine (agent.engine.core.EngineCore) with the service's power controller (power.controller) and, on a
+engine (agent.engine.core.EngineCore) with the service's power controller (power.runtime.controller) and, on a
 twin, the twin's real-time board model; a sampler thread notes the clocks, the rails and the
 temperatures every ``SAMPLE_S`` with the engine's phase, which gives energy per phase and the plots.
 
@@ -175,7 +175,7 @@ def _run_profile(opts: BenchOptions, profile: str, chain: "Chain", tokenizer: "T
     from agent.engine.types import Finished, SamplingParams, SeqRequest, next_request_id
     from agent.phases import FanOut
     from partition.config import load_config
-    from power.controller import PowerController
+    from power.runtime.controller import PowerController
     from power.physics.costmodel import shape_of
     from power.twin.driver import TwinDriver
 

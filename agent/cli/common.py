@@ -1,6 +1,6 @@
 """What every CLI command shares: turning the packages' own errors into a one-line message and an exit
 code (never a traceback), printing JSON for scripts, and the board options (``--root``, ``--run-dir``,
-``--profile-dir``) whose defaults are power.control's constants."""
+``--profile-dir``) whose defaults are power.runtime.session's constants."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import typer
 
-from power.control import DEFAULT_PROFILE_DIR, DEFAULT_ROOT, DEFAULT_RUN_DIR
+from power.runtime.session import DEFAULT_PROFILE_DIR, DEFAULT_ROOT, DEFAULT_RUN_DIR
 
 
 @contextmanager

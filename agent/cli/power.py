@@ -1,5 +1,5 @@
 """`orin-agent power ...`: board status and restore. Thin: every value comes from ``power``; this file
-only turns a :class:`power.status.BoardStatus` into a table (people) or JSON (scripts)."""
+only turns a :class:`power.runtime.status.BoardStatus` into a table (people) or JSON (scripts)."""
 from __future__ import annotations
 
 import json
@@ -17,9 +17,9 @@ from rich.table import Table
 from agent.cli import profiles
 from agent.cli.common import cli_errors, root_option, run_dir_option
 from power.hw.backends import open_board
-from power.state import clear_state, describe_state, read_state
+from power.runtime.state import clear_state, describe_state, read_state
 from power.hw.journal import read_journal, restore_run_dir
-from power.status import BoardStatus, read_status
+from power.runtime.status import BoardStatus, read_status
 
 app = typer.Typer(help="Read the board's clocks, temperatures and power; restore what the agent changed.",
                   no_args_is_help=True)

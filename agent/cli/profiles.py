@@ -83,7 +83,7 @@ def set_profile(name: str = typer.Argument(..., help="Profile name."),
     """Apply a profile's power mode and idle clocks now (journaled; `power restore` undoes it).
     What the board does not offer (no nvpmodel.conf, no debugfs, no such mode) is skipped with one
     warning line."""
-    from power.control import apply_profile
+    from power.runtime.session import apply_profile
 
     with cli_errors():
         done = apply_profile(root, run_dir, name, profile_dir=profile_dir, dry_run=dry_run,
@@ -112,7 +112,7 @@ def set_profile(name: str = typer.Argument(..., help="Profile name."),
 def state(run_dir: Path = run_dir_option("The controller's run directory."),
           json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """The power controller's active profile, phase and last decision (from its state file)."""
-    from power.state import describe_state, read_state
+    from power.runtime.state import describe_state, read_state
 
     with cli_errors():
         st = read_state(run_dir)

@@ -31,7 +31,7 @@ class EngineCore:
                  meter: EnergyMeter | None = None, metrics: EngineMetrics | None = None,
                  scheduler: Scheduler | None = None, row_limit: Callable[[], int | None] | None = None) -> None:
         self.executor, self.tokenizer = executor, tokenizer
-        self.row_limit = row_limit  # the power budget's admission limit (power.controller.max_rows), read per step
+        self.row_limit = row_limit  # the power budget's admission limit (power.runtime.controller.max_rows), read per step
         # No queue bound here: the caller (the loop) bounds what it submits.
         self.scheduler = scheduler or Scheduler(executor.max_batch, executor.max_seq, tokenizer.eos_ids,
                                                 max_queue=1 << 30)

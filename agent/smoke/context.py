@@ -43,7 +43,7 @@ class SmokeOptions:
 def default_run_dir(root: str | os.PathLike[str]) -> str:
     """The service's own run directory: /run/orin-agent on the board, ``<root>/run/orin-agent`` on a twin
     (what the service uses on a twin it made), so a smoke test and a running service share one lock."""
-    from power.control import DEFAULT_RUN_DIR
+    from power.runtime.session import DEFAULT_RUN_DIR
 
     return DEFAULT_RUN_DIR if sysfs.root_is_host(root) else os.path.join(os.fspath(root), TWIN_RUN_DIR)
 

@@ -107,12 +107,12 @@ def check_engines(ctx: SmokeContext) -> Outcome:
 # -- the short generation ----------------------------------------------------------------------------
 
 class _Controlled:
-    """A phase listener that runs the power controller's loop (power.applier.PowerLoop, the service's
+    """A phase listener that runs the power controller's loop (power.runtime.loop.PowerLoop, the service's
     controller without its thread) synchronously, so each decision is in force before the step runs,
     and notes each decision and the GPU/EMC limits read back from the board."""
 
     def __init__(self, ctx: SmokeContext, profile: str, shape: "ModelShape") -> None:
-        from power.control import open_session
+        from power.runtime.session import open_session
 
         o = ctx.options
         kw = {} if o.profile_dir is None else {"profile_dir": o.profile_dir}
@@ -255,7 +255,7 @@ def check_energy(ctx: SmokeContext) -> Outcome:
         return skipped("no power rails under this root: energy is not measured")
     spec = None
     if ctx.board is not None and ctx.board.info.identity.board:
-        from power.control import spec_of
+        from power.runtime.session import spec_of
         spec = spec_of(ctx.board)
     # The ceiling on average power: the module's own budget (power.physics.boards, cited there).
     cap_w = spec.power.module_cap_w if spec is not None else None

@@ -1,6 +1,6 @@
 """Phase-aware DVFS: the pure controller ``decide(readings, phase, profile, state, now)``.
 
-The policy (``power.applier`` does the writing). Per phase it turns the
+The policy (``power.runtime.applier`` does the writing). Per phase it turns the
 profile's clock policy into concrete clocks from the board's tables:
 - fixed values (fractions, frequencies) are snapped to the table and capped by the power mode;
 - ``auto`` picks the (GPU, EMC) point of least predicted joules per token whose predicted step time

@@ -4,7 +4,7 @@ to give the most predicted tokens per second within ``watts``.
 
 Why once: a mode that changes the TPC power-gating mask needs a reboot on AGX Orin (ORIN.md field notes),
 so the service cannot switch it while it serves (the mode switch itself is refused without
-``--allow-reboot-modes``, see ``power.applier.ClockApplier.set_mode``); CPU hotplug takes milliseconds and
+``--allow-reboot-modes``, see ``power.runtime.applier.ClockApplier.set_mode``); CPU hotplug takes milliseconds and
 migrates threads, for ~0.03 W a core on this twin (``PowerConstants.cpu_floor_w`` / 12), so cores are not
 worth toggling per phase either.
 

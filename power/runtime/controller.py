@@ -20,14 +20,16 @@ import threading
 import time
 from typing import Any, Protocol
 
-from power.applier import ClockApplier, PowerLoop
-from power.control import DEFAULT_PROFILE_DIR, open_session
+from power.runtime.applier import ClockApplier
+from power.runtime.loop import PowerLoop
+from power.runtime.session import DEFAULT_PROFILE_DIR, open_session
 from power.policy.budget import BudgetController
-from power.powercap import budget_for, install, rail_power_reader, status_dict
+from power.runtime.cap import budget_for, install, status_dict
+from power.runtime.meter import rail_power_reader
 from power.physics.costmodel import ModelShape
 from power.policy.dvfs import PhaseIn
 from power.policy.profiles import Profile
-from power.state import STATE_FILE, clear_state, write_state
+from power.runtime.state import STATE_FILE, clear_state, write_state
 
 log = logging.getLogger("orin_agent.power")
 
@@ -53,7 +55,7 @@ class PowerController:
     def open(cls, root: str | os.PathLike[str], run_dir: str | os.PathLike[str], profile: str | Profile,
              *, profile_dir: str | None = DEFAULT_PROFILE_DIR, shape: str | ModelShape | None = None,
              precision: str = "int4", fan_ours: bool = False, power_cap_w: float | None = None) -> "PowerController":
-        """The controller of a board session (:func:`power.control.open_session`). With a model shape
+        """The controller of a board session (:func:`power.runtime.session.open_session`). With a model shape
         (a preset name or the served model's ModelShape) `auto` plans from the cost model; without
         one it falls back to a fixed rule."""
         session = open_session(root, run_dir, profile, shape, profile_dir=profile_dir, precision=precision,

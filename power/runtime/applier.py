@@ -1,5 +1,4 @@
-"""Applying controller decisions to the board, and the loop that ties sensors, the pure controller and
-the writes together.
+"""Applying controller decisions to the board (the power loop, power.runtime.loop, decides them).
 
 - :class:`ClockApplier` writes a :class:`power.policy.dvfs.Decision` through the board layer's journaled
   :class:`power.hw.writer.ClockWriter` (allowlisted paths, kernel write order, read-back, rollback of a
@@ -7,18 +6,13 @@ the writes together.
   not change, so a phase switch touches only the files that move (usually GPU min/max and the EMC
   rate). Any write error restores the whole journal before it propagates: clocks are never left
   changed on error.
-- :class:`PowerLoop` is the synchronous core used by the service's :class:`power.controller.
-  PowerController` thread and by the energy benchmark in virtual time: on a phase event it turns
-  the time since the previous event into a measured step sample, samples the thermal zones at most
-  once per ``sensor_period_s``, calls ``decide`` and applies the decision.
-- :func:`tables_from_board` reads the clock tables and the power mode's caps from a discovered board.
+- :func:`tables_from_board` reads the clock tables and the power mode's caps from a discovered board;
+  :func:`read_zone_samples` the thermal zones as the thermal controller takes them.
 """
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from power.hw import sysfs
 from power.hw.backends import SysfsBoard
@@ -26,11 +20,10 @@ from power.hw.emc import rate_accept
 from power.hw.errors import BoardWriteError
 from power.hw.nvpmodel import ModeReading
 from power.hw.parsers import NvpModelConf
-from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, StepSample
-from power.policy.profiles import Profile
 from power.hw.tables import BoardTables
-from power.policy.thermal import ZoneSample
 from power.hw.writer import ClockWriter
+from power.policy.dvfs import Decision
+from power.policy.thermal import ZoneSample
 
 log = logging.getLogger("orin_agent.power")
 
@@ -233,94 +226,3 @@ class ClockApplier:
         self.applied, self.fan_applied, self.emc_locked = None, None, False
         if self.writer.journal is not None:
             self.writer.journal.restore()
-
-
-@dataclass
-class LoopStats:
-    events: int = 0
-    decisions: int = 0
-    switches: int = 0
-    writes: int = 0
-    critical_entries: int = 0
-    messages: list[str] = field(default_factory=list)
-
-
-class PowerLoop:
-    """Sensors -> ``decide`` -> applier, driven by phase events and timer ticks (time passed in)."""
-
-    def __init__(self, controller: DvfsController, profile: Profile, applier: ClockApplier | None,
-                 zones: Callable[[], tuple[ZoneSample, ...]] | None, *, fan_ours: bool = False,
-                 sensor_period_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 power: Callable[[], float | None] | None = None) -> None:
-        self.controller, self.profile, self.applier = controller, profile, applier
-        self.zones, self.fan_ours, self.sensor_period_s = zones, fan_ours, sensor_period_s
-        self.power = power          # board power now (W), read at every decision when set (a budget's input)
-        self.state = DvfsState()
-        self.decision: Decision | None = None
-        self.stats = LoopStats()
-        self._clock = clock
-        self._phase = PhaseIn("idle")
-        self._phase_t: float | None = None
-        self._sensed_t = float("-inf")
-        self._switched = False
-        self.applied: dict[str, Decision] = {}      # the last clocks decided per busy phase
-
-    @property
-    def sensed_at(self) -> float:
-        """When the zones were last read."""
-        return self._sensed_t
-
-    @property
-    def phase(self) -> PhaseIn:
-        return self._phase
-
-    def set_profile(self, profile: Profile) -> None:
-        self.profile = profile
-
-    def on_event(self, p: PhaseIn, now: float) -> Decision:
-        steps: tuple[StepSample, ...] = ()
-        d = self.decision
-        # a step measures its clock point when the clocks were pinned and did not move at its start
-        # (a step that began with a switch includes the 5-8 ms the new clocks take to settle)
-        if self._phase.kind != "idle" and self._phase_t is not None and d is not None and \
-                d.gpu_min_hz == d.gpu_max_hz and not self._switched:
-            steps = (StepSample(self._phase, d.gpu_max_hz, d.emc_hz, now - self._phase_t),)
-        self._phase, self._phase_t = p, now
-        self.stats.events += 1
-        before = self.stats.switches
-        out = self._decide(now, steps)
-        self._switched = self.stats.switches != before
-        return out
-
-    def tick(self, now: float) -> Decision:
-        return self._decide(now, ())
-
-    def next_wake(self) -> float | None:
-        w = self.decision.wake_at if self.decision is not None else None
-        if self.zones is not None:
-            nxt = self._sensed_t + self.sensor_period_s
-            w = nxt if w is None else min(w, nxt)
-        return w
-
-    def _decide(self, now: float, steps: tuple[StepSample, ...]) -> Decision:
-        zones = None
-        if self.zones is not None and now - self._sensed_t >= self.sensor_period_s:
-            zones, self._sensed_t = self.zones(), now
-        readings = Readings(zones, self.fan_ours, steps, self.power() if self.power is not None else None)
-        was_critical = self.state.thermal.critical
-        d, self.state = self.controller.decide(readings, self._phase, self.profile, self.state, now)
-        self.stats.decisions += 1
-        if d.message and (d.critical or d.message != (self.decision.message if self.decision else None)):
-            (log.error if d.critical else log.warning)("%s", d.message)
-            if len(self.stats.messages) < 100:
-                self.stats.messages.append(f"t={now:.1f}s {d.message}")
-        if d.critical and not was_critical:
-            self.stats.critical_entries += 1
-        if self.decision is None or d.clocks() != self.decision.clocks() or d.fan_pwm != self.decision.fan_pwm:
-            self.stats.switches += 1
-            if self.applier is not None:
-                self.stats.writes += self.applier.apply(d, self.fan_ours)
-        self.decision = d
-        if d.phase in ("prefill", "decode"):
-            self.applied[d.phase] = d
-        return d

@@ -1,10 +1,7 @@
-"""Wiring a power budget (power.policy.budget) into a control loop: the budget a profile's ``[budget]`` and a
-``--power-cap`` override give, the module power read from the rails, installing the budgeted controller on a
-:class:`power.applier.PowerLoop` (the service's controller, the energy bench), and the budget's status as a
+"""The power cap: the budget (power.policy.budget) a profile's ``[budget]`` and a ``--power-cap`` override
+give, installing the budgeted controller on a :class:`power.runtime.loop.PowerLoop` (the service's
+controller, the energy bench; the power it reads comes from power.runtime.meter), and the budget's status as a
 plain dict for the state file (``power status``) and ``/metrics``.
-
-Module power: the VDD_IN rail where the board has one (Orin NX/Nano: the module's input), else the sum of the
-labelled rails (AGX Orin: VDD_GPU_SOC + VDD_CPU_CV + VIN_SYS_5V0 + VDDQ_VDD2_1V8AO).
 
 The power configuration (:func:`budget_config`): the nvpmodel mode and the CPU cores online the budget runs
 under (``power.policy.powerconfig``), chosen when the session opens; a mode that would change the TPC mask
@@ -15,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from power.applier import ClockApplier, PowerLoop
-from power.hw.backends import SysfsBoard
+from power.runtime.applier import ClockApplier
+from power.runtime.loop import PowerLoop
 from power.physics.boards import BoardSpec
 from power.physics.costmodel import ModelShape, model_shape
 from power.policy.powerconfig import Mix, choose_config
@@ -42,32 +39,6 @@ def budget_for(profile: Profile, power_cap_w: float | None = None) -> Budget | N
 def with_cap(profile: Profile, power_cap_w: float | None) -> Profile:
     """``profile`` with ``--power-cap`` applied to its budget."""
     return dataclasses.replace(profile, budget=budget_for(profile, power_cap_w))
-
-
-def module_power_reader(board: SysfsBoard) -> Callable[[], float | None]:
-    """Module power now, W, from the rails (None when unreadable)."""
-    def read() -> float | None:
-        rails = [r for r in board.read_rails() if r.label and r.label != "NC" and r.mw is not None]
-        vin = [r for r in rails if r.label == "VDD_IN"]
-        use = vin or rails
-        return sum(r.mw or 0.0 for r in use) / 1000.0 if use else None
-    return read
-
-
-def rail_power_reader(board: SysfsBoard, rail: str | None) -> Callable[[], float | None]:
-    """The budget's power now, W: module power (``rail`` None), else that INA3221 rail's (ValueError naming
-    the board's rails when it has no such label)."""
-    if rail is None:
-        return module_power_reader(board)
-    labels = [r.label for r in board.read_rails() if r.label and r.label != "NC"]
-    if rail not in labels:
-        raise ValueError(f"budget rail {rail!r}: this board's rails are {', '.join(labels) or 'none readable'} "
-                         f"(leave rail out to budget module power)")
-
-    def read() -> float | None:
-        mw = next((r.mw for r in board.read_rails() if r.label == rail), None)
-        return None if mw is None else mw / 1000.0
-    return read
 
 
 def install(loop: PowerLoop, budget: Budget, power: Callable[[], float | None]) -> BudgetController:

@@ -1,7 +1,7 @@
 """Opening the board for control: the one place that goes profile -> board (one factory) -> journaled
 writer -> nvpmodel mode switch -> rediscovery -> clock tables -> planner -> control loop.
 
-Used by the service's controller (:meth:`power.controller.PowerController.open`), ``orin-agent power
+Used by the service's controller (:meth:`power.runtime.controller.PowerController.open`), ``orin-agent power
 set`` (:func:`apply_profile`) and the energy benchmark (power.bench). Also the default paths every
 front end shares (``DEFAULT_ROOT``, ``DEFAULT_RUN_DIR``, ``DEFAULT_PROFILE_DIR``).
 """
@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from power.applier import ClockApplier, PowerLoop, read_zone_samples, tables_from_board
+from power.runtime.applier import ClockApplier, read_zone_samples, tables_from_board
+from power.runtime.loop import PowerLoop
 from power.hw.backends import SysfsBoard, open_board
 from power.hw.journal import DEFAULT_RUN_DIR as _JOURNAL_RUN_DIR
 from power.hw.writer import ClockWriter
@@ -23,7 +24,7 @@ from power.policy.powerconfig import Mix
 from power.policy.profiles import DEFAULT_USER_DIR, Profile, ProfileStore
 from power.hw.tables import BoardTables
 from power.policy.thermal import ZoneSample
-from power.state import write_state
+from power.runtime.state import write_state
 
 DEFAULT_ROOT = "/"
 DEFAULT_RUN_DIR = _JOURNAL_RUN_DIR          # the restore journal and the controller's state file
@@ -94,9 +95,9 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
     switch that needs a reboot (TPC mask) only with ``allow_reboot_modes``. Call it before any CUDA
     context exists (a mode switch changes the GPU's caps under it). With a power budget (the profile's
     ``[budget]``, ``power_cap_w`` over it) the mode and the CPU cores online are the budget's choice
-    (``power.powercap.budget_config``, for ``mix``; extra cores are taken offline, journaled). On any error the
+    (``power.runtime.cap.budget_config``, for ``mix``; extra cores are taken offline, journaled). On any error the
     journal is restored and closed before the error propagates."""
-    from power.powercap import budget_config, with_cap
+    from power.runtime.cap import budget_config, with_cap
 
     prof = profile if isinstance(profile, Profile) else ProfileStore(
         None if profile_dir is None else os.fspath(profile_dir)).load(profile)
@@ -147,7 +148,7 @@ def apply_profile(root: str | os.PathLike[str], run_dir: str | os.PathLike[str],
     restore`` undoes it), leave the journal for that restore and record the state file (with the
     warnings, so ``power status`` shows them, and the budget, ``power_cap_w`` over the profile's
     ``[budget]``: the controller holds it while it runs)."""
-    from power.powercap import with_cap
+    from power.runtime.cap import with_cap
 
     prof = with_cap(ProfileStore(None if profile_dir is None else os.fspath(profile_dir)).load(name), power_cap_w)
     if not Path(root).is_dir():
