@@ -13,12 +13,12 @@ from typer.testing import CliRunner
 
 from agent.benchmark.power_replay import run_power_bench
 from agent.cli import app
-from power.bench import BenchConfig
-from power.bench_run import PolicyRun
+from power.bench.energy import BenchConfig
+from power.bench.run import PolicyRun
 from power.hw.backends import open_board
 from power.physics.boards import BOARDS
 from power.physics.costmodel import OperatingPoint, model_shape, prefill_step
-from power.traces import make_trace
+from power.bench.traces import make_trace
 from power.twin import IDLE, Twin, create_twin
 
 SPEC = BOARDS["agx-orin-64gb"]

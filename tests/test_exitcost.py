@@ -55,7 +55,7 @@ def test_exit_rates_parse_and_map_onto_the_priced_model() -> None:
 
 def test_energy_bench_credits_exits(tmp_path) -> None:  # noqa: ANN001
     from agent.benchmark.power_replay import run_power_bench
-    from power.bench import BenchConfig
+    from power.bench.energy import BenchConfig
 
     def jpt(**kw: object) -> float:
         cfg = BenchConfig(duration_s=60.0, max_batch=1, policies=("maxn+jetson_clocks",), **kw)  # type: ignore[arg-type]

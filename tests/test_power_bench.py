@@ -12,12 +12,12 @@ from agent.cli import app
 from power.runtime.applier import ClockApplier, read_zone_samples, tables_from_board
 from power.runtime.loop import PowerLoop
 from power.hw.backends import SysfsBoard
-from power.bench import BenchConfig, compare, run_bench
+from power.bench.energy import BenchConfig, compare, run_bench
 from power.physics.boards import BOARDS
 from power.policy.dvfs import DvfsController, PhaseIn, Planner
 from power.hw.errors import BoardWriteError
 from power.policy.profiles import ProfileStore
-from power.traces import make_trace
+from power.bench.traces import make_trace
 from power.twin import Twin, create_twin
 
 SPEC = BOARDS["agx-orin-64gb"]

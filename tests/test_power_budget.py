@@ -94,7 +94,7 @@ def simulate(c: BudgetController, seconds: float, rail_factor: float = 1.0,
 
 
 def max_window(log: list[tuple[float, float]], window_s: float) -> float:
-    from power.bench_budget import max_window_average
+    from power.bench.budget import max_window_average
     return max_window_average(log, window_s)
 
 
@@ -146,8 +146,8 @@ def test_thermal_still_overrides() -> None:
 
 
 def test_capped_bench_beside_mode_15w() -> None:
-    from power.bench import BenchConfig, simple_driver
-    from power.bench_budget import mode_for_cap, run_budget_bench
+    from power.bench.energy import BenchConfig, simple_driver
+    from power.bench.budget import mode_for_cap, run_budget_bench
 
     assert mode_for_cap(SPEC, 15.0) == mode_for_cap(SPEC, 20.0) == "MODE_15W"
     assert mode_for_cap(SPEC, 30.0) == "MODE_30W" and mode_for_cap(SPEC, 10.0) is None

@@ -187,8 +187,8 @@ def test_scheduler_row_cap_limits_admission(paged: bool) -> None:
 
 
 def test_capped_bench_rows_carry_mode_and_cores_and_a_rail() -> None:
-    from power.bench import BenchConfig, simple_driver
-    from power.bench_budget import run_budget_bench
+    from power.bench.energy import BenchConfig, simple_driver
+    from power.bench.budget import run_budget_bench
 
     cfg = BenchConfig(trace="batch", duration_s=20.0, profile_dir=None)
     rows = run_budget_bench(cfg, 15.0, simple_driver, iso_power=False)

@@ -1,7 +1,7 @@
-"""The energy benchmark driven by the service's own scheduler: each policy of ``power.bench`` replays
+"""The energy benchmark driven by the service's own scheduler: each policy of ``power.bench.energy`` replays
 the trace through :class:`agent.engine.scheduler.Scheduler` (admission, chunked prefill grouped by
 length bucket, prefill-first with decode starvation guard, continuous batching), with an executor
-whose step times come from the cost model on the twin, in virtual time (power.bench_run.PolicyRun).
+whose step times come from the cost model on the twin, in virtual time (power.bench.run.PolicyRun).
 
 So the benchmark exercises the scheduling users run. ``power`` never imports ``agent``: the policy,
 twin and accounting parts stay in power.bench; this module is the engine side. The CLI
@@ -14,11 +14,11 @@ from typing import Any
 
 from agent.engine.scheduler import Scheduler
 from agent.engine.types import INTERACTIVE, SamplingParams, SeqRequest, StepOutput, StepPlan
-from power.bench import BenchConfig, PolicyResult, run_bench
-from power.bench_run import PolicyRun, Tally
+from power.bench.energy import BenchConfig, PolicyResult, run_bench
+from power.bench.run import PolicyRun, Tally
 from power.policy.budget import BudgetController
 from power.policy.dvfs import PhaseIn
-from power.traces import Request
+from power.bench.traces import Request
 
 TOKEN = 1                   # the token every sampled row returns (never EOS: requests run to max_tokens)
 MAX_SEQ = 8192              # context of the replayed model (Llama-3-8B: 8192)
@@ -87,13 +87,13 @@ def scheduler_driver(run: PolicyRun, trace: tuple[Request, ...], cfg: BenchConfi
 
 
 def run_power_bench(cfg: BenchConfig) -> list[PolicyResult]:
-    """``power.bench.run_bench`` with the service's scheduler as the engine."""
+    """``power.bench.energy.run_bench`` with the service's scheduler as the engine."""
     return run_bench(cfg, scheduler_driver)
 
 
 def run_power_budget_bench(cfg: BenchConfig, watts: float, window_s: float = 10.0,
                            rail: str | None = None) -> list[dict[str, Any]]:
-    """``power.bench_budget.run_budget_bench`` (capped rows beside the nvpmodel mode) with the service's scheduler."""
-    from power.bench_budget import run_budget_bench
+    """``power.bench.budget.run_budget_bench`` (capped rows beside the nvpmodel mode) with the service's scheduler."""
+    from power.bench.budget import run_budget_bench
 
     return run_budget_bench(cfg, watts, scheduler_driver, window_s=window_s, rail=rail)

@@ -41,7 +41,7 @@ class TraceSpec:
     max_tokens: int
 
 
-# Shapes of power.traces' chat and batch traces, shrunk to seconds so each profile takes a few:
+# Shapes of power.bench.traces' chat and batch traces, shrunk to seconds so each profile takes a few:
 # chat: turns a second or so apart; batch: every request at once (decoded together);
 # sparse: requests far apart, so the board goes idle between them (the idle power shows).
 TRACES = {
@@ -274,8 +274,8 @@ def remove_twin(folder: Path) -> None:
 
 def default_out_dir(trace: str) -> Path:
     """``<the user's cache>/orin-agent/bench/<trace>-<time>``, beside the power benchmark's results
-    (power.bench.default_out_dir picks the cache folder): never the current folder."""
-    from power.bench import default_out_dir as power_out
+    (power.bench.energy.default_out_dir picks the cache folder): never the current folder."""
+    from power.bench.energy import default_out_dir as power_out
 
     return power_out().parent / "bench" / f"{trace}-{time.strftime('%Y%m%d-%H%M%S')}"
 

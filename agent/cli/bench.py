@@ -1,6 +1,6 @@
 """`orin-agent bench ...`: benchmarks. ``bench power`` replays a request trace through the power
 controller against the twin in virtual time, through the service's own scheduler (agent.benchmark.power_replay over
-power.bench), and prints one row per policy; ``bench run`` is the end-to-end benchmark of the running
+power.bench.energy), and prints one row per policy; ``bench run`` is the end-to-end benchmark of the running
 configuration in real time (agent.benchmark), writing report.json, PNG plots and summary.md. Thin: the
 logic is in those packages; this file parses options and prints."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rich.table import Table
 from agent.cli.common import cli_errors, print_json, profile_dir_option
 
 if TYPE_CHECKING:
-    from power.bench import BenchConfig
+    from power.bench.energy import BenchConfig
 
 app = typer.Typer(help="Benchmarks: `run` (end to end, real time, on the board or a twin) and `power` "
                   "(energy per token of the power policies on the twin, virtual time).", no_args_is_help=True)
@@ -100,7 +100,7 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
           ) -> None:
     """Energy per token, TTFT/TPOT, peak power and temperature per policy, side by side."""
     from agent.benchmark.power_replay import run_power_bench
-    from power.bench import BenchConfig, compare, default_out_dir, save_results
+    from power.bench.energy import BenchConfig, compare, default_out_dir, save_results
 
     with cli_errors():
         cfg = BenchConfig(board, l4t, shape, precision, trace, ambient, duration, seed, max_batch, fan,
@@ -136,7 +136,7 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
 def _capped(cfg: BenchConfig, watts: float, window_s: float, out: Path, json_out: bool,
             rail: str | None = None) -> None:
     from agent.benchmark.power_replay import run_power_budget_bench
-    from power.bench_budget import save_budget_results
+    from power.bench.budget import save_budget_results
 
     rows = run_power_budget_bench(cfg, watts, window_s, rail)
     path = save_budget_results(cfg, watts, rows, out)

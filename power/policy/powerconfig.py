@@ -33,7 +33,7 @@ PREFILL_CHUNK = 512         # the scheduler's max_prefill_chunk: prefill runs in
 
 @dataclass(frozen=True)
 class Mix:
-    """What one served request costs: the batch trace's medians (power.traces) by default."""
+    """What one served request costs: the batch trace's medians (power.bench.traces) by default."""
     prompt: int = 1000
     output: int = 250
     batch: int = 8

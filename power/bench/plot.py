@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from power.bench import PolicyResult
+    from power.bench.energy import PolicyResult
 
 PHASE_COLOURS = ("tab:red", "tab:blue", "tab:gray")   # prefill, decode, idle (timeline codes 0/1/2)
 

@@ -1,7 +1,7 @@
 """The energy benchmark: a request trace replayed through the real controller against the twin, in
 virtual time, for several policies side by side. The CLI is agent/cli/bench.py, which drives each policy
 with the service's own Scheduler (agent.benchmark.power_replay); :func:`simple_driver` here is a plain
-prefill-first engine for power's own tests. One policy on one twin tree is power.bench_run.PolicyRun
+prefill-first engine for power's own tests. One policy on one twin tree is power.bench.run.PolicyRun
 (the twin, the policy, the step-time integration and the accounting).
 
 Per policy, on a fresh twin tree (tmpfs when there is one): baselines MAXN + jetson_clocks (every clock
@@ -24,13 +24,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from power.bench_run import BASELINES, PolicyRun, Tally, pct
+from power.bench.run import BASELINES, PolicyRun, Tally, pct
 from power.physics.boards import board_for
 from power.physics.costmodel import PRECISIONS, model_shape
 from power.physics.exitcost import parse_exit_rates
 from power.policy.dvfs import PhaseIn
 from power.policy.profiles import ProfileStore
-from power.traces import Request, make_trace
+from power.bench.traces import Request, make_trace
 
 # `auto`: every busy clock chosen for least J/token under absolute latency targets only: 50 ms per
 # output token (20 tok/s, faster than people read) and 1.5 s per prefill step (estimates of an
@@ -233,7 +233,7 @@ def save_results(cfg: BenchConfig, results: list[PolicyResult], out: Path, *, pl
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1, default=str))
     written = [out / f"{stem}.json"]
     if plot:
-        from power.bench_plot import plot as draw
+        from power.bench.plot import plot as draw
         draw(results, out / f"{stem}.png", f"{cfg.board} {cfg.shape} {cfg.precision}, trace {cfg.trace}, "
              f"ambient {cfg.ambient_c:g} °C, fan {cfg.fan}", 99.0)
         written.append(out / f"{stem}.png")

@@ -1,8 +1,8 @@
 """The power-budget benchmark: under a cap of W watts, the budgeted controller beside the nvpmodel mode of
 that wattage under the stock governors, over the same seeded trace, each on a fresh twin tree, driven by
-an engine (agent.benchmark.power_replay's scheduler driver from the CLI; power.bench.simple_driver in tests).
+an engine (agent.benchmark.power_replay's scheduler driver from the CLI; power.bench.energy.simple_driver in tests).
 
-Per policy the energy bench's record (power.bench.PolicyResult) plus: output tokens per second of the
+Per policy the energy bench's record (power.bench.energy.PolicyResult) plus: output tokens per second of the
 whole run, per-stream decode speed (1 / p50 time per output token), the maximum sliding-window average
 board power over every ``measure_window_s`` window (and over every window of the controller's own
 ``window_s``), the mean power of each INA3221 rail, the nvpmodel mode and CPU cores online the run served
@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from power.bench import AUTO_DOC, BenchConfig, Driver, _tmp_base, result, simple_driver
-from power.bench_run import BASELINES, MODE_PREFIX, PolicyRun
+from power.bench.energy import AUTO_DOC, BenchConfig, Driver, _tmp_base, result, simple_driver
+from power.bench.run import BASELINES, MODE_PREFIX, PolicyRun
 from power.physics.boards import BoardSpec, board_for
 from power.physics.costmodel import PRECISIONS, model_shape
 from power.physics.exitcost import parse_exit_rates
@@ -31,7 +31,7 @@ from power.policy.budget import Budget, BudgetState
 from power.policy.powerconfig import Mix
 from power.policy.profiles import ProfileStore
 from power.runtime.cap import install
-from power.traces import TRACES, Request, make_trace
+from power.bench.traces import TRACES, Request, make_trace
 
 MEASURE_WINDOW_S = 60.0         # the window the objective is measured over
 ISO_MEAN_RUNS = 3               # runs spent finding the cap whose run averages the nvpmodel row's mean

@@ -1,6 +1,6 @@
 """One policy of the energy benchmark on one twin tree, in virtual time: the twin, the policy (a
 baseline written like nvpmodel / jetson_clocks would, or the real controller behind
-:class:`power.runtime.loop.PowerLoop`) and the accounting. An engine drives it (power.bench.simple_driver,
+:class:`power.runtime.loop.PowerLoop`) and the accounting. An engine drives it (power.bench.energy.simple_driver,
 or agent.benchmark.power_replay's driver over the service's real Scheduler) through four calls: ``event`` (a phase
 event), ``step`` (run one prefill or decode step), ``idle_until`` and ``result``.
 
