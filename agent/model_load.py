@@ -1,18 +1,25 @@
-"""The model side of a service config: the CPU threads of the kernels, the chain of slices (local, or
-with the deep layers on an edge server), and the executor that runs it (plain, or cut at the exit
-heads for early exits and self-speculation) with what it offers requests. Used by `agent.service`,
-the smoke checks and the on-device benchmark."""
+"""Loading a model into an engine, in one place above the engine core: the model side of a service
+config (the CPU threads of the kernels, the chain of slices, local or with the deep layers on an edge
+server, and the executor that runs it, plain or cut at the exit heads for early exits and
+self-speculation, with what it offers requests), used by `agent.service`, the smoke checks and the
+on-device benchmark; and `load_core`, an `EngineCore` on a checkpoint's chain for one request at a time
+(what `orin-agent generate`, the scripts and the tests step), with the block-counting scheduler a
+paged chain needs (`paged_scheduler`)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
 from agent.api.extension import ExitPolicy
 from agent.config import ServiceConfig
+from agent.engine.core import EngineCore
 from agent.engine.executor import ChainExecutor
+from agent.engine.paged_scheduler import PagedScheduler
 from partition.runners.base import usable_cpus
 from partition.runners.chain import Chain
+from partition.tokenizer import Tokenizer
 
 log = logging.getLogger("orin_agent.service")
 
@@ -75,3 +82,37 @@ def edge_chain(cfg: ServiceConfig) -> Chain:
                               if cfg.edge_replan else None)
     log.info("%s", note)
     return chain
+
+
+def load_core(model: Path, backend: str = "torch", slices: str | None = None, max_seq: int | None = None,
+              device: str = "cpu", cuda_graphs: bool | None = None, chain: Chain | None = None,
+              exits: bool = False, kv_cache: str = "fp16", kv_blocks: int | None = None,
+              block_size: int = 16) -> EngineCore:
+    """An `EngineCore` on one cache row of a checkpoint's chain (or on ``chain``, e.g. one whose deep
+    slice is an edge server): single requests, stepped directly. exits: cut the chain at the model's
+    exit heads (agent.engine.speculative), for requests that speculate or exit early."""
+    from partition.runners import load_chain
+
+    tokenizer = Tokenizer.from_dir(model)
+    if exits:
+        if kv_cache != "fp16" or kv_blocks is not None:
+            raise ValueError("early exit and speculation run on the dense fp16 cache: drop --kv-cache int8")
+        from agent.engine.speculative import exit_executor_on, load_exit_executor
+
+        if chain is not None:
+            return EngineCore(exit_executor_on(chain, model, device), tokenizer)
+
+        return EngineCore(load_exit_executor(model, backend, slices, max_seq, device), tokenizer)
+    if chain is None:
+        chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device,
+                           cuda_graphs=cuda_graphs, kv_cache=kv_cache, kv_blocks=kv_blocks, block_size=block_size)
+    return EngineCore(ChainExecutor(chain), tokenizer, scheduler=paged_scheduler(chain, tokenizer))
+
+
+def paged_scheduler(chain: Chain, tokenizer: Tokenizer) -> PagedScheduler | None:
+    """The block-counting scheduler a paged chain needs (None for a chain of per-row caches: the
+    engine's default row scheduler). No queue bound: the caller bounds what it submits."""
+    if chain.paging is None:
+        return None
+    num_blocks, size = chain.paging
+    return PagedScheduler(chain.max_batch, chain.max_seq, num_blocks, size, tokenizer.eos_ids, max_queue=1 << 30)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from agent.engine.executor import load_core
+from agent.model_load import load_core
 from agent.engine.types import Finished, SamplingParams
 from partition.checkpoint import load_model
 from partition.exits.data import greedy_disagreement, held_out_prompts

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from agent.engine.core import EngineCore
-from agent.engine.executor import ChainExecutor, load_core
+from agent.engine.executor import ChainExecutor
+from agent.model_load import load_core
 from agent.engine.speculative import exit_executor_on
 from agent.engine.types import SamplingParams
 from partition.checkpoint import load_model

@@ -80,7 +80,7 @@ def make_standin(out: Path) -> Path:
 
 def references(model: Path, max_seq: int, max_tokens: int) -> dict[str, tuple[str, int]]:
     """Each prompt's greedy text and token count from a single-request run."""
-    from agent.engine.executor import load_core
+    from agent.model_load import load_core
     from agent.engine.types import Delta, Finished, SamplingParams
 
     core = load_core(model, backend="torch", max_seq=max_seq)

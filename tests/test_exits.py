@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from agent.engine.executor import load_core
+from agent.model_load import load_core
 from agent.engine.scheduler import Scheduler
 from agent.engine.types import SamplingParams, SeqRequest, StepOutput
 from partition.checkpoint import load_model

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from agent.engine.core import EngineCore
-from agent.engine.executor import ChainExecutor, make_rng, sample
+from agent.engine.executor import ChainExecutor
+from agent.engine.sampling import make_rng, sample
 from agent.engine.output import StopMatcher
 from agent.engine.types import Finished, InvalidRequest, SamplingParams
 from partition.checkpoint import load_model

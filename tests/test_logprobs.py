@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agent.engine.core import EngineCore
-from agent.engine.executor import make_rng, sample_with_logprob, warp
+from agent.engine.sampling import make_rng, sample_with_logprob, warp
 from agent.engine.types import Delta, Finished, InvalidRequest, SamplingParams, StepOutput, StepPlan, TokenLogprob
 from partition.tokenizer import Tokenizer
 

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from agent.cli import app
 from agent.engine.core import EngineCore
-from agent.engine.executor import load_core
+from agent.model_load import load_core
 from agent.engine.speculative import exit_executor_on
 from agent.engine.types import Finished, SamplingParams
 from partition.offload import EdgeError, EdgeLink, LinkOptions, LinkShape, make_offload_chain

@@ -13,7 +13,8 @@ from typing import Iterator
 import pytest
 
 from agent.engine.core import EngineCore
-from agent.engine.executor import ChainExecutor, load_core
+from agent.engine.executor import ChainExecutor
+from agent.model_load import load_core
 from agent.engine.types import Finished, SamplingParams
 from agent.metrics import ServiceMetrics
 from partition.offload import EdgeLink, LinkOptions, LinkShape, make_offload_chain

@@ -197,7 +197,7 @@ def test_kv_blocks_config_key_and_the_services_scheduler() -> None:
     import dataclasses
 
     from agent.config import ConfigError, config_from_mapping
-    from agent.engine.executor import paged_scheduler
+    from agent.model_load import paged_scheduler
     from agent.model_load import build_chain
     from partition.paths import DEFAULT_MODEL_DIR
     from partition.tokenizer import Tokenizer

@@ -2,7 +2,7 @@
 (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) and the chat one (`content`, a list of
 `{token, logprob, bytes, top_logprobs}`). Token texts come from the tokenizer's decode of one id.
 No torch here. The numbers are those of the distribution each token was drawn from (see
-agent.engine.executor.token_logprob).
+agent.engine.sampling.token_logprob).
 """
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ def generate(
                               "board in the planner's cost model."),
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
-    from agent.engine.executor import load_core
     from agent.engine.types import Finished, SamplingParams
+    from agent.model_load import load_core
     from partition.offload.auto import offload_chain_for_generate
     from partition.offload.offload_chain import offload_stats, offload_summary
     from partition.offload.link import link_options

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from agent.engine.executor import ChainExecutor, _Sampler, sample, warp
+from agent.engine.executor import ChainExecutor
+from agent.engine.sampling import Sampler, sample, warp
 from agent.engine.types import DepthStats, SeqChunk, StepOutput, StepPlan, TokenLogprob
 from partition.config import ModelConfig
 from partition.exits.heads import Calibration, ExitHeads, pick_calibration, read_record
@@ -290,7 +291,7 @@ class ExitExecutor(ChainExecutor):
         return st
 
     # -- early exits ----------------------------------------------------------------------------
-    def _exit_step(self, c: SeqChunk, s: _Sampler, depth: _StepDepth) -> int:
+    def _exit_step(self, c: SeqChunk, s: Sampler, depth: _StepDepth) -> int:
         st = self._row(c)
         cal = self.calibration[c.req_id]
         thresholds = cal.thresholds if cal else {}
@@ -307,7 +308,7 @@ class ExitExecutor(ChainExecutor):
         return sample(res.logits, s.params, s.history, s.rng)
 
     # -- self-speculation -----------------------------------------------------------------------
-    def _speculate(self, c: SeqChunk, s: _Sampler, depth: _StepDepth) -> list[int]:
+    def _speculate(self, c: SeqChunk, s: Sampler, depth: _StepDepth) -> list[int]:
         st = self._row(c)
         p = c.start_pos
         if s.params.speculate not in self.draft_layer:

@@ -50,7 +50,7 @@ MAX_SPECULATE = 16  # draft tokens per self-speculative round, at most
 @dataclass(frozen=True)
 class TokenLogprob:
     """An emitted token's log-probability and its row's `top` alternatives, (token id, logprob) best
-    first, under the distribution the token was drawn from (see agent.engine.executor.token_logprob)."""
+    first, under the distribution the token was drawn from (see agent.engine.sampling.token_logprob)."""
 
     token: int
     logprob: float
