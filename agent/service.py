@@ -29,8 +29,7 @@ from power.hw.rootlock import RootLock, default_lock_dir
 from power.physics.costmodel import shape_of
 from agent.config import ServiceConfig
 from agent.engine.core import EngineCore
-
-from agent.model_load import build_executor
+from agent.model_load import build_executor, paged_scheduler
 from agent.engine.loop import EngineLoop
 from agent.metrics import ServiceMetrics
 from agent.phases import FanOut, NullListener, PhaseListener
