@@ -1,0 +1,373 @@
+"""The whole decoder as one ONNX Runtime graph of contrib operators, built from the weights directly
+(onnx.helper, no tracing), for the CPU decode path that streams block-quantised weights:
+`com.microsoft` MatMulNBits (INT4 / INT8 weights, int8 activations at accuracy_level 4),
+GroupQueryAttention (rotary inside, the KV-cache updated in place), SkipSimplifiedLayerNormalization
+(residual add + RMSNorm in one node) and GatherBlockQuantized (a Q8_0 embedding looked up as codes).
+These are the operators onnxruntime-genai's model builder emits for CPU (its builder.py); this module
+writes the same structure from the project's weights. Per layer: 1 norm, 1 fused QKV projection,
+GQA, o_proj, 1 norm, 1 fused gate/up projection, SiLU * up, down_proj (plus 3 small nodes per
+projection whose weights carry a float group minimum, kernels/matmul_nbits.py: offset_matmul_nodes).
+
+Graph contract (partition/runners/ort_decoder_runner.py binds it):
+  inputs   input_ids int32 (B, T); seqlens_k int32 (B,) = last new position per row;
+           total_sequence_length int32 () = max over rows of seqlens_k + 1;
+           past_key_{i}, past_value_{i} float32 (B, KV, S, hd), S = the cache length
+  outputs  logits float32 (B, 1, V) of each row's last position;
+           present_key_{i}, present_value_{i} float32 (B, KV, S, hd): the runner binds them to the
+           same buffers as the past, and GQA then writes the T new K/V into them by position
+           (its past_present_share_buffer mode: contrib_ops/cpu/bert/gqa_attention_base.h).
+Positions are implicit: row b's T new tokens sit at seqlens_k[b] + 1 - T ... seqlens_k[b], and the
+row attends to slots [0, seqlens_k[b]] (the same rule as partition/model.py's masks).
+
+Weights come in as numpy (`DecoderWeights`): a linear is a float32 (N, K) array or a `QuantWeight`
+(codes, scales and integer zero points or float minimums per group; the canonical form of
+kernels/weight_only.py and partition/gguf/quants.py). `weights_from_model` reads them off a torch
+Transformer (QuantLinear on its reference path, or nn.Linear); GGUF files go through
+partition.gguf without torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+
+from kernels.matmul_nbits import ACCURACY_INT8, BLOCK_SIZES, MS_DOMAIN, matmul_nbits_node, nbits_weight, \
+    offset_matmul_nodes
+from partition.config import ModelConfig
+
+OPSET = 17
+IR_VERSION = 8
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """Group-wise weight-only codes: w = (q - z) * s, or q * s + m with float minimums."""
+
+    bits: int
+    codes: np.ndarray  # uint8 (N, K)
+    scales: np.ndarray  # float32 (N, G)
+    zeros: np.ndarray | None = None  # int (N, G)
+    mins: np.ndarray | None = None  # float32 (N, G)
+    group: int = 32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def dequantize(self) -> np.ndarray:
+        n, k = self.codes.shape
+        q = self.codes.astype(np.float32).reshape(n, k // self.group, self.group)
+        s = self.scales.astype(np.float32)[..., None]
+        w = q * s + self.mins[..., None] if self.mins is not None else (q - self.zeros[..., None]) * s
+        return w.reshape(n, k)
+
+
+Linear = Union[np.ndarray, QuantWeight]
+
+
+@dataclass
+class LayerWeights:
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    gate: Linear
+    up: Linear
+    down: Linear
+    attn_norm: np.ndarray
+    mlp_norm: np.ndarray
+    qkv_bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+@dataclass
+class DecoderWeights:
+    config: ModelConfig
+    embed: Linear  # (V, D): a lookup table (codes or floats)
+    layers: list[LayerWeights]
+    norm: np.ndarray
+    head: Linear | None = None  # None: tied to the embedding
+    source: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def as_quant(u: Any, group: int = 32) -> QuantWeight:
+    """Any object with bits / codes / scales / zeros / mins (partition.gguf.quants.Unpacked) as a QuantWeight."""
+    return QuantWeight(int(u.bits), np.ascontiguousarray(u.codes, np.uint8), np.ascontiguousarray(u.scales, np.float32),
+                       None if u.zeros is None else np.ascontiguousarray(u.zeros),
+                       None if u.mins is None else np.ascontiguousarray(u.mins, np.float32), group)
+
+
+def rope_inv_freq_np(config: ModelConfig) -> np.ndarray:
+    """partition.model.rope_inv_freq in numpy float32 (tests check they agree), so this module needs no torch."""
+    dim = config.head_dim
+    inv = (1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(np.float32)
+    rs = config.rope_scaling
+    if rs is None:
+        return inv
+    low = rs.original_max_position_embeddings / rs.low_freq_factor
+    high = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = (2 * math.pi / inv).astype(np.float32)
+    scaled = np.where(wavelen > low, inv / rs.factor, inv).astype(np.float32)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high) & (wavelen <= low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cache(config: ModelConfig, max_seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """GQA's cos_cache / sin_cache (max_seq, head_dim / 2), float32, as partition.model.rope_cos_sin forms them
+    (positions in float32 times the inverse frequencies)."""
+    freqs = np.arange(max_seq, dtype=np.float32)[:, None] * rope_inv_freq_np(config)[None, :]
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+def _concat(parts: list[Linear]) -> Linear | None:
+    """Fuse projections that read the same input (QKV, gate/up) along N when they share one form."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts, axis=0)
+    if not all(isinstance(p, QuantWeight) for p in parts):
+        return None
+    first = parts[0]
+    assert isinstance(first, QuantWeight)
+    same = all(p.bits == first.bits and p.group == first.group and (p.mins is None) == (first.mins is None)
+               for p in parts)  # type: ignore[union-attr]
+    if not same:
+        return None
+    cat = (lambda name: None if getattr(first, name) is None else np.concatenate([getattr(p, name) for p in parts], 0))
+    return QuantWeight(first.bits, cat("codes"), cat("scales"), cat("zeros"), cat("mins"), first.group)
+
+
+class _Graph:
+    """Nodes and initialisers under construction."""
+
+    def __init__(self, accuracy_level: int) -> None:
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
+        self.accuracy_level = accuracy_level
+
+    def const(self, name: str, arr: np.ndarray) -> str:
+        from onnx import numpy_helper
+
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any) -> None:
+        from onnx import helper
+
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
+
+    def add(self, built: tuple[list, list]) -> None:
+        self.nodes += built[0]
+        self.inits += built[1]
+
+    def linear(self, prefix: str, x: str, y: str, w: Linear, bias: np.ndarray | None = None, rank: int = 3) -> None:
+        """y = x @ w^T (+ bias) through the kernel the weight's form calls for: MatMul for floats,
+        MatMulNBits for codes with integer zero points, MatMulNBits + the block-sum term for float minimums."""
+        out = y if bias is None else f"{prefix}.nobias"
+        if isinstance(w, np.ndarray):
+            self.node("MatMul", [x, self.const(f"{prefix}.weightT", np.asarray(w, np.float32).T)], [out], prefix)
+        else:
+            if w.group not in BLOCK_SIZES:
+                raise ValueError(f"{prefix}: MatMulNBits takes groups of {BLOCK_SIZES}; this weight has groups of {w.group}")
+            if w.mins is not None:
+                self.add(offset_matmul_nodes(prefix, x, out, w.codes, w.scales, w.mins, w.bits, w.group, rank,
+                                             self.accuracy_level))
+            else:
+                self.add(matmul_nbits_node(prefix, x, out, nbits_weight(w.codes, w.scales, w.zeros, w.bits, w.group),
+                                           self.accuracy_level))
+        if bias is not None:
+            self.node("Add", [out, self.const(f"{prefix}.bias", np.asarray(bias, np.float32))], [y], f"{prefix}.add")
+
+
+def _embedding(g: _Graph, w: Linear, ids: str, out: str) -> None:
+    """Token lookup: GatherBlockQuantized over INT8 codes with integer zero points (Q8_0), else a float Gather."""
+    if isinstance(w, QuantWeight) and w.bits == 8 and w.mins is None and w.group in BLOCK_SIZES:
+        assert w.zeros is not None
+        g.node("GatherBlockQuantized",
+               [g.const("embed.codes", w.codes.astype(np.uint8)), ids, g.const("embed.scales", w.scales.astype(np.float32)),
+                g.const("embed.zero_points", w.zeros.astype(np.uint8))], [out], "embed", domain=MS_DOMAIN,
+               bits=8, block_size=w.group, gather_axis=0, quantize_axis=1)
+        return
+    table = w.dequantize() if isinstance(w, QuantWeight) else np.asarray(w, np.float32)
+    g.node("Gather", [g.const("embed.weight", table.astype(np.float32)), ids], [out], "embed", axis=0)
+
+
+def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int = ACCURACY_INT8) -> Any:
+    """The decoder graph (module docstring) as an onnx.ModelProto. max_seq: the rotary cache length (the
+    KV-cache may not be longer). accuracy_level: MatMulNBits' (4: int8 activations, the fast CPU kernels)."""
+    from onnx import TensorProto, helper
+
+    cfg = weights.config
+    g = _Graph(accuracy_level)
+    h, kv, hd, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_size
+    cos, sin = rope_cache(cfg, max_seq)
+    g.const("rope.cos", cos)
+    g.const("rope.sin", sin)
+    _embedding(g, weights.embed, "input_ids", "h0")
+    residual, x = "h0", "h0"
+    eps = float(cfg.rms_norm_eps)
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["B", "T"]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", 1, cfg.vocab_size])]
+    for i, lw in enumerate(weights.layers):
+        p = f"layers.{i}"
+        if i == 0:
+            g.node("SimplifiedLayerNormalization", [x, g.const(f"{p}.attn_norm", lw.attn_norm.astype(np.float32))],
+                   [f"{p}.xn"], f"{p}.attn_norm", axis=-1, epsilon=eps, stash_type=1)
+        else:
+            g.node("SkipSimplifiedLayerNormalization", [x, residual, g.const(f"{p}.attn_norm", lw.attn_norm.astype(np.float32))],
+                   [f"{p}.xn", "", "", f"{p}.res_in"], f"{p}.attn_norm", domain=MS_DOMAIN, epsilon=eps)
+            residual = f"{p}.res_in"
+        bias = None if lw.qkv_bias is None else np.concatenate(lw.qkv_bias)
+        fused = _concat([lw.q, lw.k, lw.v])
+        if fused is not None:
+            g.linear(f"{p}.qkv", f"{p}.xn", f"{p}.qkv_out", fused, bias)
+        else:
+            parts = [f"{p}.{n}_out" for n in "qkv"]
+            biases = lw.qkv_bias or (None, None, None)
+            for name, w, b, out in zip("qkv", (lw.q, lw.k, lw.v), biases, parts):
+                g.linear(f"{p}.{name}", f"{p}.xn", out, w, b)
+            g.node("Concat", parts, [f"{p}.qkv_out"], f"{p}.qkv_concat", axis=-1)
+        past = [f"past_key_{i}", f"past_value_{i}"]
+        present = [f"present_key_{i}", f"present_value_{i}"]
+        for n in past:
+            inputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", kv, "S", hd]))
+        for n in present:
+            outputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", kv, "S", hd]))
+        g.node("GroupQueryAttention", [f"{p}.qkv_out", "", "", *past, "seqlens_k", "total_sequence_length",
+                                       "rope.cos", "rope.sin"], [f"{p}.attn", *present], f"{p}.attn", domain=MS_DOMAIN,
+               num_heads=h, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0, scale=1.0 / math.sqrt(hd))
+        g.linear(f"{p}.o", f"{p}.attn", f"{p}.o_out", lw.o)
+        g.node("SkipSimplifiedLayerNormalization", [f"{p}.o_out", residual, g.const(f"{p}.mlp_norm", lw.mlp_norm.astype(np.float32))],
+               [f"{p}.mn", "", "", f"{p}.res_mid"], f"{p}.mlp_norm", domain=MS_DOMAIN, epsilon=eps)
+        residual = f"{p}.res_mid"
+        inter = cfg.intermediate_size
+        gate_up = _concat([lw.gate, lw.up])
+        if gate_up is not None:
+            g.linear(f"{p}.gate_up", f"{p}.mn", f"{p}.gu", gate_up)
+            g.node("Split", [f"{p}.gu", g.const(f"{p}.split", np.array([inter, inter], np.int64))],
+                   [f"{p}.gate_out", f"{p}.up_out"], f"{p}.split", axis=-1)
+        else:
+            g.linear(f"{p}.gate", f"{p}.mn", f"{p}.gate_out", lw.gate)
+            g.linear(f"{p}.up", f"{p}.mn", f"{p}.up_out", lw.up)
+        g.node("Sigmoid", [f"{p}.gate_out"], [f"{p}.sig"], f"{p}.sigmoid")
+        g.node("Mul", [f"{p}.gate_out", f"{p}.sig"], [f"{p}.silu"], f"{p}.silu")
+        g.node("Mul", [f"{p}.silu", f"{p}.up_out"], [f"{p}.act"], f"{p}.act")
+        g.linear(f"{p}.down", f"{p}.act", f"{p}.down_out", lw.down)
+        x = f"{p}.down_out"
+    # only each row's last position goes through the final norm and the head
+    g.const("last.start", np.array([-1], np.int64))
+    g.const("last.end", np.array([np.iinfo(np.int64).max], np.int64))
+    g.const("last.axis", np.array([1], np.int64))
+    g.node("Slice", [x, "last.start", "last.end", "last.axis"], ["x_last"], "x_last")
+    g.node("Slice", [residual, "last.start", "last.end", "last.axis"], ["res_last"], "res_last")
+    g.node("SkipSimplifiedLayerNormalization", ["x_last", "res_last", g.const("norm", weights.norm.astype(np.float32))],
+           ["hn"], "final_norm", domain=MS_DOMAIN, epsilon=eps)
+    head = weights.head if weights.head is not None else weights.embed
+    g.linear("lm_head", "hn", "logits", head)
+    graph = helper.make_graph(g.nodes, "decoder", inputs, outputs, g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+                              producer_name="orin-agent")
+    model.ir_version = IR_VERSION
+    return model
+
+
+def weights_from_model(model: Any) -> DecoderWeights:
+    """A torch Transformer's weights as numpy: nn.Linear as float arrays, QuantLinear / QuantEmbedding on
+    their reference path (codes kept) as QuantWeight. A QuantLinear on a packed kernel (int4pack,
+    int8pack) no longer holds its codes: build the model with reference=True for export."""
+    import torch
+
+    from kernels.weight_only import QuantLinear
+
+    def lin(m: Any) -> Linear:
+        if isinstance(m, torch.nn.Linear):
+            return m.weight.detach().float().cpu().numpy().copy()
+        if isinstance(m, QuantLinear) or hasattr(m, "group_size"):
+            if getattr(m, "kernel", "reference") != "reference":
+                raise ValueError(f"{m}: a QuantLinear on the {m.kernel} kernel keeps only packed codes; load the model "
+                                 "with reference QuantLinear layers to export it")
+            g_idx = getattr(m, "g_idx", None)
+            k = m.weight.shape[1]
+            if g_idx is not None and not bool(torch.equal(g_idx.long().cpu(), torch.arange(k) // m.group_size)):
+                raise ValueError(f"{m}: act-order groups (g_idx) have no MatMulNBits form here")
+            to = (lambda t: None if t is None else t.detach().cpu().numpy().copy())
+            mins = getattr(m, "mins", None)
+            codes = to(m.weight).astype(np.uint8)
+            bits = getattr(m, "bits", 8 if int(codes.max(initial=0)) > 15 else 4)  # QuantEmbedding keeps no bits
+            return QuantWeight(bits, codes, to(m.scales.float()),
+                               None if mins is not None else to(m.zeros).astype(np.int32),
+                               None if mins is None else to(mins.float()), m.group_size)
+        raise ValueError(f"no ONNX form for a {type(m).__name__} projection")
+
+    cfg = model.config
+    layers = []
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        bias = None
+        if a.q_proj.bias is not None:
+            bias = tuple(p.bias.detach().float().cpu().numpy() for p in (a.q_proj, a.k_proj, a.v_proj))
+        layers.append(LayerWeights(lin(a.q_proj), lin(a.k_proj), lin(a.v_proj), lin(a.o_proj), lin(mlp.gate_proj),
+                                   lin(mlp.up_proj), lin(mlp.down_proj),
+                                   layer.input_layernorm.weight.detach().float().cpu().numpy(),
+                                   layer.post_attention_layernorm.weight.detach().float().cpu().numpy(), bias))
+    emb = model.model.embed_tokens
+    embed = lin(emb) if hasattr(emb, "group_size") else emb.weight.detach().float().cpu().numpy()
+    tied = cfg.tie_word_embeddings
+    head = None if tied else lin(model.lm_head)
+    return DecoderWeights(cfg, embed, layers, model.model.norm.weight.detach().float().cpu().numpy(), head)
+
+
+def weights_from_gguf(path: str | Path) -> DecoderWeights:
+    """A GGUF file's weights as numpy, block-quantised tensors kept as codes (partition/gguf: names mapped,
+    llama.cpp's Q/K rope permutation undone on the codes' rows, exactly)."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from partition.gguf.quants import FLOAT, GROUP, KEPT, float_array, unpack
+    from partition.gguf.reader import GGUFError, read_model
+    from partition.gguf.tensors import hf_name, unpermute_rows
+
+    g = read_model(path)
+    cfg = g.config
+    arrays: dict[str, Linear] = {}
+    for t in g.reader.tensors:
+        hf = hf_name(t.name)
+        if hf is None:
+            continue
+        kind = QT(t.tensor_type)
+        shape = tuple(int(x) for x in reversed(t.shape))
+        rows = None
+        if g.permuted_qk and ".self_attn.q_proj." in hf:
+            rows = unpermute_rows(cfg.n_heads * cfg.head_dim, cfg.n_heads)
+        elif g.permuted_qk and ".self_attn.k_proj." in hf:
+            rows = unpermute_rows(cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads)
+        if len(shape) == 2 and kind in KEPT:
+            u = unpack(kind, t.data, *shape)
+            arrays[hf] = as_quant(u.take_rows(rows) if rows is not None else u, GROUP)
+        else:
+            a = float_array(kind, t.data) if kind in FLOAT else gguf_dequantize(np.asarray(t.data), kind)
+            a = np.asarray(a, np.float32).reshape(shape)
+            arrays[hf] = a[rows] if rows is not None else a
+
+    def get(name: str) -> Any:
+        if name not in arrays:
+            raise GGUFError(f"{g.path}: tensor {name} is missing from the file")
+        return arrays[name]
+
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}"
+        bias = None
+        if cfg.qkv_bias:
+            bias = tuple(np.asarray(get(f"{p}.self_attn.{n}_proj.bias"), np.float32) for n in "qkv")
+        layers.append(LayerWeights(*(get(f"{p}.{n}.weight") for n in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj")), get(f"{p}.input_layernorm.weight"),
+            get(f"{p}.post_attention_layernorm.weight"), bias))
+    head = None if cfg.tie_word_embeddings else get("lm_head.weight")
+    return DecoderWeights(cfg, get("model.embed_tokens.weight"), layers, get("model.norm.weight"), head, str(path))

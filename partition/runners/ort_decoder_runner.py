@@ -1,0 +1,91 @@
+"""`OrtDecoderRunner`: the whole model as one ONNX Runtime session of contrib operators
+(partition/build/ort_decoder.py), one `run_with_iobinding` per step, the KV-cache updated in place.
+
+The cache is one numpy buffer per layer and K/V, (max_batch, KV, max_seq, hd) float32, wrapped once in
+OrtValues; each step binds a row range of it both as `past_*` and as `present_*`, so GroupQueryAttention
+writes the new K/V into it by position and nothing is copied (its past_present_share_buffer mode).
+Rows that are not one contiguous range (a batch of scattered slots) are gathered into a scratch
+buffer and written back after the step. Follows SliceRunner's contract for the one slice [0, n_layers).
+
+Threads and spinning come from `OrtOptions` (partition/runners/ort_runner.py); the defaults for the
+CPU decode path are measured (docs/BENCHMARKS.md, scripts/bench_peer.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from partition.runners.base import SliceRunner, row_range
+from partition.runners.ort_runner import OrtOptions, resolve_providers, session_options
+from partition.slices import SliceSpec
+
+
+class OrtDecoderRunner(SliceRunner):
+    """The decoder graph on ONNX Runtime with its own in-place KV-cache."""
+
+    array_kind = "numpy"
+
+    def __init__(self, model: str | Path | bytes, n_layers: int, max_seq: int, max_batch: int = 1,
+                 providers: Sequence[str | tuple[str, dict[str, Any]]] | None = None,
+                 options: OrtOptions = OrtOptions()) -> None:
+        """model: the .onnx file (or its bytes) that build_decoder wrote."""
+        self.spec = SliceSpec(0, n_layers, n_layers)
+        self.max_seq, self.max_batch, self.options = max_seq, max_batch, options
+        self.providers = resolve_providers(providers)
+        so = session_options(options)
+        src = model if isinstance(model, bytes) else str(model)
+        self.session = ort.InferenceSession(src, so, providers=self.providers)
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        want = {"input_ids", "seqlens_k", "total_sequence_length"} | {f"past_{w}_{i}" for i in range(n_layers)
+                                                                     for w in ("key", "value")}
+        if set(inputs) != want:
+            raise ValueError(f"{model if not isinstance(model, bytes) else 'decoder graph'}: inputs {sorted(inputs)} "
+                             f"are not the decoder graph's for {n_layers} layers; rebuild it")
+        _, n_kv, _, head_dim = inputs["past_key_0"].shape
+        self.past_names = [f"past_{w}_{i}" for i in range(n_layers) for w in ("key", "value")]
+        self.present_names = [f"present_{w}_{i}" for i in range(n_layers) for w in ("key", "value")]
+        self.cache = [np.zeros((max_batch, n_kv, max_seq, head_dim), np.float32) for _ in self.past_names]
+        self._binding = self.session.io_binding()
+        self._views: dict[tuple[int, int], list[Any]] = {}  # (first row, rows) -> OrtValues over the cache rows
+
+    def reset(self) -> None:
+        for c in self.cache:
+            c.fill(0)
+
+    def _cache_values(self, first: int, n: int, buffers: list[np.ndarray] | None = None) -> list[Any]:
+        if buffers is not None:
+            return [ort.OrtValue.ortvalue_from_numpy(b) for b in buffers]
+        key = (first, n)
+        if key not in self._views:  # views of rows [first, first + n): contiguous in a C-order buffer
+            self._views[key] = [ort.OrtValue.ortvalue_from_numpy(c[first:first + n]) for c in self.cache]
+        return self._views[key]
+
+    def run(self, x: Any, positions: np.ndarray, slots: Sequence[int] | None = None) -> np.ndarray:
+        positions = np.ascontiguousarray(positions, dtype=np.int32)
+        rows = self.check_room(positions, slots)
+        ids = np.ascontiguousarray(x, dtype=np.int32)
+        seqlens = np.ascontiguousarray(positions[:, -1], dtype=np.int32)
+        total = np.array(int(seqlens.max()) + 1, dtype=np.int32)
+        span = row_range(rows)
+        scratch = None if span is not None else [np.ascontiguousarray(c[rows]) for c in self.cache]
+        values = self._cache_values(rows[0], len(rows), scratch)
+        b = self._binding
+        b.clear_binding_inputs()
+        b.clear_binding_outputs()
+        b.bind_cpu_input("input_ids", ids)
+        b.bind_cpu_input("seqlens_k", seqlens)
+        b.bind_cpu_input("total_sequence_length", total)
+        for name, v in zip(self.past_names, values):
+            b.bind_ortvalue_input(name, v)
+        b.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in binding order
+        for name, v in zip(self.present_names, values):
+            b.bind_ortvalue_output(name, v)  # the same buffer: GQA writes the new K/V in place
+        self.session.run_with_iobinding(b)
+        logits = b.get_outputs()[0].numpy()
+        if scratch is not None:
+            for c, s in zip(self.cache, scratch):
+                c[rows] = s
+        return logits[:, -1]
