@@ -7,7 +7,8 @@ a frozen `ServiceConfig`; command-line flags override the file. Every error name
               kv_blocks (paged cache: blocks of 16 tokens)
     [server]  host, port, token, token_file, allowed_hosts, max_body_bytes, max_in_flight, keep_alive_s,
               header_timeout_s
-    [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, lock_dir, profile, power_control
+    [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, profile, power_control (the
+              board lock is not a setting: always <root>/run/lock/orin-agent/board.lock, power.hw.rootlock)
     [limits]  max_batch, max_queue, max_prompt_tokens, max_output_tokens, default_max_tokens,
               shutdown_grace_s
     [log]     level
@@ -74,7 +75,6 @@ class ServiceConfig:
     header_timeout_s: float = 10.0  # a connection whose request headers are not in by then is closed
     root: str | None = None  # None: "/" on an Orin, else a fresh twin
     run_dir: str = "/run/orin-agent"
-    lock_dir: str | None = None  # one instance per board root; None: <run_dir's parent>/orin-agent/locks
     profile: str = "balanced"
     power_control: bool = True  # run power.runtime.controller (phase-aware DVFS + thermal) when it can open the board
     power_cap_w: float | None = None  # a power budget over the profile's [budget] watts (power.policy.budget)
@@ -244,7 +244,6 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("server", "header_timeout_s"): ("header_timeout_s", (int, float)),
     ("board", "root"): ("root", (str,)),
     ("board", "run_dir"): ("run_dir", (str,)),
-    ("board", "lock_dir"): ("lock_dir", (str,)),
     ("board", "profile"): ("profile", (str,)),
     ("board", "power_cap_w"): ("power_cap_w", (int, float)),
     ("board", "power_control"): ("power_control", (bool,)),
@@ -273,6 +272,10 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("edge", "probe_interval_s"): ("edge_probe_interval_s", (int, float)),
 }
 
+# Keys that were settings once, each with why it is gone.
+_REMOVED = {("board", "lock_dir"): "the board lock is always <root>/run/lock/orin-agent/board.lock (/run/lock/"
+            "orin-agent on a board), so that no two commands can hold different locks on one board"}
+
 
 def read_token_file(path: str, where: str) -> str:
     try:
@@ -294,6 +297,9 @@ def config_from_mapping(doc: Mapping[str, Any], source: str) -> ServiceConfig:
             raise ConfigError(f"{source}: {section} must be a table ([{section}])")
         for key, value in table.items():
             spec = _SCHEMA.get((section, key))
+            if (section, key) in _REMOVED:
+                raise ConfigError(f"{source}: {section}.{key} is no longer a setting: {_REMOVED[(section, key)]}; "
+                                  "delete the line")
             if spec is None:
                 known = sorted(k for s, k in _SCHEMA if s == section)
                 raise ConfigError(f"{source}: unknown key {section}.{key}; known keys: {', '.join(known)}")
@@ -307,7 +313,7 @@ def config_from_mapping(doc: Mapping[str, Any], source: str) -> ServiceConfig:
                 if value:
                     values["token"] = read_token_file(value, f"{source}: server.token_file")
                 continue
-            if field_name in ("slices", "root", "token", "lock_dir", "edge", "edge_token", "edge_tls_ca",
+            if field_name in ("slices", "root", "token", "edge", "edge_token", "edge_tls_ca",
                               "edge_tls_cert", "edge_tls_key") and value == "":
                 continue  # "" = unset
             if field_name == "device_layers":

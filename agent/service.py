@@ -25,7 +25,7 @@ from agent.api.routes import ApiState, create_app
 from agent.api.server import server_config
 from agent.board import BoardReader, EnergyMeter, TwinDriver, is_orin, make_twin_root, recover_board, restore_board
 from power.runtime.controller import PowerController
-from power.hw.rootlock import RootLock, default_lock_dir
+from power.hw.rootlock import BoardLock
 from power.physics.costmodel import shape_of
 from agent.config import ServiceConfig
 from agent.engine.core import EngineCore
@@ -78,11 +78,7 @@ class BoardSetup:
     run_dir: str | None
     twin: TwinDriver | None
     temp_dir: Path | None  # a twin made here, removed on stop
-    lock: RootLock | None = None  # this process's hold on the board root
-
-
-def board_lock_dir(cfg: ServiceConfig, run_dir: str) -> str:
-    return cfg.lock_dir or str(default_lock_dir(run_dir))
+    lock: BoardLock | None = None  # this process's hold on the board (power.hw.rootlock)
 
 
 def setup_board(cfg: ServiceConfig) -> BoardSetup:
@@ -103,7 +99,7 @@ def setup_board(cfg: ServiceConfig) -> BoardSetup:
             log.warning("%s looks like a twin but its model cannot run (%s): readings stay static", root, exc)
     lock = None
     if root is not None and run_dir is not None:
-        lock = RootLock(root, board_lock_dir(cfg, run_dir))  # one instance per board root, before any write
+        lock = BoardLock(root, "orin-agent serve")  # the board's one owner, before any read of a journal
         try:
             recover_board(run_dir, root)  # a crashed run's changes are put back before anything else
         except BaseException:

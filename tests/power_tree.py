@@ -104,12 +104,15 @@ def make_tree(root: Path, layout: str = "r36", *, cpus: int = 12, nx: bool = Fal
 
 
 def snapshot(root: Path) -> dict[str, bytes | None]:
-    """Every regular file's bytes (links are not followed), for byte-identical comparisons."""
+    """Every regular file's bytes (links are not followed), for byte-identical comparisons; the board
+    lock (run/lock/orin-agent/, power.hw.rootlock) is left out: it stays after every run, as on a board."""
     out: dict[str, bytes | None] = {}
     for dp, dns, fns in os.walk(root):
         for n in fns + dns:
             p = os.path.join(dp, n)
             rel = os.path.relpath(p, root)
+            if rel.startswith("run/lock/orin-agent/"):
+                continue
             if os.path.islink(p):
                 out[rel] = ("->" + os.readlink(p)).encode()
             elif os.path.isfile(p):

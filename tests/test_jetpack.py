@@ -31,11 +31,14 @@ runner = CliRunner()
 
 
 def _bytes(root: Path) -> dict[str, bytes | str]:
-    """Every file's bytes and every link's target under ``root`` (restore must leave them all as before)."""
+    """Every file's bytes and every link's target under ``root`` (restore must leave them all as before),
+    but the board lock (run/lock/orin-agent/, power.hw.rootlock), which stays, as on a board."""
     out: dict[str, bytes | str] = {}
     for dirpath, dirs, files in os.walk(root):
         for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
             p = os.path.join(dirpath, name)
+            if os.path.relpath(p, root).startswith("run/lock/orin-agent/"):
+                continue
             out[os.path.relpath(p, root)] = os.readlink(p) if os.path.islink(p) else Path(p).read_bytes()
     return out
 

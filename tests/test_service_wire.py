@@ -161,8 +161,10 @@ def test_non_loopback_bind_needs_a_token() -> None:
     from agent.config import config_from_mapping
 
     cfg = config_from_mapping({"server": {"allowed_hosts": ["Orin.local"], "header_timeout_s": 2,
-                                          "max_in_flight": 9}, "board": {"lock_dir": "/tmp/x"}}, "t.toml")
-    assert cfg.host_names == ("orin.local",) and cfg.request_limit == 9 and cfg.lock_dir == "/tmp/x"
+                                          "max_in_flight": 9}}, "t.toml")
+    assert cfg.host_names == ("orin.local",) and cfg.request_limit == 9
+    with pytest.raises(ConfigError, match="board.lock_dir is no longer a setting.*run/lock/orin-agent"):
+        config_from_mapping({"board": {"lock_dir": "/tmp/x"}}, "t.toml")  # the lock is fixed by the root
     with pytest.raises(ConfigError, match="allowed_hosts"):
         config_from_mapping({"server": {"allowed_hosts": [1]}}, "t.toml")
     with pytest.raises(ConfigError, match="header_timeout_s"):

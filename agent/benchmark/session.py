@@ -10,6 +10,7 @@ from agent.benchmark.run import BenchMeta, BenchOptions, default_out_dir, fresh_
 from agent.config import ServiceConfig
 from agent.smoke.context import default_run_dir, is_twin
 from power.hw.identity import read_identity
+from power.hw.rootlock import BoardLock
 
 
 def run_end_to_end(root: str | os.PathLike[str] | None, run_dir: str | os.PathLike[str] | None,
@@ -23,7 +24,9 @@ def run_end_to_end(root: str | os.PathLike[str] | None, run_dir: str | os.PathLi
         if not Path(root).is_dir():
             raise FileNotFoundError(f"--root {root}: no such directory")
         r, rd = os.fspath(root), os.fspath(run_dir) if run_dir else default_run_dir(root)
+    lock = None
     try:
+        lock = BoardLock(r, "orin-agent bench run")  # the board's one owner while the profiles run
         twin = is_twin(r)
         ident = read_identity(r)
         opts = BenchOptions(r, os.fspath(run_dir) if run_dir and made is None else rd, config, trace,
@@ -35,5 +38,7 @@ def run_end_to_end(root: str | os.PathLike[str] | None, run_dir: str | os.PathLi
         dest = out or default_out_dir(trace)
         return dest, write_report(meta, runs, dest, plots)
     finally:
+        if lock is not None:
+            lock.close()
         if made is not None:
             remove_twin(made)

@@ -19,6 +19,7 @@ from agent.cli.common import cli_errors, root_option, run_dir_option
 from power.hw.backends import open_board
 from power.runtime.state import clear_state, describe_state, read_state
 from power.hw.journal import read_journal, restore_run_dir
+from power.hw.rootlock import BoardLock
 from power.runtime.status import BoardStatus, read_status
 
 app = typer.Typer(help="Read the board's clocks, temperatures and power; restore what the agent changed.",
@@ -147,8 +148,9 @@ def restore(root: Optional[Path] = typer.Option(None, "--root", help="Root of th
     with cli_errors():
         found = read_journal(run_dir) if root is None else None
         where = _check_root(root) if root is not None else (found[0] if found else "/")
-        report = restore_run_dir(run_dir, where)
-        clear_state(run_dir)
+        with BoardLock(where, "orin-agent power restore"):  # never beside the board's owner
+            report = restore_run_dir(run_dir, where)
+            clear_state(run_dir)
         if not report.restored:
             typer.echo(f"nothing to restore (no journal in {run_dir})")
         else:

@@ -84,11 +84,20 @@ def set_profile(name: str = typer.Argument(..., help="Profile name."),
     What the board does not offer (no nvpmodel.conf, no debugfs, no such mode) is skipped with one
     warning line."""
     from power.runtime.session import apply_profile
+    from power.hw.rootlock import BoardLock
 
     with cli_errors():
-        done = apply_profile(root, run_dir, name, profile_dir=profile_dir, dry_run=dry_run,
-                             echo=None if json_out else typer.echo, allow_reboot_modes=allow_reboot_modes,
-                             power_cap_w=power_cap)
+        if not root.is_dir():
+            raise FileNotFoundError(f"--root {root}: no such directory")
+        # the board's one owner while it writes (a dry run writes nothing and takes no lock)
+        lock = None if dry_run else BoardLock(root, f"orin-agent power set {name}")
+        try:
+            done = apply_profile(root, run_dir, name, profile_dir=profile_dir, dry_run=dry_run,
+                                 echo=None if json_out else typer.echo, allow_reboot_modes=allow_reboot_modes,
+                                 power_cap_w=power_cap)
+        finally:
+            if lock is not None:
+                lock.close()
         if json_out:
             d = done.decision
             print_json({"profile": done.profile.name, "root": str(root), "dry_run": dry_run,

@@ -15,6 +15,7 @@ from agent.smoke.result import Outcome, SkipCheck, failed, passed, skipped
 from power.hw import sysfs
 from power.hw.backends import JTOP_SOCKET, SysfsBoard, jtop_available, open_board
 from power.hw.errors import JournalError
+from power.hw.rootlock import BoardBusy
 from power.hw.writer import ClockWriter
 from power.physics.boards import board_for
 
@@ -108,7 +109,7 @@ def _writer(ctx: SmokeContext) -> ClockWriter | Outcome:
     try:
         return board.writer(ctx.options.run_dir)
     except JournalError as exc:
-        if "another process" in str(exc):
+        if isinstance(exc, BoardBusy) or "another process" in str(exc):
             ctx.board_busy = str(exc)
             return skipped(f"the board is in use: {exc}")
         raise

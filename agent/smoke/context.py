@@ -122,7 +122,7 @@ class SmokeContext:
 
     def start_driver(self) -> None:
         """On a twin, run its board model in real time so that clocks settle and readings move."""
-        if self.twin and self.driver is None:
+        if self.twin and self.driver is None and not self.board_busy:  # the board's owner runs its model
             self.driver = TwinDriver(Path(self.root))
             self.driver.start()
 

@@ -1,6 +1,7 @@
 """The order of the smoke checks and the run around them: the board opened and pictured first, the
 twin's board model started before the clock round trips (so clocks settle and readings move) and
-stopped before the final comparison, which always runs, whatever failed before it."""
+stopped before the final comparison, which always runs, whatever failed before it. The run holds the
+board lock (power.hw.rootlock); beside another owner the checks that write are skipped, naming it."""
 from __future__ import annotations
 
 import time
@@ -10,6 +11,7 @@ from agent.smoke import board_checks as b
 from agent.smoke import stack_checks as s
 from agent.smoke.context import SmokeContext, SmokeOptions, is_twin
 from agent.smoke.result import Check, CheckResult, Outcome, SmokeReport, run_checks, skipped
+from power.hw.rootlock import BoardBusy, BoardLock
 
 _BOARD = "see the message; `orin-agent power status` shows what the agent reads"
 
@@ -53,6 +55,10 @@ def run_smoke(options: SmokeOptions, on_result: Callable[[CheckResult], None] | 
     always stopped at the end."""
     t0 = time.monotonic()
     ctx = SmokeContext(options, is_twin(options.root))
+    try:  # the board's one owner for the whole run; beside another owner (a service) only reads
+        lock: BoardLock | None = BoardLock(options.root, "orin-agent smoke")
+    except BoardBusy as exc:
+        lock, ctx.board_busy = None, str(exc)
     checks = tuple(c if not (options.quick and c.name in QUICK_SKIP) else
                    Check(c.name, c.title, lambda _ctx: skipped("--quick"), c.remedy)
                    for c in CHECKS if only is None or c.name in only or c.name == "board")
@@ -62,4 +68,6 @@ def run_smoke(options: SmokeOptions, on_result: Callable[[CheckResult], None] | 
         ctx.stop_driver()
         if ctx.board is not None:
             ctx.board.close()
+        if lock is not None:
+            lock.close()
     return SmokeReport(options.root, ctx.twin, results, time.monotonic() - t0)

@@ -24,10 +24,11 @@ from pathlib import Path
 from power.hw import sysfs
 from power.hw.errors import BoardWriteError, JournalError, RefusedWrite, ToolError  # noqa: F401 (re-exported)
 from power.hw.parsers import parse_nvpmodel_status
+from power.hw.rootlock import BoardJoin, join_board
 
 DEFAULT_RUN_DIR = "/run/orin-agent"
 JOURNAL_NAME = "journal.json"
-LOCK_NAME = "lock"
+LOCK_NAME = "journal.lock"  # not "lock": a run dir of ROOT/run holds ROOT/run/lock/, the board lock's folder
 _FORMAT = 1
 
 
@@ -283,12 +284,19 @@ class Journal:
         self.root = os.path.normpath(os.path.abspath(os.fspath(root)))
         self.io = io or BoardIO()
         self._lock_fd: int | None = None
+        # The board's one owner first (power.hw.rootlock): a second owner, whatever its run dir, is
+        # refused here, before it reads a journal or an original.
+        self._board: BoardJoin | None = join_board(self.root)
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as exc:
-            raise JournalError(describe_os_error(exc, "create run dir", str(self.run_dir))
-                               + "; pass --run-dir DIR to use another place") from exc
-        self._lock()
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as exc:
+                raise JournalError(describe_os_error(exc, "create run dir", str(self.run_dir))
+                                   + "; pass --run-dir DIR to use another place") from exc
+            self._lock()
+        except BaseException:
+            self._board.close()
+            raise
         try:
             self._entries: list[JournalEntry] = []
             found = read_journal(self.run_dir)
@@ -375,6 +383,9 @@ class Journal:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None
 
     def __enter__(self) -> "Journal":
         return self
