@@ -12,6 +12,9 @@ Kernels (PyTorch's ATen ops, no home-made GEMV):
     scales (N,))`; on CUDA `F.linear(x, int8.to(x.dtype)) * scales` (gpt-fast's formulation), which
     inductor fuses into one GEMV when the decode step is compiled (`_weight_int8pack_mm` has a CUDA
     kernel in torch 2.11 but it ran an 8B decode step in 59 ms against 8 ms for bf16 on an H200).
+  - INT4 on CUDA with Triton, sequential groups of a multiple of 32: kernels.int4_triton's GEMV (M <= 4
+    rows) and dequantise + F.linear (prefill), torch custom ops that compile into the decode step
+    (`cuda_int4="triton"`, the default; kernel "int4_triton").
   - INT4, sequential groups of 32..256: `aten._weight_int4pack_mm` (CUDA, tinygemm, bf16 activations)
     or `aten._weight_int4pack_mm_for_cpu`, after `_convert_weight_to_int4pack[_for_cpu]`. tinygemm
     dequantises as (q - 8) * scale + zero with a float zero, so zero = (8 - z) * s (float-min form:
@@ -24,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from kernels import int4_triton
 
 INT4_GROUPS = (32, 64, 128, 256)  # group sizes tinygemm takes (aten/src/ATen/native/cuda/int4mm.cu)
 INT8_SYM_ZERO = 128  # the zero point of symmetric INT8 in the GPTQ convention (2 ** (bits - 1))
@@ -59,10 +64,11 @@ class QuantLinear(nn.Module):
 
     def __init__(self, q: Tensor, scales: Tensor, zeros: Tensor | None, g_idx: Tensor, bits: int, group_size: int,
                  bias: Tensor | None = None, dtype: torch.dtype = torch.float32, reference: bool = False,
-                 mins: Tensor | None = None) -> None:
+                 mins: Tensor | None = None, cuda_int4: str = "triton") -> None:
         """q (N, K) integer codes, scales (N, G), zeros (N, G) integer, g_idx (K,): on the target device.
         dtype: the activations' dtype. reference: force the dequantise-then-matmul path.
-        mins: float (N, G) group minimums instead of zero points (weight = q * s + m; zeros is then None)."""
+        mins: float (N, G) group minimums instead of zero points (weight = q * s + m; zeros is then None).
+        cuda_int4: "triton" (kernels.int4_triton where Triton is installed) or "tinygemm" (aten's int4pack)."""
         super().__init__()
         if (zeros is None) == (mins is None):
             raise ValueError("QuantLinear takes either integer zero points (zeros) or float group minimums (mins)")
@@ -71,6 +77,9 @@ class QuantLinear(nn.Module):
             zeros = torch.zeros_like(scales, dtype=torch.int32)
         if bits not in (4, 8):
             raise ValueError(f"weight-only quantisation supports 4 or 8 bits, not {bits}")
+        if cuda_int4 not in ("triton", "tinygemm"):
+            raise ValueError(f"cuda_int4 must be 'triton' or 'tinygemm', not {cuda_int4!r}")
+        self.cuda_int4 = cuda_int4
         self.out_features, self.in_features = q.shape
         self.bits, self.group_size = bits, group_size
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
@@ -89,6 +98,10 @@ class QuantLinear(nn.Module):
             zero = mins.float() + 8 * s if mins is not None else (8 - zeros.float()) * s
             act = torch.bfloat16 if device.type == "cuda" else dtype
             self.register_buffer("scales_zeros", torch.stack([s.T, zero.T], dim=-1).to(act).contiguous())  # (G, N, 2)
+        elif self.kernel == "int4_triton":
+            codes, sb = int4_triton.pack(q, scales, zeros=None if mins is not None else zeros, mins=mins)
+            self.register_buffer("weight", codes)  # int32 (N, K / 8), kernels.int4_triton's layout
+            self.register_buffer("sb", sb)  # fp16 (N, G, 2): scale and offset per group
         else:
             self.register_buffer("weight", q.to(torch.uint8).contiguous())
             self.register_buffer("scales", scales.to(dtype).contiguous())
@@ -103,6 +116,9 @@ class QuantLinear(nn.Module):
         if (self.bits == 8 and not self.has_mins and zeros.shape[1] == 1
                 and bool((zeros == INT8_SYM_ZERO).all())):  # per channel
             return "int8dq" if cuda else "int8pack"
+        if (self.bits == 4 and sequential and cuda and self.cuda_int4 == "triton" and int4_triton.available()
+                and int4_triton.supports(self.out_features, self.in_features, self.group_size)):
+            return "int4_triton"
         if (self.bits == 4 and sequential and self.group_size in INT4_GROUPS and self.out_features % 8 == 0
                 and _inner_k_tiles(self.in_features) is not None and self.in_features % self.group_size == 0):
             if cuda and torch.cuda.get_device_capability(q.device) >= (8, 0):
@@ -116,11 +132,15 @@ class QuantLinear(nn.Module):
         if self.kernel == "reference":
             return dequantize(self.weight, self.scales.float(), getattr(self, "zeros", None), self.g_idx,
                               getattr(self, "mins", None))
+        if self.kernel == "int4_triton":
+            return int4_triton.int4_dequant(self.weight, self.sb, self.group_size, torch.float32)
         eye = torch.eye(self.in_features, device=self.weight.device,
                         dtype=self.scales.dtype if self.kernel.startswith("int8") else self.scales_zeros.dtype)
         return self._fast(eye).float().T.contiguous()
 
     def _fast(self, x2: Tensor) -> Tensor:
+        if self.kernel == "int4_triton":
+            return int4_triton.linear(x2, self.weight, self.sb, self.group_size)
         if self.kernel == "int8dq":
             return F.linear(x2, self.weight.to(x2.dtype)) * self.scales
         if self.kernel == "int8pack":

@@ -1,6 +1,7 @@
 """GPU paths of the decode work (run on the lent GPU machine; skipped without CUDA): in-place cache
 attention against the export formulation, the compiled graphed step against eager, and QuantLinear's
-CUDA kernels (tinygemm INT4, int8pack or the reference) against the plain dequantise-then-matmul."""
+CUDA kernels (the Triton INT4 GEMV / dequantise ops, tinygemm INT4, int8dq) against the plain
+dequantise-then-matmul, eager and inside the compiled decode step."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import int4_triton
 from kernels.weight_only import QuantLinear, dequantize
 from partition.checkpoint import load_model
-from partition.quantize import QuantSpec, default_spec, quantize_checkpoint, quantize_weight
+from partition.quantize import QuantSpec, default_spec, quantize_checkpoint, quantize_model, quantize_weight
 from partition.slices import SliceSpec
 from partition.runners.torch_runner import TorchRunner
 
@@ -46,20 +48,53 @@ def test_cuda_compiled_graph_step_matches_eager(tiny_checkpoint: Path) -> None:
     _decode_both(eager, compiled, 30, 8, 1e-3)
 
 
-@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, -1)])
-def test_cuda_quant_linear_matches_reference(bits: int, group: int) -> None:
+@pytest.mark.parametrize("bits,group,cuda_int4", [(4, 128, "triton"), (4, 32, "triton"), (4, 64, "triton"),
+                                                  (4, 128, "tinygemm"), (4, 32, "tinygemm"), (8, -1, "triton")])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_cuda_quant_linear_matches_reference(bits: int, group: int, cuda_int4: str, rows: int) -> None:
     w = torch.randn(512, 1024, generator=torch.Generator().manual_seed(0)) * 0.02
     spec = QuantSpec(bits, group, sym=bits == 8)
     q, s, z = quantize_weight(w, spec)
     gs = 1024 if group == -1 else group
     g = torch.arange(1024) // gs
     dev = [t.cuda() for t in (q, s, z, g)]
-    fast = QuantLinear(*dev, bits, gs, dtype=torch.bfloat16)
-    assert fast.kernel == ("int4pack" if bits == 4 else "int8dq")
-    x = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
+    fast = QuantLinear(*dev, bits, gs, dtype=torch.bfloat16, cuda_int4=cuda_int4)
+    want_kernel = {"triton": "int4_triton" if int4_triton.available() else "int4pack", "tinygemm": "int4pack"}
+    assert fast.kernel == (want_kernel[cuda_int4] if bits == 4 else "int8dq")
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     expected = x.float() @ dequantize(dev[0], dev[1].float(), dev[2], dev[3]).T
     got = fast(x).float()
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max(), (got - expected).abs().max()
+    dq = fast.dequantized_weight()
+    assert (dq - dequantize(dev[0], dev[1].float(), dev[2], dev[3])).abs().max() <= 0.01 * dq.abs().max()
+
+
+def test_cuda_int4_float_mins_match_reference() -> None:
+    """GGUF's Q4_1 form (w = q * s + m) through the Triton kernel and tinygemm."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (256, 512), generator=gen, dtype=torch.uint8).cuda()
+    s = (torch.rand(256, 16, generator=gen) * 0.01 + 1e-3).cuda()
+    m = (-torch.rand(256, 16, generator=gen) * 0.08).cuda()
+    g = (torch.arange(512) // 32).cuda()
+    ref = dequantize(q, s, None, g, m)
+    x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
+    for cuda_int4 in ("triton", "tinygemm"):
+        lin = QuantLinear(q, s, None, g, 4, 32, dtype=torch.bfloat16, mins=m, cuda_int4=cuda_int4)
+        got, want = lin(x).float(), x.float() @ ref.T
+        assert (got - want).abs().max() <= 0.02 * want.abs().max(), (cuda_int4, (got - want).abs().max())
+
+
+def test_cuda_int4_compiled_graph_step_matches_eager(tiny_checkpoint: Path) -> None:
+    """The INT4 Triton ops inside the compiled, graphed decode step (custom ops with fake impls)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = load_model(tiny_checkpoint, device="cuda")
+    quantize_model(model, default_spec(4, 32))
+    kernels = {m.kernel for m in model.modules() if isinstance(m, QuantLinear)}
+    assert kernels == {"int4_triton"} if int4_triton.available() else {"int4pack"}, kernels
+    n = model.config.n_layers
+    eager = TorchRunner(model, SliceSpec(0, n, n), 256)
+    compiled = TorchRunner(model, SliceSpec(0, n, n), 256, cuda_graphs=True, compile_decode=True)
+    _decode_both(eager, compiled, 30, 8, 1e-3)
 
 
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])

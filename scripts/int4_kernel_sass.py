@@ -1,0 +1,79 @@
+"""Compile the INT4 weight-only kernels (kernels/int4_triton.py) for a CUDA target on a machine without a
+GPU and count what the compiler made of them: registers per thread, spills, and the SASS instructions
+of the GEMV's main loop by opcode, per packed weight (the number that says whether the loop can keep
+up with memory: an H200 at ~4 TB/s needs ~31 weights per SM per cycle, so at most ~4.2 issued
+instructions per weight at 128 lanes per SM per cycle, and about half that in integer ops).
+
+It uses scripts/kv_kernel_sass.py's compile / cuobjdump helpers (Triton with its NVIDIA backend; the
+wheel bundles ptxas and cuobjdump; no GPU, no CUDA toolkit).
+
+    python3 scripts/int4_kernel_sass.py [--arch 90|87] [--group 128] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kv_kernel_sass import compile_kernel, cuobjdump, main_loop_opcodes  # noqa: E402
+
+SHAPE = (14336, 4096)  # Llama-3-8B gate/up projection (N, K): the configuration gemv_config picks for it
+
+
+def report(arch: int, group: int) -> list[dict[str, object]]:
+    import kernels.int4_triton as it
+
+    rows = []
+    n, k = SHAPE
+    block_n, nb, warps, split = it.gemv_config(n, k, 132)
+    for act, even in (("bf16", True), ("bf16", False), ("fp16", True)):
+        ptrs = {"x_ptr": f"*{act}", "w_ptr": "*i32", "sb_ptr": "*fp16", "o_ptr": "*fp32", "out_ptr": "*fp32"}
+        kern = compile_kernel(it._gemv_kernel, ptrs, {"GROUP": group, "BLOCK_N": block_n, "NB": nb, "EVEN": even},
+                              arch, warps, 1)
+        usage = cuobjdump(kern, "--dump-resource-usage")
+        ops = main_loop_opcodes(cuobjdump(kern, "-sass"))
+        weights = block_n * nb * 32 / (warps * 32)  # packed weights per thread per loop step
+        rows.append({"kernel": f"gemv {act}{'' if even else ' masked'}", "arch": f"sm_{arch}", "block_n": block_n, "nb": nb, "warps": warps,
+                     "split": split, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+                     "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+                     "loop_instructions": sum(ops.values()),
+                     "per_weight": round(sum(ops.values()) / weights, 2),
+                     "integer_per_weight": round(sum(v for o, v in ops.items()
+                                                     if o in ("LOP3", "SHF", "IMAD", "IADD3", "LEA", "PRMT",
+                                                              "SGXT", "ISETP", "MOV")) / weights, 2),
+                     "top_opcodes": dict(ops.most_common(10))})
+    ptrs = {"w_ptr": "*i32", "sb_ptr": "*fp16", "out_ptr": "*bf16"}
+    kern = compile_kernel(it._dequant_kernel, ptrs, {"GROUP": group, "BLOCK_N": 32, "NB": 4}, arch, 4, 1)
+    usage = cuobjdump(kern, "--dump-resource-usage")
+    rows.append({"kernel": "dequant bf16", "arch": f"sm_{arch}", "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+                 "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1))})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 H100/H200, 87 Orin)")
+    p.add_argument("--group", type=int, default=128)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        sys.exit("Triton is not installed: pip install triton (its wheel brings ptxas and cuobjdump)")
+    rows = report(args.arch, args.group)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        extra = (f"{r['loop_instructions']:>4} loop instr  {r['per_weight']:.2f}/weight "
+                 f"({r['integer_per_weight']:.2f} int)  {r['top_opcodes']}" if "per_weight" in r else "")
+        print(f"{r['kernel']:<13} {r['arch']}  {r['registers']:>3} regs  {r['stack_bytes']:>3} B stack  {extra}")
+
+
+if __name__ == "__main__":
+    main()
