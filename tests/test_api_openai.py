@@ -50,6 +50,20 @@ def test_refusals_name_the_field(body: dict, param: str, word: str) -> None:
     assert err.value.param == param
 
 
+@pytest.mark.parametrize("key, shown", [
+    ("\u00b2", "'\u00b2'"),                    # superscript two: str.isdigit() says yes, int() raises
+    ("\u0663", "'\u0663'"),                    # Arabic-Indic three: int() reads it as 3
+    ("1" * 4301, "(4301 characters)"),         # over int()'s 4,300-digit limit
+    ("00000000001", "'00000000001'"),          # 11 digits: past the bound, though it names token 1
+    ("", "''"), ("-1", "'-1'"), (" 1", "' 1'"), ("256", "'256'"),
+])
+def test_a_logit_bias_key_that_is_no_ascii_token_id_is_a_400_naming_it(key: str, shown: str) -> None:
+    with pytest.raises(BadRequest, match="ASCII digits") as err:
+        parse({"prompt": "x", "logit_bias": {key: 1}})
+    assert err.value.param == "logit_bias" and shown in str(err.value) and len(str(err.value)) < 200
+    assert parse({"prompt": "x", "logit_bias": {"0255": 1}}).sampling.logit_bias == ((255, 1.0),)
+
+
 def test_chat_prompt_errors_name_messages() -> None:
     with pytest.raises(InvalidRequest, match="at most 40") as err:
         parse({"messages": [{"role": "user", "content": "z" * 60}]}, "chat")

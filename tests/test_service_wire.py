@@ -133,6 +133,9 @@ def test_logit_bias_steers_greedy_decoding(client: httpx.Client) -> None:
     assert biased != plain
     bad = client.post("/v1/completions", json={**body, "logit_bias": {"42": 500}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+    for key in ("\u00b2", "9" * 4400):  # once a 500: str.isdigit() took them and int() raised
+        bad = client.post("/v1/completions", json={**body, "logit_bias": {key: 1}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
 
 
 def test_405_keeps_allow_and_head_health(client: httpx.Client, svc) -> None:
