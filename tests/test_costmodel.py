@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from power.physics.boards import board_for
-from power.physics.costmodel import (OperatingPoint, bandwidth_ceiling_tokens_per_s, decode_step,
-                             decode_tokens_per_s, model_shape, prefill_step)
+from power.physics.costmodel import OperatingPoint, bandwidth_ceiling_tokens_per_s, decode_step, decode_tokens_per_s, prefill_step
+from power.runtime.shapes import model_shape
 
 AGX = board_for("agx-orin-64gb", "r36")
 MAXN = OperatingPoint.of_mode(AGX, 0)

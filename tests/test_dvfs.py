@@ -10,10 +10,11 @@ from power.policy.dvfs import (Decision, DvfsController, DvfsState, PhaseIn, Pla
                         tables_for)
 from power.policy.profiles import ProfileStore
 from power.policy.thermal import ZoneSample
+from power.runtime.shapes import model_shape
 
 SPEC = BOARDS["agx-orin-64gb"]
 STORE = ProfileStore(None)
-CTL = DvfsController(tables_for(SPEC, 0), Planner.for_board(SPEC, "llama-3-8b", "int4", 0))
+CTL = DvfsController(tables_for(SPEC, 0), Planner.for_board(SPEC, model_shape("llama-3-8b"), "int4", 0))
 PROFILES = {n: STORE.load(n) for n in STORE.names()}
 ZONES_COOL = (ZoneSample("cpu", 50.0, 99.0), ZoneSample("gpu", 52.0, 99.0))
 
@@ -30,7 +31,7 @@ def test_auto_decode_low_gpu_high_emc_prefill_high_gpu_lower_emc() -> None:
     pre, dec = run([(PhaseIn("prefill", 512), 0.0), (PhaseIn("decode", context=600), 1.0)])
     assert dec.gpu_max_hz < 0.6 * SPEC.gpu_max_hz and dec.emc_hz == SPEC.emc_max_hz
     assert pre.gpu_max_hz > 0.9 * SPEC.gpu_max_hz and pre.emc_hz < SPEC.emc_max_hz
-    fastest = Planner.for_board(SPEC, "llama-3-8b", "int4", 0).predict("decode", 608, 1, SPEC.gpu_max_hz,
+    fastest = Planner.for_board(SPEC, model_shape("llama-3-8b"), "int4", 0).predict("decode", 608, 1, SPEC.gpu_max_hz,
                                                                        SPEC.emc_max_hz)[0]
     assert dec.predicted_s <= fastest * 1.04 + 1e-9
 

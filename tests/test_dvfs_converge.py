@@ -12,9 +12,10 @@ import pytest
 from power.physics.boards import BOARDS
 from power.policy.dvfs import DvfsController, DvfsState, PhaseIn, Planner, Readings, StepSample, tables_for
 from power.policy.profiles import ProfileStore
+from power.runtime.shapes import model_shape
 
 SPEC = BOARDS["agx-orin-64gb"]
-PLANNER = Planner.for_board(SPEC, "llama-3-8b", "int4", 0)
+PLANNER = Planner.for_board(SPEC, model_shape("llama-3-8b"), "int4", 0)
 TABLES = tables_for(SPEC, 0)
 PROFILE = ProfileStore(None).load("balanced")
 Truth = Callable[[str, int, int, int], float]

@@ -17,7 +17,8 @@ from power.bench.energy import BenchConfig
 from power.bench.run import PolicyRun
 from power.hw.backends import open_board
 from power.physics.boards import BOARDS
-from power.physics.costmodel import OperatingPoint, model_shape, prefill_step
+from power.physics.costmodel import OperatingPoint, prefill_step
+from power.runtime.shapes import model_shape
 from power.bench.traces import make_trace
 from power.twin import IDLE, Twin, create_twin
 

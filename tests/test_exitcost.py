@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from power.physics.boards import board_for
-from power.physics.costmodel import OperatingPoint, decode_step, model_shape
+from power.physics.costmodel import OperatingPoint, decode_step
+from power.runtime.shapes import model_shape
 from power.physics.exitcost import ExitRates, exit_decode_step, parse_exit_rates
 
 SPEC = board_for("agx-orin-64gb", "r36")

@@ -20,7 +20,7 @@ from partition.offload.sessions import DeepRequest, DeepSliceSessions, OffloadRe
 from partition.paths import DEFAULT_MODEL_DIR
 from partition.slices import SliceSpec
 from partition.runners.torch_runner import TorchRunner
-from power.physics.costmodel import model_shape
+from power.runtime.shapes import model_shape
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from partition.offload.planner import LinkEstimate
 from partition.offload.replan import ReplanOptions, SplitPolicy, Verdict, planner_verdict
 from partition.paths import DEFAULT_MODEL_DIR
 from partition.tokenizer import Tokenizer
-from power.physics.costmodel import model_shape
+from power.runtime.shapes import model_shape
 
 PROMPT = "import os\ndef"
 

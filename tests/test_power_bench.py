@@ -19,6 +19,7 @@ from power.hw.errors import BoardWriteError
 from power.policy.profiles import ProfileStore
 from power.bench.traces import make_trace
 from power.twin import Twin, create_twin
+from power.runtime.shapes import model_shape
 
 SPEC = BOARDS["agx-orin-64gb"]
 GPU_DEVFREQ = "sys/devices/platform/bus@0/17000000.gpu/devfreq/17000000.gpu"
@@ -31,7 +32,7 @@ def _loop(root: Path, profile: str = "balanced") -> tuple[PowerLoop, ClockApplie
     applier.set_mode("MAXN", allow_reboot=True)     # the twin reboots for free
     board = SysfsBoard(root)
     applier.board = board
-    ctl = DvfsController(tables_from_board(board, SPEC.emc_hz), Planner.for_board(SPEC, "llama-3-8b", "int4", 0))
+    ctl = DvfsController(tables_from_board(board, SPEC.emc_hz), Planner.for_board(SPEC, model_shape("llama-3-8b"), "int4", 0))
     return PowerLoop(ctl, ProfileStore(None).load(profile), applier, lambda: read_zone_samples(board)), applier
 
 

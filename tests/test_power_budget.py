@@ -13,9 +13,10 @@ from power.policy.budget import (BINS, Budget, BudgetController, BudgetState, ac
 from power.policy.dvfs import DvfsController, PhaseIn, Planner, Readings, tables_for
 from power.policy.profiles import ProfileStore
 from power.policy.thermal import ZoneSample
+from power.runtime.shapes import model_shape
 
 SPEC = BOARDS["agx-orin-64gb"]
-PLANNER = Planner.for_board(SPEC, "llama-3-8b", "int4", 0)
+PLANNER = Planner.for_board(SPEC, model_shape("llama-3-8b"), "int4", 0)
 BALANCED = ProfileStore(None).load("balanced")
 
 

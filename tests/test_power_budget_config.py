@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from power.physics.boards import BOARDS, board_for
-from power.physics.costmodel import OperatingPoint, decode_step, model_shape
+from power.physics.costmodel import OperatingPoint, decode_step
+from power.runtime.shapes import model_shape
 from power.policy.budget import Budget, BudgetController, BudgetState
 from power.policy.dvfs import DvfsController, PhaseIn, Planner, Readings, tables_for
 from power.policy.powerconfig import Mix, choose_config, hull_rate
@@ -70,7 +71,7 @@ def test_session_refuses_a_reboot_mode_and_restore_brings_cores_back(tmp_path: P
 
     root = _twin(tmp_path)
     assert _online(root) == 8
-    s = open_session(root, tmp_path / "run", BALANCED, "llama-3-8b", power_cap_w=12.0, profile_dir=None)
+    s = open_session(root, tmp_path / "run", BALANCED, model_shape("llama-3-8b"), power_cap_w=12.0, profile_dir=None)
     try:
         assert s.board.read_mode().name == "MODE_30W"       # MAXN would change the TPC mask: refused
         assert any("--allow-reboot-modes" in n and "MAXN" in n for n in s.warnings)
@@ -86,7 +87,7 @@ def test_session_with_reboot_allowed_takes_the_chosen_mode(tmp_path: Path) -> No
     from power.runtime.session import open_session
 
     root = _twin(tmp_path)
-    s = open_session(root, tmp_path / "run", BALANCED, "llama-3-8b", power_cap_w=15.0, profile_dir=None,
+    s = open_session(root, tmp_path / "run", BALANCED, model_shape("llama-3-8b"), power_cap_w=15.0, profile_dir=None,
                      allow_reboot_modes=True)
     try:
         assert s.board.read_mode().name == "MAXN" and _online(root) == 4
@@ -121,7 +122,7 @@ def test_profile_rail_key(tmp_path: Path) -> None:
 
 
 def _rail_ctl(watts: float, rail: str | None) -> BudgetController:
-    return BudgetController(DvfsController(tables_for(AGX, 0), Planner.for_board(AGX, "llama-3-8b", "int4", 0)),
+    return BudgetController(DvfsController(tables_for(AGX, 0), Planner.for_board(AGX, model_shape("llama-3-8b"), "int4", 0)),
                             Budget(watts, 10.0, None, rail))
 
 

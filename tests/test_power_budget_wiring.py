@@ -11,6 +11,7 @@ import pytest
 from power.policy.budget import BudgetController
 from power.policy.profiles import Budget, ProfileError, ProfileStore
 from power.runtime.cap import budget_for, with_cap
+from power.runtime.shapes import model_shape
 
 
 def store_with(tmp_path: Path, text: str) -> ProfileStore:
@@ -55,7 +56,7 @@ def test_service_controller_capped_on_a_twin(tmp_path: Path) -> None:
 
     root = tmp_path / "twin"
     create_twin(root, "agx-orin-64gb", "r36")
-    ctl = PowerController.open(root, tmp_path / "run", "balanced", profile_dir=None, shape="llama-3-8b",
+    ctl = PowerController.open(root, tmp_path / "run", "balanced", profile_dir=None, shape=model_shape("llama-3-8b"),
                                power_cap_w=15.0)
     try:
         assert isinstance(ctl.loop.controller, BudgetController)

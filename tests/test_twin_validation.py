@@ -1,10 +1,10 @@
-"""The twin against public measurements (power.physics.validation, docs/TWIN_VALIDATION.md): the median
+"""The twin against public measurements (power.bench.validation, docs/TWIN_VALIDATION.md): the median
 absolute error stays within 15 % on tok/s and on watts, and the documented table is the current one."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from power.physics.validation import POINTS, SOURCES, markdown, median_abs_error
+from power.bench.validation import POINTS, SOURCES, markdown, median_abs_error
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "TWIN_VALIDATION.md"
 
@@ -18,5 +18,5 @@ def test_every_point_names_a_known_source() -> None:
 
 
 def test_the_documented_table_is_the_current_one() -> None:
-    """Change a constant and the table in the doc must be regenerated (python3 -m power.physics.validation)."""
+    """Change a constant and the table in the doc must be regenerated (python3 -m power.bench.validation)."""
     assert markdown() in DOC.read_text()

@@ -97,13 +97,10 @@ def plan(
     """Choose how many layers run on the device, and say why."""
     from partition.offload.planner import LinkEstimate, format_plan
     from partition.offload.planner import plan as make_plan
-    from power.physics.costmodel import model_shape as shape_named
+    from power.runtime.shapes import model_shape as shape_named
 
     with cli_errors():
-        try:
-            shape = shape_named(model_shape)
-        except KeyError as exc:
-            raise ValueError(str(exc.args[0])) from None
+        shape = shape_named(model_shape)    # an unknown name is a ValueError naming the known ones
         p = make_plan(shape, board, LinkEstimate(rtt_ms, mbps), edge_board, precision, context, exit_rate,
                       power_budget_w, objective)
         if as_json:

@@ -11,7 +11,6 @@ from pathlib import Path
 import typer
 
 from agent.cli.common import cli_errors, print_json
-from power.hw.rootlock import BoardLock
 from power.physics.boards import BOARDS, L4T_RELEASES
 from power.twin import WORKLOAD_FILE, Twin, TwinState, create_twin
 
@@ -90,15 +89,12 @@ def run(
             if not quiet and ticks[0] % every == 0:
                 typer.echo(_line(st))
 
-        # The model writes the clocks it settles (and the fan daemon's PWM): the board's one owner,
-        # refused beside a service, which runs its own model of the same twin.
-        with BoardLock(directory, "orin-agent twin run"):
-            try:
-                st = twin.run(period_s=period, duration_s=duration, on_tick=tick)
-            except KeyboardInterrupt:
-                st = twin.state
-            except OSError as e:
-                raise OSError(f"twin stopped: {e}") from None
+        try:
+            st = twin.run(period_s=period, duration_s=duration, on_tick=tick)
+        except KeyboardInterrupt:
+            st = twin.state
+        except OSError as e:
+            raise OSError(f"twin stopped: {e}") from None
     if not quiet:
         typer.echo(f"stopped: {_line(st)} energy={st.energy_j:.1f}J")
 
@@ -121,10 +117,11 @@ def predict(
     """The twin's tok/s, step time, rail watts and J/token at one operating point (to hold against a
     measurement; docs/TWIN_VALIDATION.md)."""
     from power.physics.predict import PointQuery, predict_point
+    from power.runtime.shapes import model_shape
 
     with cli_errors():
-        p = predict_point(PointQuery(board, l4t, shape, precision, phase, tokens, batch, nvpmodel, gpu_mhz,
-                                     emc_mhz))
+        p = predict_point(PointQuery(model_shape(shape), board, l4t, precision, phase, tokens, batch, nvpmodel,
+                                     gpu_mhz, emc_mhz))
     if json_out:
         print_json(p.__dict__)
         return

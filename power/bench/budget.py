@@ -25,11 +25,12 @@ from typing import Any
 from power.bench.energy import AUTO_DOC, BenchConfig, Driver, _tmp_base, result, simple_driver
 from power.bench.run import BASELINES, MODE_PREFIX, PolicyRun
 from power.physics.boards import BoardSpec, board_for
-from power.physics.costmodel import PRECISIONS, model_shape
+from power.physics.costmodel import PRECISIONS
 from power.physics.exitcost import parse_exit_rates
 from power.policy.budget import Budget, BudgetState
 from power.policy.powerconfig import Mix
 from power.policy.profiles import ProfileStore
+from power.runtime.shapes import model_shape
 from power.runtime.cap import install
 from power.bench.traces import TRACES, Request, make_trace
 

@@ -26,10 +26,11 @@ from typing import Any, Callable
 
 from power.bench.run import BASELINES, PolicyRun, Tally, pct
 from power.physics.boards import board_for
-from power.physics.costmodel import PRECISIONS, model_shape
+from power.physics.costmodel import PRECISIONS
 from power.physics.exitcost import parse_exit_rates
 from power.policy.dvfs import PhaseIn
 from power.policy.profiles import ProfileStore
+from power.runtime.shapes import model_shape
 from power.bench.traces import Request, make_trace
 
 # `auto`: every busy clock chosen for least J/token under absolute latency targets only: 50 ms per

@@ -21,12 +21,13 @@ from power.runtime.applier import read_zone_samples
 from power.runtime.session import open_session
 from power.hw.backends import open_board
 from power.physics.boards import board_for
-from power.physics.costmodel import OperatingPoint, StepCost, decode_step, model_shape, prefill_step
+from power.physics.costmodel import OperatingPoint, StepCost, decode_step, prefill_step
 from power.physics.exitcost import ExitRates, exit_decode_step
 from power.policy.dvfs import PhaseIn
 from power.policy.powerconfig import Mix
 from power.policy.profiles import Profile
 from power.policy.thermal import ZoneSample
+from power.runtime.shapes import model_shape
 from power.twin import IDLE, Twin, Workload, create_twin
 
 SETTLE_S = 0.008            # a new EMC rate takes ~8 ms, GPU ~5 ms (ORIN.md, Orin NX/Nano measurement)
@@ -87,7 +88,7 @@ class PolicyRun:
         else:
             assert profile is not None, "a controller policy needs its profile"
             # the twin "reboots" for free: every policy runs at its profile's mode, as MAXN does above
-            session = open_session(root, run_dir, profile, shape, precision=precision,
+            session = open_session(root, run_dir, profile, self.shape, precision=precision,
                                    fan_ours=fan == "ours", spec=self.spec, zones=self._zones,
                                    allow_reboot_modes=True, mix=mix)
             self.board, self.writer, self.loop = session.board, session.writer, session.loop

@@ -57,17 +57,11 @@ class ModelShape:
 
 
 def shape_of(name: str, c: Any) -> ModelShape:
-    """The shape of a partition.config.ModelConfig (a preset, or the model being served)."""
+    """The shape of a model configuration (partition.config.ModelConfig: a preset, or the model being
+    served), read by attribute: physics never imports the model package nor resolves a preset name
+    (power.runtime.shapes does)."""
     return ModelShape(name, c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim,
                       c.intermediate_size, c.vocab_size, c.tie_word_embeddings)
-
-
-def model_shape(name: str) -> ModelShape:
-    """A named shape: one of partition.config's presets (the one list of model definitions)."""
-    from partition.config import PRESETS      # stdlib-only module; imported late to keep this light
-    if name in PRESETS:
-        return shape_of(name, PRESETS[name])
-    raise KeyError(f"unknown model shape {name!r}; known: {', '.join(sorted(PRESETS))}")
 
 
 # --- precision ------------------------------------------------------------------------------------

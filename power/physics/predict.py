@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from power.physics.boards import BoardSpec, active_tpcs, board_for
-from power.physics.costmodel import PRECISIONS, OperatingPoint, decode_step, model_shape, prefill_step
+from power.physics.costmodel import PRECISIONS, ModelShape, OperatingPoint, decode_step, prefill_step
 
 
 @dataclass(frozen=True)
 class PointQuery:
+    shape: ModelShape               # the model (power.runtime.shapes.model_shape for a preset's name)
     board: str = "agx-orin-64gb"
     l4t: str = "r36"
-    shape: str = "llama-3-8b"
     precision: str = "int4"
     phase: str = "decode"           # decode: one token per sequence per step; prefill: ``tokens`` in one step
     tokens: int = 512               # decode: context length; prefill: prompt tokens
@@ -64,10 +64,10 @@ def _nearest(table: tuple[int, ...], hz: float) -> int:
 
 
 def predict_point(q: PointQuery) -> PointPrediction:
-    """The twin's prediction for one operating point (ValueError on an unknown name or a bad size)."""
+    """The twin's prediction for one operating point (ValueError on an unknown board or a bad size)."""
+    shape = q.shape
     try:
         spec = board_for(q.board, q.l4t)
-        shape = model_shape(q.shape)
     except KeyError as exc:
         raise ValueError(str(exc.args[0])) from None
     if q.precision not in PRECISIONS:
@@ -87,6 +87,6 @@ def predict_point(q: PointQuery) -> PointPrediction:
     else:
         c = prefill_step(spec, shape, q.precision, op, q.tokens)
         produced = q.tokens
-    return PointPrediction(spec.name, q.shape, q.precision, q.phase, spec.mode(mode_id).name, gpu / 1e6,
+    return PointPrediction(spec.name, shape.name, q.precision, q.phase, spec.mode(mode_id).name, gpu / 1e6,
                            emc / 1e6, op.tpcs, q.tokens, q.batch, c.seconds * 1e3, produced / c.seconds,
                            c.bound, c.power_w, dict(c.rails_w), c.energy_j / produced)

@@ -33,8 +33,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from power.physics.boards import BoardSpec, active_tpcs
-from power.physics.costmodel import (CostParams, DEFAULT_PARAMS, ModelShape, OperatingPoint, decode_step, model_shape,
-                             prefill_step)
+from power.physics.costmodel import CostParams, DEFAULT_PARAMS, ModelShape, OperatingPoint, decode_step, prefill_step
 from power.hw.tables import BoardTables, snap
 from power.policy.profiles import Profile, resolve_clock
 from power.policy.thermal import ThermalState, ThermalVerdict, ZoneSample, thermal_step
@@ -154,12 +153,12 @@ class Planner:
         default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
-    def for_board(cls, spec: BoardSpec, shape: str | ModelShape, precision: str,
+    def for_board(cls, spec: BoardSpec, shape: ModelShape, precision: str,
                   mode_id: int | None = None) -> "Planner":
-        """shape: a preset name, or the ModelShape of the model being served."""
+        """The planner of ``shape`` (the served model's, or a preset's: power.runtime.shapes) on ``spec``
+        in power mode ``mode_id`` (the board's default when None)."""
         m = spec.mode(spec.default_mode if mode_id is None else mode_id)
-        resolved = model_shape(shape) if isinstance(shape, str) else shape  # fail early on an unknown name
-        return cls(spec, resolved, precision, active_tpcs(spec, m.tpc_pg_mask))
+        return cls(spec, shape, precision, active_tpcs(spec, m.tpc_pg_mask))
 
     def candidates(self, kind: str, size: int, batch: int, gpus: tuple[int, ...],
                    emcs: tuple[int, ...]) -> tuple[tuple[float, float, int, int], ...]:

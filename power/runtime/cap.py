@@ -15,10 +15,11 @@ from typing import Callable
 from power.runtime.applier import ClockApplier
 from power.runtime.loop import PowerLoop
 from power.physics.boards import BoardSpec
-from power.physics.costmodel import ModelShape, model_shape
+from power.physics.costmodel import ModelShape
 from power.policy.powerconfig import Mix, choose_config
 from power.policy.budget import Budget, BudgetController, BudgetState
 from power.policy.profiles import Profile
+from power.runtime.shapes import model_shape
 
 DEFAULT_WINDOW_S = 10.0
 DEFAULT_SHAPE = "llama-3-8b"        # the model the configuration is chosen for when none is given (power set)
@@ -58,7 +59,7 @@ def status_dict(loop: PowerLoop) -> dict[str, float | int | bool] | None:
     return dataclasses.asdict(st.status)
 
 
-def budget_config(applier: ClockApplier, spec: BoardSpec, profile: Profile, shape: str | ModelShape | None,
+def budget_config(applier: ClockApplier, spec: BoardSpec, profile: Profile, shape: ModelShape | None,
                   precision: str, allow_reboot: bool, mix: Mix | None = None) -> tuple[str | None, int]:
     """(the mode to switch to, the CPU cores to keep online) for ``profile``'s budget; notes the choice on
     ``applier``. The profile's own mode stands where it names one (not ``max``)."""
@@ -67,7 +68,7 @@ def budget_config(applier: ClockApplier, spec: BoardSpec, profile: Profile, shap
     if rail is not None and rail not in {r.label for r in spec.rails}:
         raise ValueError(f"budget rail {rail!r}: {spec.name} has "
                          f"{', '.join(r.label for r in spec.rails if r.label != 'NC')} (leave rail out for module power)")
-    resolved = model_shape(shape or DEFAULT_SHAPE) if not isinstance(shape, ModelShape) else shape
+    resolved = shape if shape is not None else model_shape(DEFAULT_SHAPE)
     mix = mix or Mix()
     nvp = applier.board.nvpmodel
     if profile.nvpmodel not in CHOOSE_MODES or not nvp.available:

@@ -53,10 +53,10 @@ class PowerController:
 
     @classmethod
     def open(cls, root: str | os.PathLike[str], run_dir: str | os.PathLike[str], profile: str | Profile,
-             *, profile_dir: str | None = DEFAULT_PROFILE_DIR, shape: str | ModelShape | None = None,
+             *, profile_dir: str | None = DEFAULT_PROFILE_DIR, shape: ModelShape | None = None,
              precision: str = "int4", fan_ours: bool = False, power_cap_w: float | None = None) -> "PowerController":
         """The controller of a board session (:func:`power.runtime.session.open_session`). With a model shape
-        (a preset name or the served model's ModelShape) `auto` plans from the cost model; without
+        (the served model's ModelShape) `auto` plans from the cost model; without
         one it falls back to a fixed rule."""
         session = open_session(root, run_dir, profile, shape, profile_dir=profile_dir, precision=precision,
                                fan_ours=fan_ours, power_cap_w=power_cap_w)

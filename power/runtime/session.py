@@ -80,7 +80,7 @@ def _says_super(board: SysfsBoard) -> bool:
 
 
 def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], profile: str | Profile,
-                 model_shape: str | ModelShape | None = None, dry_run: bool = False, *,
+                 shape: ModelShape | None = None, dry_run: bool = False, *,
                  profile_dir: str | os.PathLike[str] | None = DEFAULT_PROFILE_DIR, precision: str = "int4",
                  fan_ours: bool = False, spec: BoardSpec | None = None,
                  zones: Callable[[], tuple[ZoneSample, ...]] | None = None,
@@ -88,7 +88,7 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
                  allow_reboot_modes: bool = False, power_cap_w: float | None = None,
                  mix: Mix | None = None) -> Session:
     """Open ``root`` for control with ``profile``: its nvpmodel mode is switched (journaled), the board
-    rediscovered, the tables read and, with a model shape (a preset name or the served model's), the
+    rediscovered, the tables read and, with a model shape (the served model's, or a preset's), the
     cost-model planner built (without one, ``auto`` falls back to a fixed rule). ``spec`` defaults to
     the board's identity; ``zones`` to the board's thermal zones. What the board does not offer (no
     nvpmodel.conf, no such mode, no debugfs) is skipped with a line in ``Session.warnings``; a mode
@@ -109,7 +109,7 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
     try:
         mode_key, cores = prof.nvpmodel, None
         if prof.budget is not None and spec is not None:
-            mode_key, cores = budget_config(applier, spec, prof, model_shape, precision, allow_reboot_modes, mix)
+            mode_key, cores = budget_config(applier, spec, prof, shape, precision, allow_reboot_modes, mix)
         if mode_key and applier.set_mode(mode_key, allow_reboot=allow_reboot_modes) \
                 and not dry_run:
             if board.backend == "sysfs":
@@ -120,8 +120,8 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
             board.cpu.keep_online(writer, cores)
         tables = tables_from_board(board, spec.emc_hz if spec else ())
         mode = board.read_mode()
-        planner = (Planner.for_board(spec, model_shape, precision, mode.id if mode else None)
-                   if spec is not None and model_shape else None)
+        planner = (Planner.for_board(spec, shape, precision, mode.id if mode else None)
+                   if spec is not None and shape is not None else None)
     except Exception:
         applier.restore()
         if writer.journal is not None:

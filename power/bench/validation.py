@@ -1,6 +1,6 @@
 """The twin held against public measurements: every measured point we found for Jetson Orin boards
 (tok/s of named models and runtimes, rail watts under load and at idle), the twin's prediction at the
-same operating point, and the error. ``python3 -m power.physics.validation`` prints the table of
+same operating point, and the error. ``python3 -m power.bench.validation`` prints the table of
 docs/TWIN_VALIDATION.md; tests/test_twin_validation.py holds the median errors to the goal.
 
 The constants are fixed by this table (and their own citations in power.physics.boards), never by the
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from power.physics.boards import BoardSpec, active_tpcs, board_for
 from power.physics.equations import Activity, Clocks, power
 from power.physics.predict import PointQuery, predict_point
+from power.runtime.shapes import model_shape
 
 # Sources (short keys used in the table)
 SOURCES = {
@@ -38,14 +39,15 @@ class Point:
     measured: float
     source: str         # a key of SOURCES
     kind: str           # "llm" (predict_point), "gpu-stress", "cpu-stress", "idle", "idle-pinned", "cpu-busy"
-    query: PointQuery = PointQuery()
+    query: PointQuery
     rail: str = "board"  # "board" or a rail label (W points)
     cores: float = 0.0   # cpu-busy: busy cores at the top clock
     fitted: bool = False  # a constant was derived from this point (an anchor, not a test)
 
 
-def _q(**kw: object) -> PointQuery:
-    return PointQuery(**kw)  # type: ignore[arg-type]
+def _q(shape: str = "llama-3-8b", **kw: object) -> PointQuery:
+    """The point of a measurement of the preset ``shape`` (Llama-3-8B unless the source says otherwise)."""
+    return PointQuery(model_shape(shape), **kw)  # type: ignore[arg-type]
 
 
 NANO5 = dict(board="orin-nano-8gb", l4t="r35")
