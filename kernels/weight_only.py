@@ -1,7 +1,7 @@
 """Weight-only quantised linear layers: `QuantLinear` holds a group-wise INT8 or INT4 weight and runs
 it through PyTorch's own kernels where they apply, with a plain dequantise-then-matmul reference.
 
-Canonical form (what checkpoints unpack to, partition/quantize.py): integer codes q (N, K) in
+Canonical form (what checkpoints unpack to, partition/quant_format.py): integer codes q (N, K) in
 [0, 2^bits), per-group scales s (N, G) and integer zero points z (N, G), group of column k = g_idx[k]
 (k // group_size unless the checkpoint is act-ordered); weight = (q - z[:, g]) * s[:, g].
 Float-min form (`mins=`, GGUF's Q4_1 / Q4_K blocks, partition/gguf/tensors.py): weight = q * s[:, g] + m[:, g]
@@ -102,6 +102,7 @@ class QuantLinear(nn.Module):
             codes, sb = int4_triton.pack(q, scales, zeros=None if mins is not None else zeros, mins=mins)
             self.register_buffer("weight", codes)  # int32 (N, K / 8), kernels.int4_triton's layout
             self.register_buffer("sb", sb)  # fp16 (N, G, 2): scale and offset per group
+            self.split = int4_triton.gemv_split(self.out_features, self.in_features, device)  # GEMV split-K
         else:
             self.register_buffer("weight", q.to(torch.uint8).contiguous())
             self.register_buffer("scales", scales.to(dtype).contiguous())
@@ -140,7 +141,7 @@ class QuantLinear(nn.Module):
 
     def _fast(self, x2: Tensor) -> Tensor:
         if self.kernel == "int4_triton":
-            return int4_triton.linear(x2, self.weight, self.sb, self.group_size)
+            return int4_triton.linear(x2, self.weight, self.sb, self.group_size, self.split)
         if self.kernel == "int8dq":
             return F.linear(x2, self.weight.to(x2.dtype)) * self.scales
         if self.kernel == "int8pack":

@@ -1,6 +1,7 @@
 """Checkpoint folders: load a Hugging Face folder (config.json, one or many *.safetensors, tokenizer.json)
 into the one model definition, build random-weight models from presets, and save folders back.
-A folder whose config.json has `quantization_config` (GPTQ / AWQ) is loaded by partition/quantize.py;
+A folder whose config.json has `quantization_config` (GPTQ / AWQ, the layouts of
+partition/quant_format.py) is loaded here too, its projections as `kernels.weight_only.QuantLinear`;
 a GGUF file (or its alias, or the model folder made for it, partition/gguf/folder.py) by partition/gguf.
 
 Loading builds the model on the `meta` device (no memory), reads each tensor once from the
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 
 from partition.config import ModelConfig, ModelConfigError, load_config
 from partition.model import Transformer, rope_inv_freq
+from partition.quant_format import quantization_config, replace_module, unpack_awq, unpack_gptq
 
 LOADABLE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -27,7 +29,9 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded; the message names the file and what to do."""
 
 
-def _shards(model_dir: Path) -> list[Path]:
+def shards(model_dir: Path) -> list[Path]:
+    """The files that hold a checkpoint folder's weights: its safetensors shards by name (those its
+    index lists, when it has one), or the GGUF file of a GGUF model folder."""
     from partition.gguf.folder import gguf_source
 
     source = gguf_source(model_dir)
@@ -39,18 +43,18 @@ def _shards(model_dir: Path) -> list[Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError) as exc:
             raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
-        shards = [model_dir / name for name in sorted(set(weight_map.values()))]
-        for shard in shards:
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for shard in files:
             if not shard.is_file():
                 raise CheckpointError(f"{shard}: shard listed in {index.name} is missing; "
                                       "download the complete checkpoint")
-        return shards
-    shards = sorted(model_dir.glob("*.safetensors"))
-    if not shards:
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
         hint = " (pytorch_model.bin is not loaded: convert it to safetensors)" if any(
             model_dir.glob("*.bin")) else ""
         raise CheckpointError(f"{model_dir}: no *.safetensors weights found{hint}")
-    return shards
+    return files
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -70,8 +74,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
         raise CheckpointError(f"{model_dir}: not a folder; pass a checkpoint folder with config.json, "
                               "*.safetensors and tokenizer.json")
     config = load_config(model_dir)
-    from partition.quantize import load_quantized, quantization_config
-
     qcfg = quantization_config(model_dir)
     if qcfg is not None:  # GPTQ / AWQ weights: projections become kernels.weight_only.QuantLinear
         return load_quantized(model_dir, qcfg, dtype, device)
@@ -81,7 +83,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")  # tied checkpoints store the embedding once
     state: dict[str, torch.Tensor] = {}
-    for shard in _shards(model_dir):
+    for shard in shards(model_dir):
         try:
             with safe_open(str(shard), framework="pt", device=str(device)) as f:
                 for key in f.keys():
@@ -105,6 +107,54 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
         model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as exc:
         raise CheckpointError(f"{model_dir}: weights do not match config.json ({exc})") from None
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config).to(device)
+    return model.eval()
+
+
+def load_quantized(model_dir: Path, qcfg: dict, dtype: torch.dtype, device: str | torch.device) -> Transformer:
+    """A GPTQ / AWQ checkpoint as a Transformer whose quantised projections are QuantLinear."""
+    from kernels.weight_only import QuantLinear
+
+    method, bits = str(qcfg.get("quant_method", "")).lower(), int(qcfg.get("bits", 0))
+    if method not in ("gptq", "awq") or bits not in (4, 8) or (method == "awq" and bits != 4):
+        raise CheckpointError(f"{model_dir}: quantization_config {method!r} with {bits} bits is not supported "
+                              "(supported: gptq 4/8 bits, awq 4 bits)")
+    if method == "awq" and str(qcfg.get("version", "gemm")).lower() != "gemm":
+        raise CheckpointError(f"{model_dir}: AWQ version {qcfg.get('version')!r}: only the GEMM layout is supported")
+    v2 = str(qcfg.get("checkpoint_format", "gptq")).lower() == "gptq_v2"
+    config: ModelConfig = load_config(model_dir)
+    with torch.device("meta"):
+        model = Transformer(config)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards(model_dir):
+        try:
+            with safe_open(str(shard), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{shard}: unreadable safetensors file ({exc}); download it again") from None
+    for name, lin in [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]:
+        if f"{name}.qweight" not in tensors:
+            continue
+        parts = {k: tensors.pop(f"{name}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx") if f"{name}.{k}" in tensors}
+        q, s, z, g = unpack_gptq(parts, bits, v2) if method == "gptq" else unpack_awq(parts)
+        if q.shape != (lin.out_features, lin.in_features):
+            raise CheckpointError(f"{model_dir}: {name} unpacks to {tuple(q.shape)}, config.json says "
+                                  f"{(lin.out_features, lin.in_features)}")
+        bias = tensors.pop(f"{name}.bias", None)
+        gs = lin.in_features // s.shape[1]
+        replace_module(model, name, QuantLinear(q.to(device), s.to(device), z.to(device), g.to(device), bits, gs,
+                                          bias=None if bias is None else bias.to(device), dtype=dtype))
+    expected = {k for k, v in model.state_dict().items() if v.is_meta}
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    state = {k: tensors[k].to(device=device, dtype=dtype) for k in expected if k in tensors}
+    missing = sorted(expected - set(state))
+    if missing:
+        raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {', '.join(missing[:5])}")
+    model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config).to(device)
@@ -146,7 +196,7 @@ def model_hash(model_dir: str | Path) -> str:
     """sha256 over config.json and every weight shard, in name order: identifies a build's source."""
     model_dir = Path(model_dir)
     h = hashlib.sha256()
-    for path in [model_dir / "config.json", *_shards(model_dir)]:
+    for path in [model_dir / "config.json", *shards(model_dir)]:
         h.update(path.name.encode())
         with path.open("rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
@@ -154,4 +204,5 @@ def model_hash(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-__all__ = ["CheckpointError", "ModelConfigError", "load_model", "model_hash", "random_model", "save_model"]
+__all__ = ["CheckpointError", "ModelConfigError", "load_model", "load_quantized", "model_hash", "random_model",
+           "save_model", "shards"]

@@ -11,8 +11,8 @@ import torch
 
 from kernels.weight_only import QuantLinear, dequantize
 from partition.checkpoint import CheckpointError, load_model
-from partition.quantize import (QuantSpec, default_spec, pack_awq, pack_gptq, quantize_checkpoint,
-                                quantize_weight, unpack_awq, unpack_gptq)
+from partition.quant_format import pack_awq, pack_gptq, unpack_awq, unpack_gptq
+from partition.quantize import QuantSpec, default_spec, quantize_checkpoint, quantize_weight
 from partition.slices import SliceSpec
 from partition.runners.torch_runner import TorchRunner
 
