@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # both import heavy libraries (onnx, onnxruntime): loaded onl
     from partition.model import Transformer
     from partition.runners.ort_runner import OrtOptions
 
-BACKENDS = ("torch", "ort", "trt")
+BACKENDS = ("auto", "torch", "ort", "trt")  # auto: partition/runners/backend_choice.py picks one
 
 
 class BackendUnavailable(ValueError):
@@ -65,6 +65,10 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        from partition.runners.backend_choice import resolve_backend
+
+        backend = resolve_backend(backend, model_dir, device, slices, kv_cache, kv_blocks)
     on_cuda = device.startswith("cuda")
     if cuda_graphs and (backend != "torch" or not on_cuda):
         raise ValueError(f"CUDA graphs are a feature of the torch backend on a CUDA device (got backend "
@@ -104,6 +108,15 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
             runners = [TorchRunner(model, s, seq, max_batch, cuda_graphs=graphs, kv_cache=kv_cache,
                                    kv_group=kv_group) for s in specs]
     else:
+        from partition.build.decoder_build import is_quantized
+
+        if is_quantized(model_dir):  # block-quantised weights: the one-graph decoder (MatMulNBits), not slices
+            if len(specs) != 1 or kv_cache != "fp16":
+                raise BackendUnavailable("backend 'ort' runs a quantised model as one decoder graph: drop --slices "
+                                         "and --kv-cache int8, or use --backend torch")
+            from partition.runners.ort_decoder_runner import load_decoder_runner
+
+            return Chain([load_decoder_runner(model_dir, n, seq, max_batch, providers, options, log=_stderr)])
         from partition.build import ensure_build
         from partition.build.export import ExportOptions
         from partition.runners.ort_runner import OrtOptions, OrtRunner

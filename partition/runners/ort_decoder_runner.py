@@ -50,6 +50,15 @@ class OrtDecoderRunner(SliceRunner):
         self.cache = [np.zeros((max_batch, n_kv, max_seq, head_dim), np.float32) for _ in self.past_names]
         self._binding = self.session.io_binding()
         self._views: dict[tuple[int, int], list[Any]] = {}  # (first row, rows) -> OrtValues over the cache rows
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """One prefill-shaped and one decode-shaped step on row 0, so the first real request does not pay for
+        ONNX Runtime's first-run allocations (its arena, the thread pool's start); the cache is cleared after."""
+        self.run(np.zeros((1, 8), np.int32), np.arange(8, dtype=np.int32)[None])
+        self.run(np.zeros((1, 1), np.int32), np.array([[8]], np.int32))
+        for c in self.cache:
+            c[0, :, :9] = 0
 
     def reset(self) -> None:
         for c in self.cache:
@@ -89,3 +98,15 @@ class OrtDecoderRunner(SliceRunner):
             for c, s in zip(self.cache, scratch):
                 c[rows] = s
         return logits[:, -1]
+
+
+def load_decoder_runner(model: str | Path, n_layers: int, max_seq: int, max_batch: int = 1,
+                        providers: Sequence[str | tuple[str, dict[str, Any]]] | None = None,
+                        options: OrtOptions | None = None, cache_dir: str | Path | None = None,
+                        log: Any = None) -> OrtDecoderRunner:
+    """The decoder graph of a quantised model (built and cached on first use,
+    partition/build/decoder_build.py) in a runner."""
+    from partition.build.decoder_build import ensure_decoder
+
+    path = ensure_decoder(model, cache_dir=cache_dir, log=log)
+    return OrtDecoderRunner(path, n_layers, max_seq, max_batch, providers, options or OrtOptions())
