@@ -18,13 +18,17 @@ Layout (built once by `pack`, from the canonical (N, K) codes):
     own d and m exactly; for (q - z) * s, b = -z * s rounds to fp16 (2^-11 relative).
 
 GEMV (`_gemv_kernel`): a program owns BLOCK_N rows and one of `split` equal K ranges; per step it loads
-NB blocks of each row (NB * 16 bytes, whole 32-byte sectors), turns each nibble into fp32 without a
-conversion instruction (EXACT: mask it under the exponent of 2^(23 - p) and subtract that constant;
-see `_plane`), multiplies by the activation in fp32 and sums a block's 32 products, then applies the
-group's s and b once per block: acc += s * sum(q * x) + b * sum(x). Partial sums (split, M, N) fp32.
+NB blocks of each row (NB * 16 bytes, whole 32-byte sectors), masks each nibble in place and reads its
+bits as an fp32 denormal, q * 2^(p - 149) (`_plane_bits`: one LOP3 per weight, no shift, no int->float
+conversion), FMAs it with the activation pre-scaled by 2^(49 - p), so every product is exactly
+q * x * 2^-100, sums a block's 32 products in fp32 and applies the group's s and b once per block:
+acc += 2^100 s * sum(q * x) + b * sum(x). Partial sums (split, M, N) fp32. sm_90 SASS: ~3.1
+instructions per weight in the loop (scripts/int4_kernel_sass.py), against ~4.2 the issue rate allows
+at the copy rate. Range: exact for |x| < 2^79; products under 2^-26 in magnitude lose relative precision
+(as denormals), which no bf16 / fp16 result can show.
 Why this and not tl.dot on tensor cores: for M = 1 the dot needs M padded to 16 and the dequantised
-tile moved through shared memory into the MMA operand layout; compiled for sm_90 that loop measured
-7.8-8.7 SASS instructions per weight against ~3 here (scripts/int4_kernel_sass.py).
+tile moved through shared memory into the MMA operand layout; a prototype of it compiled for sm_90 had
+7.8-8.7 SASS instructions per weight in its loop (bf16 operands), against ~3 here.
 
 Why our own kernel rather than a library's (docs/BENCHMARKS.md, "INT4 GEMV in Triton"): tinygemm
 (`aten._weight_int4pack_mm`) streams at ~35 % of the copy rate at batch 1; GemLite (dropbox/gemlite,
@@ -89,17 +93,11 @@ def unpack(codes: Tensor) -> Tensor:
 
 if triton is not None:
 
-    # Bit position of nibble plane I in the word the GEMV masks it from (w for I <= 5, w >> 12 for 6, 7)
-    # and the power of two that brings its denormal to q * 2^-100 once multiplied (see _plane_bits).
-    @triton.jit
-    def _plane_pos(I: tl.constexpr):
-        return 4 * I if I <= 5 else 4 * I - 12
-
     @triton.jit
     def _plane_bits(w, w_hi, I: tl.constexpr):
         """Nibble plane I of packed words w (w_hi = w >> 12), its bits alone reinterpreted as fp32: the
         number q * 2^(p - 149) (a denormal, or for p = 20 the smallest normals, where the int -> float
-        map is still linear) for its bit position p = _plane_pos(I) <= 20. One LOP3 with one immediate
+        map is still linear) for its bit position p = 4 I - 12 (I // 6) <= 20. One LOP3 with one immediate
         per weight, no conversion: multiplied by x * 2^(49 - p), the FFMA adds exactly q * x * 2^-100
         (NVIDIA GPUs run fp32 denormals at full rate; Triton emits no flush-to-zero)."""
         if I <= 5:
@@ -167,7 +165,7 @@ if triton is not None:
                     xi = tl.load(x_row + xcol + 4 * i).to(tl.float32)
                 else:
                     xi = tl.load(x_row + xcol + 4 * i, mask=bmask[:, None], other=0.0).to(tl.float32)
-                t += _plane_bits(w, w_hi, i) * (xi * 2.0 ** (49 - _plane_pos(i)))[None, :, :]
+                t += _plane_bits(w, w_hi, i) * (xi * 2.0 ** (49 - 4 * i + 12 * (i // 6)))[None, :, :]
                 xs += xi
             dot = tl.sum(t, axis=2)  # (BLOCK_N, NB): sum over the block of q * x, times 2^-100
             xsum = tl.sum(xs, axis=1)  # (NB,): sum of x over the block
@@ -263,12 +261,18 @@ def _(codes: Tensor, sb: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
     return codes.new_empty((codes.shape[0], codes.shape[1] * 8), dtype=dtype)
 
 
-def linear(x2: Tensor, codes: Tensor, sb: Tensor, group_size: int) -> Tensor:
-    """x2 (M, K) @ W^T -> (M, N) in x2's dtype: the GEMV for M <= GEMV_MAX_M, else dequantise once and
+def gemv_split(n: int, k: int, device: torch.device) -> int:
+    """The split-K factor of an (N, K) weight's GEMV on `device`: chosen once, when the layer is built,
+    so that nothing under torch.compile queries the device."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 132
+    return gemv_config(n, k, sms)[3]
+
+
+def linear(x2: Tensor, codes: Tensor, sb: Tensor, group_size: int, split: int) -> Tensor:
+    """x2 (M, K) @ W^T -> (M, N) in x2's dtype: the GEMV for M <= GEMV_MAX_M (split-K partials summed
+    here, where inductor fuses the sum and the cast into the next kernel), else dequantise once and
     F.linear (cuBLAS / inductor's mm)."""
-    m, k = x2.shape
-    if m > GEMV_MAX_M:
+    if x2.shape[0] > GEMV_MAX_M:
         return torch.nn.functional.linear(x2, int4_dequant(codes, sb, group_size, x2.dtype))
-    split = gemv_config(codes.shape[0], k, _sm_count(x2.device.index or 0) if x2.is_cuda else 132)[3]
     partial = int4_gemv(x2.contiguous(), codes, sb, group_size, split)
     return (partial[0] if split == 1 else partial.sum(0)).to(x2.dtype)

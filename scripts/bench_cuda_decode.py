@@ -44,6 +44,7 @@ from partition.slices import SliceSpec
 from partition.runners.chain import Chain
 from partition.runners.torch_runner import TorchRunner
 from partition.quantize import default_spec, quantize_model
+from kernels.weight_only import QuantLinear
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Variant:
     quant: str = ""  # "", "int8" (per channel) or "int4" (group 128): kernels.weight_only
     compile: bool = False  # torch.compile the graphed decode step
     lm_head: bool = False  # quantise lm_head too (as gpt-fast does); checkpoints keep it bf16
+    cuda_int4: str = "triton"  # INT4 kernel: kernels.int4_triton ("triton") or aten's tinygemm ("tinygemm")
 
 
 EAGER = Variant("eager", False)
@@ -70,7 +72,11 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-lmhead", True, buckets=False, quant="int4", lm_head=True),
     Variant("int8-compile", True, buckets=False, quant="int8", compile=True),
     Variant("int4-compile", True, buckets=False, quant="int4", compile=True),
-    Variant("int4-lmhead-compile", True, buckets=False, quant="int4", lm_head=True, compile=True))}
+    Variant("int4-lmhead-compile", True, buckets=False, quant="int4", lm_head=True, compile=True),
+    Variant("int4-tinygemm", True, buckets=False, quant="int4", cuda_int4="tinygemm"),
+    Variant("int4-tinygemm-compile", True, buckets=False, quant="int4", compile=True, cuda_int4="tinygemm"),
+    Variant("int4-tinygemm-lmhead-compile", True, buckets=False, quant="int4", lm_head=True, compile=True,
+            cuda_int4="tinygemm"))}
 
 
 def copy_bandwidth(gib: float = 4.0, reps: int = 10) -> float:
@@ -103,7 +109,25 @@ def make_model(name: str, dtype: torch.dtype, v: Variant) -> Transformer:
     model = random_model(preset(name), seed=0, dtype=dtype, device="cuda")
     if v.quant:
         quantize_model(model, default_spec(8 if v.quant == "int8" else 4), lm_head=v.lm_head)
+        if v.quant == "int4" and v.cuda_int4 != "triton":
+            _rebuild_int4(model, v.cuda_int4)
     return model
+
+
+def _rebuild_int4(model: Transformer, cuda_int4: str) -> None:
+    """Every Triton-layout INT4 QuantLinear rebuilt for another CUDA kernel from its own codes and
+    (s, b): the same weights (b = -z * s, as the Triton layout stores it, is tinygemm's float-min form)."""
+    from kernels import int4_triton
+
+    dtype = model.model.embed_tokens.weight.dtype
+    for name, m in list(model.named_modules()):
+        if isinstance(m, QuantLinear) and m.kernel == "int4_triton":
+            k = m.in_features
+            g_idx = torch.arange(k, device=m.weight.device) // m.group_size
+            new = QuantLinear(int4_triton.unpack(m.weight), m.sb[..., 0].float(), None, g_idx, 4, m.group_size,
+                              bias=m.bias, dtype=dtype, mins=m.sb[..., 1].float(), cuda_int4=cuda_int4)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, new)
 
 
 def run_variant(model: Transformer, v: Variant, prompt_len: int, decode_steps: int, max_seq: int,

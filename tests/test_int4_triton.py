@@ -57,6 +57,7 @@ def test_gemv_config_fills_the_gpu_with_long_enough_splits() -> None:
         assert split == 1 or steps >= 8, (n, k, split)
         assert split == 1 or -(-n // block_n) * split <= 8 * 132, (n, k, split)
     assert it.gemv_config(1024, 4096, 132)[3] > 1  # 2 row tiles alone would leave 130 SMs idle
+    assert it.gemv_split(1024, 4096, torch.device("cpu")) == it.gemv_config(1024, 4096, 132)[3]
 
 
 def test_fake_impls_give_shapes_and_dtypes_without_running_a_kernel() -> None:
@@ -103,7 +104,7 @@ def check_kernels(device: str) -> None:
     # through the public entry: GEMV rows and the dequantise + F.linear path (more than GEMV_MAX_M rows)
     for m in (1, it.GEMV_MAX_M + 3):
         x = torch.randn(m, 256, device=device)
-        got = it.linear(x, codes, sb, 32)
+        got = it.linear(x, codes, sb, 32, 2)
         want = x @ _reference(w).to(device).T
         assert got.shape == (m, 64) and got.dtype == x.dtype
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (m, float((got - want).abs().max()))
@@ -115,7 +116,7 @@ def check_compile(device: str) -> None:
     codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"]))
 
     def f(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.silu(it.linear(x, codes, sb, 32)) * 2
+        return torch.nn.functional.silu(it.linear(x, codes, sb, 32, 2)) * 2
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     for m in (1, 6):

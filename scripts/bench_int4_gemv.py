@@ -1,0 +1,200 @@
+"""GPU benchmark of one INT4 linear at a time, per layer shape: kernels.int4_triton's GEMV (and a sweep of
+its tile and split-K settings), tinygemm (`aten._weight_int4pack_mm`), GemLite (dropbox/gemlite, when
+importable) and bf16 cuBLAS (F.linear) at batch 1 and a few rows; and for prefill rows the dequantise-once +
+F.linear path against bf16 and tinygemm. Every row states bytes read per call and GB/s against the
+device-to-device copy rate measured at the start of the run (read + write bytes, METHOD.md).
+
+Timing (METHOD.md): each kernel is captured in a CUDA graph of `calls` launches that cycle through
+enough copies of the weight to exceed the L2 (so every call streams from HBM, as in a decode step where
+each weight is read once), replayed after warm-up; per-call time = median replay time / calls.
+
+    python scripts/bench_int4_gemv.py --out int4.json                  # Llama-3-8B and SmolLM2 shapes
+    python scripts/bench_int4_gemv.py --shapes llama-3-8b --sweep      # + tile / split sweep of the GEMV
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cuda_decode import copy_bandwidth  # noqa: E402
+from kernels import int4_triton as it  # noqa: E402
+from kernels.weight_only import QuantLinear  # noqa: E402
+
+# (name, N, K) per model: the projections of one decoder layer and the LM head (partition/config.py presets)
+SHAPES = {
+    "llama-3-8b": [("q/o", 4096, 4096), ("k/v", 1024, 4096), ("gate/up", 14336, 4096), ("down", 4096, 14336),
+                   ("lm_head", 128256, 4096)],
+    "smollm2-135m": [("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576), ("down", 576, 1536),
+                     ("lm_head", 49152, 576)],
+}
+L2_BYTES = 60 * 2 ** 20  # H200: 60 MB of L2 (KINDS.md: PyTorch reported it on the lent machine)
+
+
+def graph_time(fns: list[Callable[[], object]], calls: int, reps: int = 20) -> float:
+    """Seconds per call: one CUDA graph of `calls` launches cycling through fns, median of reps replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()  # warm-up, compile, autotune outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times.sort()
+    return times[len(times) // 2] / calls
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, -(-4 * L2_BYTES // nbytes))
+
+
+def _gemv_launch(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, group: int, cfg: tuple[int, int, int, int],
+                 out: torch.Tensor) -> None:
+    block_n, nb, warps, split = cfg
+    n, k = codes.shape[0], x.shape[1]
+    words = it._split_words(k, split, nb)
+    even = n % block_n == 0 and words * split == k // 8
+    it._gemv_kernel[(x.shape[0], -(-n // block_n), split)](
+        x, codes, sb, out, x.shape[0], n, k // 8, words, x.stride(0), GROUP=group, BLOCK_N=block_n, NB=nb,
+        EVEN=even, num_warps=warps)
+
+
+def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sweep: bool, bw: float,
+                gemlite: object | None) -> list[dict]:
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randint(0, 16, (n, k), device=dev, dtype=torch.uint8, generator=g)
+    s = torch.rand(n, k // group, device=dev, generator=g) * 0.01 + 1e-3
+    z = torch.randint(0, 16, (n, k // group), device=dev, generator=g)
+    gi = torch.arange(k, device=dev) // group
+    codes, sb = it.pack(q, s, zeros=z)
+    int4_bytes = codes.numel() * 4 + sb.numel() * 2
+    nc = copies_for(int4_bytes)
+    mine = [(codes.clone(), sb.clone()) for _ in range(nc)]
+    ref_w = (sb[..., 0].float()[:, gi] * q.float() + sb[..., 1].float()[:, gi])
+    tiny = [QuantLinear(q, s, z, gi, 4, group, dtype=torch.bfloat16, cuda_int4="tinygemm") for _ in range(nc)]
+    tiny_bytes = tiny[0].weight.numel() * tiny[0].weight.element_size() + tiny[0].scales_zeros.numel() * 2
+    bf = ref_w.to(torch.bfloat16)
+    nbf = copies_for(bf.numel() * 2)
+    bfs = [bf.clone() for _ in range(nbf)]
+    gls = []
+    if gemlite is not None and group >= 32:
+        try:
+            for _ in range(nc):
+                gl = gemlite.GemLiteLinear(4, group_size=group, in_features=k, out_features=n,
+                                           input_dtype=gemlite.DType.BF16, output_dtype=gemlite.DType.BF16)
+                gl.pack(q, s.to(torch.bfloat16), z.to(torch.bfloat16), None)
+                gls.append(gl)
+        except Exception as exc:  # noqa: BLE001 - an optional contender: record why it is absent
+            gls = []
+            print(f"gemlite {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    out = []
+
+    def row(kernel: str, m: int, sec: float, nbytes: int, err: float | None = None, **kw: object) -> None:
+        r = {"shape": name, "N": n, "K": k, "group": group, "M": m, "kernel": kernel, "us": round(sec * 1e6, 2),
+             "bytes": nbytes, "GB_s": round(nbytes / sec / 1e9, 1), "pct_copy": round(100 * nbytes / sec / bw, 1)}
+        if err is not None:
+            r["rel_err"] = float(f"{err:.2e}")
+        r.update(kw)
+        out.append(r)
+        print(f"{name:8} N={n:6} K={k:5} g={group:3} M={m:3} {kernel:26} {r['us']:9.2f} us {r['GB_s']:8.1f} GB/s "
+              f"{r['pct_copy']:5.1f} %" + (f"  err {err:.1e}" if err is not None else ""), flush=True)
+
+    for m in rows:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        want = x.float() @ ref_w.T
+        rel = lambda y: float((y.float() - want).norm() / want.norm())  # noqa: E731
+        split = it.gemv_split(n, k, x.device)
+        if m <= it.GEMV_MAX_M:
+            sec = graph_time([lambda c=c, b=b: it.linear(x, c, b, group, split) for c, b in mine], 4 * nc)
+            row("triton gemv", m, sec, int4_bytes, rel(it.linear(x, codes, sb, group, split)), split=split)
+        else:
+            sec = graph_time([lambda c=c, b=b: it.linear(x, c, b, group, split) for c, b in mine], 2 * nc)
+            row("triton dequant+F.linear", m, sec, int4_bytes, rel(it.linear(x, codes, sb, group, split)))
+            sec = graph_time([lambda c=c, b=b: it.int4_dequant(c, b, group, torch.bfloat16) for c, b in mine], 2 * nc)
+            row("  (dequant alone)", m, sec, int4_bytes + n * k * 2)
+        sec = graph_time([lambda t=t: t(x) for t in tiny], 4 * nc)
+        row("tinygemm", m, sec, tiny_bytes, rel(tiny[0](x)))
+        if gls:
+            try:
+                sec = graph_time([lambda gl=gl: gl(x) for gl in gls], 4 * nc)
+                row("gemlite", m, sec, int4_bytes, rel(gls[0](x)))
+            except Exception as exc:  # noqa: BLE001
+                print(f"gemlite {name} M={m}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+        sec = graph_time([lambda w=w: F.linear(x, w) for w in bfs], 4 * nbf)
+        row("bf16 F.linear", m, sec, bf.numel() * 2, rel(F.linear(x, bf)))
+        if sweep and m == 1:
+            part = torch.empty(64, 1, n, device=dev)
+            base = it.gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+            for block_n, nb, warps in ((512, 2, 4), (256, 2, 4), (256, 4, 4), (512, 4, 8), (128, 2, 2)):
+                for sp in sorted({max(1, base[3] // 2), base[3], base[3] * 2, base[3] * 4}):
+                    if k // 8 // sp < 4 * nb:
+                        continue
+                    cfg = (block_n, nb, warps, sp)
+                    sec = graph_time([lambda c=c, b=b: _gemv_launch(x, c, b, group, cfg, part) for c, b in mine], 4 * nc)
+                    row(f"  sweep {block_n}x{nb} w{warps} s{sp}", m, sec, int4_bytes, config=list(cfg))
+    del mine, tiny, bfs, gls
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="llama-3-8b,smollm2-135m")
+    ap.add_argument("--groups", default="128,32")
+    ap.add_argument("--rows", default="1,2,4,16,512")
+    ap.add_argument("--sweep", action="store_true", help="tile / split-K sweep of the GEMV at M = 1")
+    ap.add_argument("--no-gemlite", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: no CUDA device; run this on a GPU machine")
+    if not it.available():
+        sys.exit("error: Triton is not installed (pip install triton)")
+    gemlite = None
+    if not args.no_gemlite:
+        try:
+            import gemlite  # type: ignore[import-not-found]
+        except ImportError as exc:
+            print(f"gemlite not importable ({exc}); pip install gemlite to compare it", file=sys.stderr)
+    bw = copy_bandwidth()
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "gemlite": getattr(gemlite, "__version__", None),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+            "copy_bandwidth_GB_s": round(bw / 1e9, 1)}
+    print(json.dumps(meta), flush=True)
+    rows = []
+    for model in args.shapes.split(","):
+        for group in (int(g) for g in args.groups.split(",")):
+            for name, n, k in SHAPES[model]:
+                rows += bench_shape(f"{model.split('-')[0]}:{name}", n, k, group,
+                                    tuple(int(r) for r in args.rows.split(",")), args.sweep and group == 128, bw, gemlite)
+                if args.out:
+                    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
