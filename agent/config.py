@@ -6,7 +6,7 @@ a frozen `ServiceConfig`; command-line flags override the file. Every error name
               and speculate (K or "auto"): the default of every request that asks for neither,
               kv_blocks (paged cache: blocks of 16 tokens)
     [server]  host, port, token, token_file, allowed_hosts, max_body_bytes, max_in_flight, keep_alive_s,
-              header_timeout_s
+              header_timeout_s, body_timeout_s
     [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, profile, power_control (the
               board lock is not a setting: always <root>/run/lock/orin-agent/board.lock, power.hw.rootlock)
     [limits]  max_batch, max_queue, max_prompt_tokens, max_output_tokens, default_max_tokens,
@@ -73,6 +73,7 @@ class ServiceConfig:
     max_in_flight: int = 0  # HTTP requests answered at once (more get 503); 0 = 2 * max_queue + 32, at least 64
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
     header_timeout_s: float = 10.0  # a connection whose request headers are not in by then is closed
+    body_timeout_s: float = 30.0  # a request whose body is not in this long after its headers gets 408
     root: str | None = None  # None: "/" on an Orin, else a fresh twin
     run_dir: str = "/run/orin-agent"
     profile: str = "balanced"
@@ -178,7 +179,8 @@ class ServiceConfig:
             raise bad("server.max_body_bytes", "must be >= 1024", self.max_body_bytes)
         if self.max_in_flight < 0:
             raise bad("server.max_in_flight", "must be >= 0 (0 = from limits.max_queue)", self.max_in_flight)
-        for key, t in (("server.keep_alive_s", self.keep_alive_s), ("server.header_timeout_s", self.header_timeout_s)):
+        for key, t in (("server.keep_alive_s", self.keep_alive_s), ("server.header_timeout_s", self.header_timeout_s),
+                       ("server.body_timeout_s", self.body_timeout_s)):
             if not 0 < t <= 3600:
                 raise bad(key, "must be in (0, 3600] seconds", t)
         for key, v, lo in (("limits.max_batch", self.max_batch, 1), ("limits.max_queue", self.max_queue, 0),
@@ -242,6 +244,7 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("server", "max_in_flight"): ("max_in_flight", (int,)),
     ("server", "keep_alive_s"): ("keep_alive_s", (int, float)),
     ("server", "header_timeout_s"): ("header_timeout_s", (int, float)),
+    ("server", "body_timeout_s"): ("body_timeout_s", (int, float)),
     ("board", "root"): ("root", (str,)),
     ("board", "run_dir"): ("run_dir", (str,)),
     ("board", "profile"): ("profile", (str,)),

@@ -112,6 +112,10 @@ class ServiceMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("orin_agent_requests", "Requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
+        self.disconnects = Counter("orin_agent_client_disconnects", "Clients that left before their answer "
+                                   "(counted as status 499, never 5xx), by endpoint and stage (body: before the "
+                                   "request body was in; answer: while it was being answered)",
+                                   ["endpoint", "stage"], registry=r)
         self.finished = Counter("orin_agent_requests_finished", "Engine requests by finish reason",
                                 ["reason"], registry=r)
         self.prompt_tokens = Counter("orin_agent_prompt_tokens", "Prompt tokens prefilled", registry=r)
@@ -202,6 +206,9 @@ class ServiceMetrics:
 
     def on_http(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
+
+    def on_disconnect(self, endpoint: str, stage: str) -> None:
+        self.disconnects.labels(endpoint, stage).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

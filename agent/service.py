@@ -206,7 +206,8 @@ class Service:
         eos_token = tokenizer.tk.id_to_token(eos) if eos is not None else ""
         state = ApiState(self.engine, tokenizer, cfg.model_dir.name, limits, metrics, cfg.token,
                          cfg.max_body_bytes, tokenizer.chat_template, eos_token or "", self._ready,
-                         max_in_flight=cfg.request_limit, host_names=cfg.host_names)
+                         max_in_flight=cfg.request_limit, host_names=cfg.host_names,
+                         body_timeout_s=cfg.body_timeout_s)
         self.app = create_app(state)
         self.sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -25,12 +25,13 @@ def create_app(state: ApiState) -> FastAPI:
     # /openapi.json is behind the token like everything but /health (clients and schemathesis use it).
     app = FastAPI(title="orin-agent", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.api = state
-    add_error_handlers(app, state.max_body_bytes)
+    add_error_handlers(app)
     add_status_routes(app, state)
     add_generate_routes(app, state)
     add_body_components(app, (CompletionBody, ChatBody))
     return GuardMiddleware(app, state.token, state.max_body_bytes, state.metrics.on_http,
-                           state.max_in_flight, state.host_names)  # type: ignore[return-value]
+                           state.max_in_flight, state.host_names, state.body_timeout_s,
+                           state.metrics.on_disconnect)  # type: ignore[return-value]
 
 
 def add_status_routes(app: FastAPI, state: ApiState) -> None:

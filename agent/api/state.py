@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from agent.api.guard import BODY_TIMEOUT_S
 from agent.api.openai import Limits, PromptTokenizer
 from agent.engine.loop import EngineLoop
 from agent.metrics import ServiceMetrics
@@ -30,3 +31,4 @@ class ApiState:
     ready: Callable[[], tuple[bool, str]] = field(default=lambda: (True, "ready"))
     max_in_flight: int = 0  # HTTP requests answered at once; 0 = no limit
     host_names: tuple[str, ...] = ()  # Host header names accepted; () = any
+    body_timeout_s: float = BODY_TIMEOUT_S  # from the headers to the body's last byte (then 408)
