@@ -262,20 +262,17 @@ def _refuse_unsupported(body: "_Base") -> None:
         raise _unsupported("echo", "the prompt is not echoed")
 
 
-# OpenAI's API reference: logit_bias values are in [-100, 100].
-LOGIT_BIAS_RANGE = 100.0
-# A key is a token id in ASCII digits: str.isdigit() also takes "²" or "٣" (which int() refuses or
-# reads), and int() refuses a digit string over 4,300 digits; 10 digits hold any vocabulary's ids.
-TOKEN_ID_MAX_DIGITS = 10
+# OpenAI's API reference: logit_bias values are in [-100, 100]. Keys: token ids in 1-10 ASCII digits
+# (str.isdigit() also takes "²", which int() refuses, and int() refuses over 4,300 digits).
+LOGIT_BIAS_RANGE, TOKEN_ID_MAX_DIGITS = 100.0, 10
 
 
 def _logit_bias(bias: dict[str, Any] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
     out = []
     for key, value in (bias or {}).items():
         if not (0 < len(key) <= TOKEN_ID_MAX_DIGITS and key.isascii() and key.isdigit()) or int(key) >= vocab_size:
-            shown = repr(key) if len(key) <= 40 else f"{key[:40]!r}... ({len(key)} characters)"
-            raise BadRequest(f"logit_bias: keys must be token ids in [0, {vocab_size}) written in ASCII digits, "
-                             f"got {shown}", "logit_bias")
+            raise BadRequest(f"logit_bias: keys must be token ids in [0, {vocab_size}) in ASCII digits, got "
+                             f"{key[:40]!r}{f'... ({len(key)} characters)' if len(key) > 40 else ''}", "logit_bias")
         v = float(value)
         if not math.isfinite(v) or abs(v) > LOGIT_BIAS_RANGE:
             raise BadRequest(f"logit_bias: values must be in [-100, 100], got {value!r}", "logit_bias")
