@@ -17,7 +17,9 @@ from partition.paths import DEFAULT_MODEL_DIR
 @shared_options
 def generate(
     prompt: str = typer.Argument(..., help="Text to continue."),
-    model_opts: ModelOptions = options(ModelOptions, model=DEFAULT_MODEL_DIR, backend="torch", kv_cache="fp16"),
+    model_opts: ModelOptions = options(ModelOptions, model=DEFAULT_MODEL_DIR, backend="auto", kv_cache="fp16",
+                                       notes={"backend": "Default auto: the fastest measured runner for the model "
+                                              "here (a quantised model on the CPU: ort; else torch)."}),
     slices: Optional[str] = typer.Option(None, help="Layer ranges, e.g. 0:4,4:8 (default: one slice)."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
@@ -45,6 +47,7 @@ def generate(
     from partition.offload.auto import offload_chain_for_generate
     from partition.offload.offload_chain import offload_stats, offload_summary
     from partition.offload.link import link_options
+    from partition.runners.backend_choice import resolve_backend
 
     model, backend, kv_cache, kv_blocks = (model_opts.model, model_opts.backend, model_opts.kv_cache,
                                            model_opts.kv_blocks)
@@ -57,6 +60,8 @@ def generate(
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop),
                                 speculate=k, max_disagreement=max_disagreement)
+        exits = bool(k) or max_disagreement is not None
+        backend = resolve_backend(backend, model, device, slices, kv_cache, kv_blocks, exits=exits, edge=bool(edge))
         chain, split = None, ""
         if edge:
             e = edge_opts
@@ -64,7 +69,6 @@ def generate(
                                 e.edge_tls_key)
             chain, split = offload_chain_for_generate(model, edge, e.device_layers, max_disagreement, opts, backend,
                                                       slices, max_seq, device, board)
-        exits = bool(k) or max_disagreement is not None
         core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain, exits=exits,
                          kv_cache=kv_cache, kv_blocks=kv_blocks)
         pieces: list[str] = []
