@@ -23,6 +23,18 @@ from partition.model import Transformer, rope_inv_freq
 from partition.quant_format import quantization_config, replace_module, unpack_awq, unpack_gptq
 
 LOADABLE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# `--dtype`: the float parts' dtype (weights kept in floating point, activations, the KV-cache). Default
+# fp32, measured on SmolLM2-135M Q4_1 on the CPU (docs/BENCHMARKS.md, "GGUF on the CPU"): bf16 moved the
+# top-1 token at 2.7 % (float) / 4.4 % (INT4) of a held-out text's positions, fp16 was no faster than fp32.
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DEFAULT_DTYPE = "fp32"
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}") from None
 
 
 class CheckpointError(ValueError):
@@ -204,5 +216,5 @@ def model_hash(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-__all__ = ["CheckpointError", "ModelConfigError", "load_model", "load_quantized", "model_hash", "random_model",
+__all__ = ["DTYPES", "CheckpointError", "ModelConfigError", "load_model", "parse_dtype", "load_quantized", "model_hash", "random_model",
            "save_model", "shards"]

@@ -39,8 +39,9 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
                cache_dir: Path | None = None, options: OrtOptions | None = None,
                export_options: ExportOptions | None = None,
                cuda_graphs: bool | None = None, kv_cache: str = "fp16", kv_group: int = 32,
-               kv_blocks: int | None = None, block_size: int = 16, model: "Transformer | None" = None) -> Chain:
-    """The model in `model_dir` as a Chain of slice runners.
+               kv_blocks: int | None = None, block_size: int = 16, model: "Transformer | None" = None,
+               dtype: str = "fp32") -> Chain:
+    """The model in `model_dir` (a checkpoint folder, a .gguf file or a model alias) as a Chain of slice runners.
 
     slices: "0:4,4:8" (contiguous, covering every layer) or None for one slice.
     max_seq: KV-cache length; None = the model's max_position_embeddings, capped at MAX_SEQ_CAP.
@@ -62,9 +63,19 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     eager; partition/runners/paged.py) instead of max_batch rows of max_seq; None = rows.
     model: the checkpoint already loaded on `device` (backend "torch"), e.g. the one the exit heads read
     out through, so its weights are held once; None = load it here.
+    dtype: the float parts' dtype ("fp32", "fp16", "bf16"; partition.checkpoint.DTYPES), torch backend; the
+    ONNX graphs (ort, trt) are fp32 (TensorRT picks engine precision itself), so they refuse the others.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    from partition.checkpoint import parse_dtype
+    from partition.gguf.folder import is_gguf_ref, resolve_model
+
+    torch_dtype = parse_dtype(dtype)
+    if backend == "auto" and dtype != "fp32":
+        backend = "torch"  # the only runner with a dtype choice
+    if is_gguf_ref(model_dir):  # a .gguf file or an alias: its model folder (partition/gguf/folder.py)
+        model_dir = resolve_model(model_dir)
     if backend == "auto":
         from partition.runners.backend_choice import resolve_backend
 
@@ -92,6 +103,9 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     n = config.n_layers
     specs = parse_slices(slices, n) if slices else [SliceSpec(0, n, n)]
     seq = max_seq or default_max_seq(config.max_position_embeddings)
+    if dtype != "fp32" and backend != "torch":
+        raise BackendUnavailable(f"--dtype {dtype} is a torch-backend setting: the {backend} backend runs fp32 ONNX "
+                                 "graphs; use --backend torch or --dtype fp32")
     if backend == "trt":
         return Chain(_trt_runners(model_dir, specs, seq, max_batch, device, build_dir, cache_dir, export_options))
     runners: list[SliceRunner] = []
@@ -99,7 +113,7 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
         from partition.checkpoint import load_model
         from partition.runners.torch_runner import TorchRunner
 
-        model = model if model is not None else load_model(model_dir, device=device)
+        model = model if model is not None else load_model(model_dir, dtype=torch_dtype, device=device)
         if kv_blocks is not None:
             from partition.runners.paged import PagedTorchRunner
 
