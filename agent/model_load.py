@@ -87,16 +87,19 @@ def edge_chain(cfg: ServiceConfig) -> Chain:
 def load_core(model: Path, backend: str = "torch", slices: str | None = None, max_seq: int | None = None,
               device: str = "cpu", cuda_graphs: bool | None = None, chain: Chain | None = None,
               exits: bool = False, kv_cache: str = "fp16", kv_blocks: int | None = None,
-              block_size: int = 16) -> EngineCore:
+              block_size: int = 16, dtype: str = "fp32") -> EngineCore:
     """An `EngineCore` on one cache row of a checkpoint's chain (or on ``chain``, e.g. one whose deep
     slice is an edge server): single requests, stepped directly. exits: cut the chain at the model's
-    exit heads (agent.engine.speculative), for requests that speculate or exit early."""
+    exit heads (agent.engine.speculative), for requests that speculate or exit early. dtype: the float
+    parts' (partition.checkpoint.DTYPES; the exit heads run fp32)."""
     from partition.runners import load_chain
 
     tokenizer = Tokenizer.from_dir(model)
     if exits:
         if kv_cache != "fp16" or kv_blocks is not None:
             raise ValueError("early exit and speculation run on the dense fp16 cache: drop --kv-cache int8")
+        if dtype != "fp32":
+            raise ValueError(f"early exit and speculation run the model in fp32: drop --dtype {dtype}")
         from agent.engine.speculative import exit_executor_on, load_exit_executor
 
         if chain is not None:
@@ -105,7 +108,8 @@ def load_core(model: Path, backend: str = "torch", slices: str | None = None, ma
         return EngineCore(load_exit_executor(model, backend, slices, max_seq, device), tokenizer)
     if chain is None:
         chain = load_chain(model, backend=backend, slices=slices, max_seq=max_seq, device=device,
-                           cuda_graphs=cuda_graphs, kv_cache=kv_cache, kv_blocks=kv_blocks, block_size=block_size)
+                           cuda_graphs=cuda_graphs, kv_cache=kv_cache, kv_blocks=kv_blocks, block_size=block_size,
+                           dtype=dtype)
     return EngineCore(ChainExecutor(chain), tokenizer, scheduler=paged_scheduler(chain, tokenizer))
 
 

@@ -11,13 +11,15 @@ import typer
 
 from agent.cli.common import cli_errors, print_json
 from agent.cli.options import EdgeOptions, ExitOptions, ModelOptions, options, shared_options
+from partition.checkpoint import DEFAULT_DTYPE
 from partition.paths import DEFAULT_MODEL_DIR
 
 
 @shared_options
 def generate(
-    prompt: str = typer.Argument(..., help="Text to continue."),
+    prompt: str = typer.Argument(..., help="Text to continue (with --chat: the user's message)."),
     model_opts: ModelOptions = options(ModelOptions, model=DEFAULT_MODEL_DIR, backend="auto", kv_cache="fp16",
+                                       dtype=DEFAULT_DTYPE,
                                        notes={"backend": "Default auto: the fastest measured runner for the model "
                                               "here (a quantised model on the CPU: ort; else torch)."}),
     slices: Optional[str] = typer.Option(None, help="Layer ranges, e.g. 0:4,4:8 (default: one slice)."),
@@ -28,6 +30,9 @@ def generate(
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="1 = off."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling (reproducible output)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    chat: bool = typer.Option(False, "--chat", help="Send PROMPT as a user message through the model's chat "
+                              "template (what /v1/chat/completions renders) and stop at its end-of-turn token; "
+                              "without --chat the prompt is continued as raw text."),
     max_seq: Optional[int] = typer.Option(None, "--max-seq", help="KV-cache length in tokens "
                                           "(default: the model's context, at most 2048)."),
     device: str = typer.Option("cpu", help="cpu or cuda (torch backend)."),
@@ -47,12 +52,16 @@ def generate(
     from partition.offload.auto import offload_chain_for_generate
     from partition.offload.offload_chain import offload_stats, offload_summary
     from partition.offload.link import link_options
+    from agent.chat import chat_text
+    from partition.gguf.folder import resolve_model
     from partition.runners.backend_choice import resolve_backend
 
     model, backend, kv_cache, kv_blocks = (model_opts.model, model_opts.backend, model_opts.kv_cache,
                                            model_opts.kv_blocks)
-    max_disagreement, edge = exit_opts.max_disagreement, edge_opts.edge
+    max_disagreement, edge, dtype = exit_opts.max_disagreement, edge_opts.edge, model_opts.dtype or DEFAULT_DTYPE
+    given = model
     with cli_errors():
+        model = resolve_model(model)  # a .gguf file or an alias: its model folder (partition/gguf/folder.py)
         k = resolve_speculate(model, exit_opts.speculate)
         if edge and k:
             raise ValueError("--speculate verifies drafts with the last slice's every-position logits, which "
@@ -61,7 +70,8 @@ def generate(
                                 repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop),
                                 speculate=k, max_disagreement=max_disagreement)
         exits = bool(k) or max_disagreement is not None
-        backend = resolve_backend(backend, model, device, slices, kv_cache, kv_blocks, exits=exits, edge=bool(edge))
+        backend = ("torch" if backend == "auto" and dtype != DEFAULT_DTYPE else  # the one runner with a dtype choice
+                   resolve_backend(backend, model, device, slices, kv_cache, kv_blocks, exits=exits, edge=bool(edge)))
         chain, split = None, ""
         if edge:
             e = edge_opts
@@ -70,10 +80,11 @@ def generate(
             chain, split = offload_chain_for_generate(model, edge, e.device_layers, max_disagreement, opts, backend,
                                                       slices, max_seq, device, board)
         core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain, exits=exits,
-                         kv_cache=kv_cache, kv_blocks=kv_blocks)
+                         kv_cache=kv_cache, kv_blocks=kv_blocks, dtype=dtype)
+        text = chat_text(core.tokenizer, prompt) if chat else prompt
         pieces: list[str] = []
         done: Finished | None = None
-        for ev in core.generate(core.tokenizer.encode(prompt), params):
+        for ev in core.generate(core.tokenizer.encode(text), params):
             if isinstance(ev, Finished):
                 done = ev
             else:
@@ -86,8 +97,8 @@ def generate(
         prefill_ms = (u.ttft_s or 0.0) * 1e3
         decode_tok_s = u.decode_tok_s or 0.0
         if as_json:
-            print_json({"prompt": prompt, "text": "".join(pieces), "backend": backend, "model": str(model),
-                        "slices": slices, "kv_cache": kv_cache, "kv_blocks": kv_blocks,
+            print_json({"prompt": prompt, "text": "".join(pieces), "backend": backend, "model": str(given),
+                        "chat": chat, "dtype": dtype, "slices": slices, "kv_cache": kv_cache, "kv_blocks": kv_blocks,
                         "prompt_tokens": u.prompt_tokens,
                         "completion_tokens": u.completion_tokens, "prefill_ms": round(prefill_ms, 3),
                         "decode_tok_s": round(decode_tok_s, 3), "finish_reason": done.reason,
