@@ -52,6 +52,8 @@ except ImportError:  # CPU-only installs: QuantLinear uses tinygemm / the refere
     tl = None
 
 BLOCK_COLS = 32  # columns per 4-word block of the packed layout
+STEP_WORDS = 8  # packed words per row per GEMV step: two blocks, 32 bytes (a whole sector)
+TILE_N = 256  # rows per tile of the layout: one GEMV step reads TILE_N * 32 contiguous bytes
 GEMV_MAX_M = 4  # up to this many rows the GEMV (one pass over the codes per row, L2-shared); above, dequant + cuBLAS
 
 
@@ -60,35 +62,42 @@ def available() -> bool:
 
 
 def supports(n: int, k: int, group_size: int) -> bool:
-    """Shapes the layout takes: K and the group a multiple of the 32-column block."""
-    return k % BLOCK_COLS == 0 and group_size % BLOCK_COLS == 0 and k % group_size == 0 and n > 0
+    """Shapes the layout takes: K a multiple of a step's 64 columns, the group a multiple of the 32-column block."""
+    return k % (8 * STEP_WORDS) == 0 and group_size % BLOCK_COLS == 0 and k % group_size == 0 and n > 0
 
 
-def pack(q: Tensor, scales: Tensor, zeros: Tensor | None = None, mins: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def pack(q: Tensor, scales: Tensor, zeros: Tensor | None = None, mins: Tensor | None = None,
+         tile_n: int = TILE_N) -> tuple[Tensor, Tensor]:
     """Codes q (N, K) in [0, 16), scales (N, G) and either integer/float zero points (w = (q - z) * s) or
-    float minimums (w = q * s + m) -> (codes int32 (N, K / 8), sb fp16 (N, G, 2)) in this module's layout."""
+    float minimums (w = q * s + m) -> (codes int32 (NT, K / 64, tile_n, 8), sb fp16 (NT, G, tile_n, 2)),
+    NT = ceil(N / tile_n), rows past N zero (their s and b too)."""
     n, k = q.shape
-    if k % BLOCK_COLS:
-        raise ValueError(f"INT4 Triton layout needs K a multiple of {BLOCK_COLS}, got K={k}")
+    if k % (8 * STEP_WORDS):
+        raise ValueError(f"INT4 Triton layout needs K a multiple of {8 * STEP_WORDS}, got K={k}")
     if (zeros is None) == (mins is None):
         raise ValueError("pack takes either zeros (w = (q - z) * s) or mins (w = q * s + m)")
+    nt = -(-n // tile_n)
+    pad = nt * tile_n - n
     blocks = q.to(torch.int64).reshape(n, k // BLOCK_COLS, 8, 4)  # (N, block, nibble i, word j): column 4i + j
     words = torch.zeros(n, k // BLOCK_COLS, 4, dtype=torch.int64, device=q.device)
     for i in range(8):
         words |= blocks[:, :, i, :] << (4 * i)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # the same 32 bits, signed
+    words = torch.nn.functional.pad(words.reshape(n, k // 8), (0, 0, 0, pad))
+    codes = words.reshape(nt, tile_n, k // (8 * STEP_WORDS), STEP_WORDS).transpose(1, 2).contiguous()
     s = scales.float()
     b = mins.float() if mins is not None else -zeros.float() * s
-    sb = torch.stack([s, b], dim=-1).to(torch.float16).contiguous()
-    return words.reshape(n, k // 8).contiguous(), sb
+    sb = torch.nn.functional.pad(torch.stack([s, b], dim=-1), (0, 0, 0, 0, 0, pad))  # (NT * tile_n, G, 2)
+    sb = sb.reshape(nt, tile_n, -1, 2).transpose(1, 2).to(torch.float16).contiguous()
+    return codes, sb
 
 
-def unpack(codes: Tensor) -> Tensor:
+def unpack(codes: Tensor, n: int) -> Tensor:
     """The (N, K) uint8 codes back from `pack`'s layout (tests, tools)."""
-    n, kw = codes.shape
-    w = codes.reshape(n, kw // 4, 1, 4)
+    nt, ks, tn, sw = codes.shape
+    w = codes.transpose(1, 2).reshape(nt * tn, ks * sw)[:n].reshape(n, ks * sw // 4, 1, 4)
     shifts = (4 * torch.arange(8, device=codes.device, dtype=torch.int32)).reshape(1, 1, 8, 1)
-    return ((w >> shifts) & 15).reshape(n, kw * 8).to(torch.uint8)
+    return ((w >> shifts) & 15).reshape(n, ks * sw * 8).to(torch.uint8)
 
 
 if triton is not None:
@@ -118,87 +127,83 @@ if triton is not None:
             return v.to(tl.float32, bitcast=True) - 2.0 ** (35 - 4 * I)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, sb_ptr, out_ptr, M, N, KW, KW_SPLIT, stride_xm,
-                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        """out[split, m, rows] = partial sums of x[m] . w[rows] over this split's K range (see the module
-        docstring for the layout). Grid: (M, cdiv(N, BLOCK_N), split); M fastest, so the programs of one
-        weight tile run together and the second row's read of it hits L2. EVEN: N a multiple of BLOCK_N
-        and every split full (no masks)."""
+    def _gemv_kernel(x_ptr, w_ptr, sb_ptr, out_ptr, M, N, KS, STEPS_SPLIT, stride_xm,
+                     GROUP: tl.constexpr, TN: tl.constexpr, EVEN: tl.constexpr):
+        """out[split, m, rows] = partial sums of x[m] . w[rows] over this split's steps (layout: the module
+        docstring). Grid: (M, tiles, split); M fastest, so the programs of one weight tile run together
+        and a second row's read of it hits L2. EVEN: N a multiple of TN (no store mask)."""
         pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        pid_t = tl.program_id(1)
         pid_s = tl.program_id(2)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
-        bi = tl.arange(0, NB)
+        r = tl.arange(0, TN)
+        bi = tl.arange(0, 2)
         ji = tl.arange(0, 4)
-        n_groups = (KW * 8) // GROUP
-        w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * KW + (bi[:, None] * 4 + ji[None, :])[None, :, :]
-        sb_rows = sb_ptr + rows.to(tl.int64)[:, None] * (n_groups * 2)
+        n_groups = (KS * 64) // GROUP
+        w_tile = w_ptr + pid_t.to(tl.int64) * KS * (TN * 8) + (r[:, None, None] * 8 + bi[None, :, None] * 4
+                                                               + ji[None, None, :])  # (TN, 2, 4)
+        sb_tile = sb_ptr + pid_t.to(tl.int64) * n_groups * (TN * 2) + r[:, None] * 2  # (TN, 1)
         x_row = x_ptr + pid_m * stride_xm
-        acc = tl.zeros((BLOCK_N, NB), tl.float32)
-        lo = pid_s * KW_SPLIT
-        hi = tl.minimum(lo + KW_SPLIT, KW)
-        for kw in range(lo, hi, 4 * NB):
-            kw = tl.multiple_of(kw, 4 * NB)
-            blk = kw // 4 + bi  # (NB,) 32-column blocks of this step
-            bmask = blk * 4 < hi
-            xcol = blk[:, None] * 32 + ji[None, :]  # (NB, 4): columns of plane 0
-            g = (blk * 32) // GROUP
-            sbp = sb_rows + g[None, :] * 2
-            if EVEN:
-                w = tl.load(w_rows + kw, eviction_policy="evict_first")  # (BLOCK_N, NB, 4) int32: streamed once
-                sv = tl.load(sbp)
-                bv = tl.load(sbp + 1)
-                x0 = tl.load(x_row + xcol).to(tl.float32)
-            else:
-                w = tl.load(w_rows + kw, mask=rmask[:, None, None] & bmask[None, :, None], other=0,
-                            eviction_policy="evict_first")
-                m2 = rmask[:, None] & bmask[None, :]
-                sv = tl.load(sbp, mask=m2, other=0.0)
-                bv = tl.load(sbp + 1, mask=m2, other=0.0)
-                x0 = tl.load(x_row + xcol, mask=bmask[:, None], other=0.0).to(tl.float32)
+        acc = tl.zeros((TN, 2), tl.float32)
+        lo = pid_s * STEPS_SPLIT
+        hi = tl.minimum(lo + STEPS_SPLIT, KS)
+        for st in range(lo, hi):
+            w = tl.load(w_tile + st * (TN * 8), eviction_policy="evict_first")  # TN * 32 contiguous bytes
+            blk = st * 2 + bi  # (2,) the step's 32-column blocks
+            xcol = blk[:, None] * 32 + ji[None, :]  # (2, 4): columns of plane 0
+            sbp = sb_tile + ((blk * 32) // GROUP)[None, :] * (TN * 2)  # (TN, 2)
+            sv = tl.load(sbp)
+            bv = tl.load(sbp + 1)
+            x0 = tl.load(x_row + xcol).to(tl.float32)
             w_hi = w >> 12
             xs = x0
             t = _plane_bits(w, w_hi, 0) * (x0 * 2.0 ** 49)[None, :, :]
             for i in tl.static_range(1, 8):
-                if EVEN:
-                    xi = tl.load(x_row + xcol + 4 * i).to(tl.float32)
-                else:
-                    xi = tl.load(x_row + xcol + 4 * i, mask=bmask[:, None], other=0.0).to(tl.float32)
+                xi = tl.load(x_row + xcol + 4 * i).to(tl.float32)
                 t += _plane_bits(w, w_hi, i) * (xi * 2.0 ** (49 - 4 * i + 12 * (i // 6)))[None, :, :]
                 xs += xi
-            dot = tl.sum(t, axis=2)  # (BLOCK_N, NB): sum over the block of q * x, times 2^-100
-            xsum = tl.sum(xs, axis=1)  # (NB,): sum of x over the block
+            dot = tl.sum(t, axis=2)  # (TN, 2): sum over each block of q * x, times 2^-100
+            xsum = tl.sum(xs, axis=1)  # (2,): sum of x over each block
             acc += dot * (sv.to(tl.float32) * 2.0 ** 100) + bv.to(tl.float32) * xsum[None, :]
         out = tl.sum(acc, axis=1)
+        rows = pid_t * TN + r
         if EVEN:
             tl.store(out_ptr + (pid_s * M + pid_m) * N + rows, out)
         else:
-            tl.store(out_ptr + (pid_s * M + pid_m) * N + rows, out, mask=rmask)
+            tl.store(out_ptr + (pid_s * M + pid_m) * N + rows, out, mask=rows < N)
 
     @triton.jit
-    def _dequant_kernel(w_ptr, sb_ptr, out_ptr, N, KW, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                        NB: tl.constexpr):
-        """out (N, K) = q * s + b in out's dtype, one (BLOCK_N rows, NB blocks) tile per program."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
-        blk = pid_k * NB + tl.arange(0, NB)
-        bmask = blk * 4 < KW
+    def _dequant_kernel(w_ptr, sb_ptr, out_ptr, N, KS, GROUP: tl.constexpr, TN: tl.constexpr):
+        """out (N, K) = q * s + b in out's dtype, one (tile, step) per program: TN * 32 bytes of codes
+        in, TN rows of 64 consecutive values out (the eight planes interleaved back in registers)."""
+        pid_t = tl.program_id(0)
+        st = tl.program_id(1)
+        r = tl.arange(0, TN)
+        bi = tl.arange(0, 2)
         ji = tl.arange(0, 4)
-        n_groups = (KW * 8) // GROUP
-        r64 = rows.to(tl.int64)
-        m3 = rmask[:, None, None] & bmask[None, :, None]
-        w = tl.load(w_ptr + r64[:, None, None] * KW + (blk[:, None] * 4 + ji[None, :])[None, :, :], mask=m3, other=0)
-        sbp = sb_ptr + r64[:, None] * (n_groups * 2) + ((blk * 32) // GROUP)[None, :] * 2
-        s = tl.load(sbp, mask=rmask[:, None] & bmask[None, :], other=0.0).to(tl.float32)[:, :, None]
-        b = tl.load(sbp + 1, mask=rmask[:, None] & bmask[None, :], other=0.0).to(tl.float32)[:, :, None]
+        n_groups = (KS * 64) // GROUP
+        w = tl.load(w_ptr + (pid_t.to(tl.int64) * KS + st) * (TN * 8)
+                    + (r[:, None, None] * 8 + bi[None, :, None] * 4 + ji[None, None, :]))  # (TN, 2, 4)
+        blk = st * 2 + bi
+        sbp = (sb_ptr + pid_t.to(tl.int64) * n_groups * (TN * 2) + ((blk * 32) // GROUP)[None, :] * (TN * 2)
+               + r[:, None] * 2)
+        s = tl.load(sbp).to(tl.float32)[:, :, None]
+        b = tl.load(sbp + 1).to(tl.float32)[:, :, None]
         w_hi = w >> 12
-        o_rows = out_ptr + r64[:, None, None] * (KW * 8) + (blk[:, None] * 32 + ji[None, :])[None, :, :]
-        for i in tl.static_range(8):
-            val = _plane(w, w_hi, i) * s + b
-            tl.store(o_rows + 4 * i, val.to(out_ptr.dtype.element_ty), mask=m3)
+        dt = out_ptr.dtype.element_ty
+        p0 = (_plane(w, w_hi, 0) * s + b).to(dt)
+        p1 = (_plane(w, w_hi, 1) * s + b).to(dt)
+        p2 = (_plane(w, w_hi, 2) * s + b).to(dt)
+        p3 = (_plane(w, w_hi, 3) * s + b).to(dt)
+        p4 = (_plane(w, w_hi, 4) * s + b).to(dt)
+        p5 = (_plane(w, w_hi, 5) * s + b).to(dt)
+        p6 = (_plane(w, w_hi, 6) * s + b).to(dt)
+        p7 = (_plane(w, w_hi, 7) * s + b).to(dt)
+        # (TN, 2, 4 j, 2 c, 2 b, 2 a) with plane 4a + 2b + c, then (TN, block, a, b, c, j): column 32 block + 4 i + j
+        v = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+        v = tl.reshape(tl.permute(v, (0, 1, 5, 4, 3, 2)), (TN, 64))
+        rows = pid_t * TN + r
+        cols = st * 64 + tl.arange(0, 64)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * (KS * 64) + cols[None, :], v, mask=(rows < N)[:, None])
 
 
 @functools.lru_cache(maxsize=8)
@@ -206,73 +211,60 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemv_config(n: int, k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, NB, num_warps, split) for an (N, K) weight on a GPU of `sms` multiprocessors: enough
-    programs for ~4 per SM (split-K where N alone gives too few), each split at least 8 steps long."""
-    block_n, nb, warps = 512, 2, 4
-    kw = k // 8
-    tiles = -(-n // block_n)
-    step = 4 * nb
+def gemv_config(n: int, k: int, sms: int, tile_n: int = TILE_N) -> tuple[int, int]:
+    """(num_warps, split) for an (N, K) weight on a GPU of `sms` multiprocessors: split-K until there are
+    ~4 programs per SM, keeping each split at least 4 steps long."""
+    ks = k // (8 * STEP_WORDS)
+    tiles = -(-n // tile_n)
     split = 1
-    while tiles * split < 4 * sms and kw // (split * 2) >= 8 * step:
+    while tiles * split < 4 * sms and ks // (split * 2) >= 4:
         split *= 2
-    return block_n, nb, warps, split
-
-
-def _split_words(k: int, split: int, nb: int) -> int:
-    step = 4 * nb
-    kw = k // 8
-    return -(-kw // (split * step)) * step  # words per split, a multiple of the step
+    return 4, split
 
 
 @torch.library.custom_op("orin_agent::int4_gemv", mutates_args=())
-def int4_gemv(x: Tensor, codes: Tensor, sb: Tensor, group_size: int, split: int) -> Tensor:
-    """Partial sums (split, M, N) fp32 of x (M, K) @ W^T for the packed W (codes, sb); sum over dim 0."""
+def int4_gemv(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, split: int) -> Tensor:
+    """Partial sums (split, M, N) fp32 of x (M, K) @ W^T for the packed W (codes, sb) of N rows."""
     m, k = x.shape
-    n = codes.shape[0]
-    block_n, nb, warps, _ = gemv_config(n, k, _sm_count(x.device.index or 0) if x.is_cuda else 132)
+    nt, ks, tn, _ = codes.shape
+    warps, _ = gemv_config(n, k, 132, tn)
     out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    grid = (m, triton.cdiv(n, block_n), split)
-    words = _split_words(k, split, nb)
-    even = n % block_n == 0 and words * split == k // 8
-    _gemv_kernel[grid](x, codes, sb, out, m, n, k // 8, words, x.stride(0),
-                       GROUP=group_size, BLOCK_N=block_n, NB=nb, EVEN=even, num_warps=warps)
+    _gemv_kernel[(m, nt, split)](x, codes, sb, out, m, n, ks, -(-ks // split), x.stride(0), GROUP=group_size,
+                                 TN=tn, EVEN=n % tn == 0, num_warps=warps)
     return out
 
 
 @int4_gemv.register_fake
-def _(x: Tensor, codes: Tensor, sb: Tensor, group_size: int, split: int) -> Tensor:
-    return x.new_empty((split, x.shape[0], codes.shape[0]), dtype=torch.float32)
+def _(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, split: int) -> Tensor:
+    return x.new_empty((split, x.shape[0], n), dtype=torch.float32)
 
 
 @torch.library.custom_op("orin_agent::int4_dequant", mutates_args=())
-def int4_dequant(codes: Tensor, sb: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
+def int4_dequant(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) -> Tensor:
     """The (N, K) weight q * s + b in `dtype` from the packed (codes, sb)."""
-    n, kw = codes.shape
-    out = torch.empty((n, kw * 8), device=codes.device, dtype=dtype)
-    block_n, nb = 32, 4
-    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(kw // 4, nb))](codes, sb, out, n, kw, GROUP=group_size,
-                                                                        BLOCK_N=block_n, NB=nb, num_warps=4)
+    nt, ks, tn, _ = codes.shape
+    out = torch.empty((n, ks * 64), device=codes.device, dtype=dtype)
+    _dequant_kernel[(nt, ks)](codes, sb, out, n, ks, GROUP=group_size, TN=tn, num_warps=4)
     return out
 
 
 @int4_dequant.register_fake
-def _(codes: Tensor, sb: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
-    return codes.new_empty((codes.shape[0], codes.shape[1] * 8), dtype=dtype)
+def _(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) -> Tensor:
+    return codes.new_empty((n, codes.shape[1] * 64), dtype=dtype)
 
 
 def gemv_split(n: int, k: int, device: torch.device) -> int:
     """The split-K factor of an (N, K) weight's GEMV on `device`: chosen once, when the layer is built,
     so that nothing under torch.compile queries the device."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 132
-    return gemv_config(n, k, sms)[3]
+    return gemv_config(n, k, sms)[1]
 
 
-def linear(x2: Tensor, codes: Tensor, sb: Tensor, group_size: int, split: int) -> Tensor:
+def linear(x2: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, split: int) -> Tensor:
     """x2 (M, K) @ W^T -> (M, N) in x2's dtype: the GEMV for M <= GEMV_MAX_M (split-K partials summed
     here, where inductor fuses the sum and the cast into the next kernel), else dequantise once and
     F.linear (cuBLAS / inductor's mm)."""
     if x2.shape[0] > GEMV_MAX_M:
-        return torch.nn.functional.linear(x2, int4_dequant(codes, sb, group_size, x2.dtype))
-    partial = int4_gemv(x2.contiguous(), codes, sb, group_size, split)
+        return torch.nn.functional.linear(x2, int4_dequant(codes, sb, n, group_size, x2.dtype))
+    partial = int4_gemv(x2.contiguous(), codes, sb, n, group_size, split)
     return (partial[0] if split == 1 else partial.sum(0)).to(x2.dtype)

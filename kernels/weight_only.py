@@ -12,7 +12,7 @@ Kernels (PyTorch's ATen ops, no home-made GEMV):
     scales (N,))`; on CUDA `F.linear(x, int8.to(x.dtype)) * scales` (gpt-fast's formulation), which
     inductor fuses into one GEMV when the decode step is compiled (`_weight_int8pack_mm` has a CUDA
     kernel in torch 2.11 but it ran an 8B decode step in 59 ms against 8 ms for bf16 on an H200).
-  - INT4 on CUDA with Triton, sequential groups of a multiple of 32: kernels.int4_triton's GEMV (M <= 4
+  - INT4 on CUDA with Triton, K a multiple of 64, groups of a multiple of 32: kernels.int4_triton's GEMV (M <= 4
     rows) and dequantise + F.linear (prefill), torch custom ops that compile into the decode step
     (`cuda_int4="triton"`, the default; kernel "int4_triton").
   - INT4, sequential groups of 32..256: `aten._weight_int4pack_mm` (CUDA, tinygemm, bf16 activations)
@@ -100,8 +100,8 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales_zeros", torch.stack([s.T, zero.T], dim=-1).to(act).contiguous())  # (G, N, 2)
         elif self.kernel == "int4_triton":
             codes, sb = int4_triton.pack(q, scales, zeros=None if mins is not None else zeros, mins=mins)
-            self.register_buffer("weight", codes)  # int32 (N, K / 8), kernels.int4_triton's layout
-            self.register_buffer("sb", sb)  # fp16 (N, G, 2): scale and offset per group
+            self.register_buffer("weight", codes)  # int32 (N / 256, K / 64, 256, 8): kernels.int4_triton's tiles
+            self.register_buffer("sb", sb)  # fp16 (N / 256, G, 256, 2): scale and offset per row and group
             self.split = int4_triton.gemv_split(self.out_features, self.in_features, device)  # GEMV split-K
         else:
             self.register_buffer("weight", q.to(torch.uint8).contiguous())
@@ -134,14 +134,14 @@ class QuantLinear(nn.Module):
             return dequantize(self.weight, self.scales.float(), getattr(self, "zeros", None), self.g_idx,
                               getattr(self, "mins", None))
         if self.kernel == "int4_triton":
-            return int4_triton.int4_dequant(self.weight, self.sb, self.group_size, torch.float32)
+            return int4_triton.int4_dequant(self.weight, self.sb, self.out_features, self.group_size, torch.float32)
         eye = torch.eye(self.in_features, device=self.weight.device,
                         dtype=self.scales.dtype if self.kernel.startswith("int8") else self.scales_zeros.dtype)
         return self._fast(eye).float().T.contiguous()
 
     def _fast(self, x2: Tensor) -> Tensor:
         if self.kernel == "int4_triton":
-            return int4_triton.linear(x2, self.weight, self.sb, self.group_size, self.split)
+            return int4_triton.linear(x2, self.weight, self.sb, self.out_features, self.group_size, self.split)
         if self.kernel == "int8dq":
             return F.linear(x2, self.weight.to(x2.dtype)) * self.scales
         if self.kernel == "int8pack":

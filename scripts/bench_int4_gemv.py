@@ -71,15 +71,11 @@ def copies_for(nbytes: int) -> int:
     return max(2, -(-4 * L2_BYTES // nbytes))
 
 
-def _gemv_launch(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, group: int, cfg: tuple[int, int, int, int],
+def _gemv_launch(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, n: int, group: int, warps: int, split: int,
                  out: torch.Tensor) -> None:
-    block_n, nb, warps, split = cfg
-    n, k = codes.shape[0], x.shape[1]
-    words = it._split_words(k, split, nb)
-    even = n % block_n == 0 and words * split == k // 8
-    it._gemv_kernel[(x.shape[0], -(-n // block_n), split)](
-        x, codes, sb, out, x.shape[0], n, k // 8, words, x.stride(0), GROUP=group, BLOCK_N=block_n, NB=nb,
-        EVEN=even, num_warps=warps)
+    nt, ks, tn, _ = codes.shape
+    it._gemv_kernel[(x.shape[0], nt, split)](x, codes, sb, out, x.shape[0], n, ks, -(-ks // split), x.stride(0),
+                                             GROUP=group, TN=tn, EVEN=n % tn == 0, num_warps=warps)
 
 
 def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sweep: bool, bw: float,
@@ -91,10 +87,11 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
     z = torch.randint(0, 16, (n, k // group), device=dev, generator=g)
     gi = torch.arange(k, device=dev) // group
     codes, sb = it.pack(q, s, zeros=z)
-    int4_bytes = codes.numel() * 4 + sb.numel() * 2
+    int4_bytes = n * k // 2 + n * (k // group) * 4  # codes + fp16 (s, b): what a call must read
     nc = copies_for(int4_bytes)
     mine = [(codes.clone(), sb.clone()) for _ in range(nc)]
-    ref_w = (sb[..., 0].float()[:, gi] * q.float() + sb[..., 1].float()[:, gi])
+    sbn = sb.transpose(1, 2).reshape(-1, k // group, 2)[:n].float()  # (N, G, 2) as stored (fp16)
+    ref_w = sbn[..., 0][:, gi] * q.float() + sbn[..., 1][:, gi]
     tiny = [QuantLinear(q, s, z, gi, 4, group, dtype=torch.bfloat16, cuda_int4="tinygemm") for _ in range(nc)]
     tiny_bytes = tiny[0].weight.numel() * tiny[0].weight.element_size() + tiny[0].scales_zeros.numel() * 2
     bf = ref_w.to(torch.bfloat16)
@@ -129,12 +126,12 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
         rel = lambda y: float((y.float() - want).norm() / want.norm())  # noqa: E731
         split = it.gemv_split(n, k, x.device)
         if m <= it.GEMV_MAX_M:
-            sec = graph_time([lambda c=c, b=b: it.linear(x, c, b, group, split) for c, b in mine], 4 * nc)
-            row("triton gemv", m, sec, int4_bytes, rel(it.linear(x, codes, sb, group, split)), split=split)
+            sec = graph_time([lambda c=c, b=b: it.linear(x, c, b, n, group, split) for c, b in mine], 4 * nc)
+            row("triton gemv", m, sec, int4_bytes, rel(it.linear(x, codes, sb, n, group, split)), split=split)
         else:
-            sec = graph_time([lambda c=c, b=b: it.linear(x, c, b, group, split) for c, b in mine], 2 * nc)
-            row("triton dequant+F.linear", m, sec, int4_bytes, rel(it.linear(x, codes, sb, group, split)))
-            sec = graph_time([lambda c=c, b=b: it.int4_dequant(c, b, group, torch.bfloat16) for c, b in mine], 2 * nc)
+            sec = graph_time([lambda c=c, b=b: it.linear(x, c, b, n, group, split) for c, b in mine], 2 * nc)
+            row("triton dequant+F.linear", m, sec, int4_bytes, rel(it.linear(x, codes, sb, n, group, split)))
+            sec = graph_time([lambda c=c, b=b: it.int4_dequant(c, b, n, group, torch.bfloat16) for c, b in mine], 2 * nc)
             row("  (dequant alone)", m, sec, int4_bytes + n * k * 2)
         sec = graph_time([lambda t=t: t(x) for t in tiny], 4 * nc)
         row("tinygemm", m, sec, tiny_bytes, rel(tiny[0](x)))
@@ -148,14 +145,17 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
         row("bf16 F.linear", m, sec, bf.numel() * 2, rel(F.linear(x, bf)))
         if sweep and m == 1:
             part = torch.empty(64, 1, n, device=dev)
-            base = it.gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-            for block_n, nb, warps in ((512, 2, 4), (256, 2, 4), (256, 4, 4), (512, 4, 8), (128, 2, 2)):
-                for sp in sorted({max(1, base[3] // 2), base[3], base[3] * 2, base[3] * 4}):
-                    if k // 8 // sp < 4 * nb:
-                        continue
-                    cfg = (block_n, nb, warps, sp)
-                    sec = graph_time([lambda c=c, b=b: _gemv_launch(x, c, b, group, cfg, part) for c, b in mine], 4 * nc)
-                    row(f"  sweep {block_n}x{nb} w{warps} s{sp}", m, sec, int4_bytes, config=list(cfg))
+            base = it.gemv_split(n, k, x.device)
+            for tn in (256, 512, 128):
+                packed = [it.pack(q, s, zeros=z, tile_n=tn) for _ in range(nc)] if tn != it.TILE_N else mine
+                for warps in (4, 8) if tn >= 256 else (2, 4):
+                    for sp in sorted({max(1, base // 2), base, base * 2, base * 4}):
+                        if k // 64 // sp < 2:
+                            continue
+                        sec = graph_time([lambda c=c, b=b: _gemv_launch(x, c, b, n, group, warps, sp, part)
+                                          for c, b in packed], 4 * nc)
+                        row(f"  sweep tn{tn} w{warps} s{sp}", m, sec, int4_bytes, config=[tn, warps, sp])
+                del packed
     del mine, tiny, bfs, gls
     torch.cuda.empty_cache()
     return out

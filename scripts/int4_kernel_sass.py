@@ -20,6 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from collections import Counter  # noqa: E402
+
 from kv_kernel_sass import compile_kernel, cuobjdump, main_loop_opcodes  # noqa: E402
 
 SHAPE = (14336, 4096)  # Llama-3-8B gate/up projection (N, K): the configuration gemv_config picks for it
@@ -30,16 +32,16 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
 
     rows = []
     n, k = SHAPE
-    block_n, nb, warps, split = it.gemv_config(n, k, 132)
+    warps, split = it.gemv_config(n, k, 132)
+    tn = it.TILE_N
     for act, even in (("bf16", True), ("bf16", False), ("fp16", True)):
-        ptrs = {"x_ptr": f"*{act}", "w_ptr": "*i32", "sb_ptr": "*fp16", "o_ptr": "*fp32", "out_ptr": "*fp32"}
-        kern = compile_kernel(it._gemv_kernel, ptrs, {"GROUP": group, "BLOCK_N": block_n, "NB": nb, "EVEN": even},
-                              arch, warps, 1)
+        ptrs = {"x_ptr": f"*{act}", "w_ptr": "*i32", "sb_ptr": "*fp16", "out_ptr": "*fp32"}
+        kern = compile_kernel(it._gemv_kernel, ptrs, {"GROUP": group, "TN": tn, "EVEN": even}, arch, warps, 1)
         usage = cuobjdump(kern, "--dump-resource-usage")
         ops = main_loop_opcodes(cuobjdump(kern, "-sass"))
-        weights = block_n * nb * 32 / (warps * 32)  # packed weights per thread per loop step
-        rows.append({"kernel": f"gemv {act}{'' if even else ' masked'}", "arch": f"sm_{arch}", "block_n": block_n, "nb": nb, "warps": warps,
-                     "split": split, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+        weights = tn * it.STEP_WORDS * 8 / (warps * 32)  # packed weights per thread per loop step
+        rows.append({"kernel": f"gemv {act}{'' if even else ' N%TN'}", "arch": f"sm_{arch}", "tile_n": tn,
+                     "warps": warps, "split": split, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
                      "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
                      "loop_instructions": sum(ops.values()),
                      "per_weight": round(sum(ops.values()) / weights, 2),
@@ -47,11 +49,14 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
                                                      if o in ("LOP3", "SHF", "IMAD", "IADD3", "LEA", "PRMT",
                                                               "SGXT", "ISETP", "MOV")) / weights, 2),
                      "top_opcodes": dict(ops.most_common(10))})
-    ptrs = {"w_ptr": "*i32", "sb_ptr": "*fp16", "out_ptr": "*bf16"}
-    kern = compile_kernel(it._dequant_kernel, ptrs, {"GROUP": group, "BLOCK_N": 32, "NB": 4}, arch, 4, 1)
-    usage = cuobjdump(kern, "--dump-resource-usage")
-    rows.append({"kernel": "dequant bf16", "arch": f"sm_{arch}", "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-                 "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1))})
+    for act in ("bf16", "fp16"):
+        ptrs = {"w_ptr": "*i32", "sb_ptr": "*fp16", "out_ptr": f"*{act}"}
+        kern = compile_kernel(it._dequant_kernel, ptrs, {"GROUP": group, "TN": tn}, arch, 4, 1)
+        usage = cuobjdump(kern, "--dump-resource-usage")
+        sass = cuobjdump(kern, "-sass")
+        rows.append({"kernel": f"dequant {act}", "arch": f"sm_{arch}", "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+                     "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+                     "global_stores": dict(Counter(re.findall(r"(STG\.E[.A-Z0-9]*)", sass)))})
     return rows
 
 
@@ -71,7 +76,8 @@ def main() -> None:
         return
     for r in rows:
         extra = (f"{r['loop_instructions']:>4} loop instr  {r['per_weight']:.2f}/weight "
-                 f"({r['integer_per_weight']:.2f} int)  {r['top_opcodes']}" if "per_weight" in r else "")
+                 f"({r['integer_per_weight']:.2f} int)  {r['top_opcodes']}" if "per_weight" in r
+                 else f"stores {r['global_stores']}")
         print(f"{r['kernel']:<13} {r['arch']}  {r['registers']:>3} regs  {r['stack_bytes']:>3} B stack  {extra}")
 
 

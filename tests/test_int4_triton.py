@@ -38,26 +38,27 @@ def _reference(w: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def test_pack_round_trips_codes_and_rejects_bad_shapes() -> None:
     w = _weights(24, 96, 32, mins=False, seed=0)
-    codes, sb = it.pack(w["q"], w["scales"], zeros=w["zeros"])
-    assert codes.dtype == torch.int32 and codes.shape == (24, 12) and sb.shape == (24, 3, 2)
-    assert torch.equal(it.unpack(codes), w["q"])
+    codes, sb = it.pack(w["q"][:, :64], w["scales"][:, :2], zeros=w["zeros"][:, :2], tile_n=16)
+    assert codes.dtype == torch.int32 and codes.shape == (2, 1, 16, 8) and sb.shape == (2, 2, 16, 2)
+    assert torch.equal(it.unpack(codes, 24), w["q"][:, :64])
+    assert int(codes[1, :, 8:].abs().sum()) == 0 and int(sb[1, :, 8:].abs().sum()) == 0  # rows past N: zero
     assert int(codes.min()) < 0  # codes >= 8 in nibble 7 set the sign bit: the layout keeps all 32 bits
-    with pytest.raises(ValueError, match="multiple of 32"):
-        it.pack(w["q"][:, :80], w["scales"][:, :2], zeros=w["zeros"][:, :2])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        it.pack(w["q"], w["scales"], zeros=w["zeros"])
     with pytest.raises(ValueError, match="either zeros"):
-        it.pack(w["q"], w["scales"])
-    assert it.supports(4096, 4096, 128) and it.supports(576, 576, 32)
-    assert not it.supports(64, 96, 64) and not it.supports(64, 80, 16)
+        it.pack(w["q"][:, :64], w["scales"][:, :2])
+    assert it.supports(4096, 4096, 128) and it.supports(576, 576, 32) and it.supports(100, 1536, 256)
+    assert not it.supports(64, 96, 32) and not it.supports(64, 128, 16)
 
 
 def test_gemv_config_fills_the_gpu_with_long_enough_splits() -> None:
     for n, k in ((1024, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (576, 576), (49152, 576)):
-        block_n, nb, _, split = it.gemv_config(n, k, 132)
-        steps = k // 8 // split // (4 * nb)
-        assert split == 1 or steps >= 8, (n, k, split)
-        assert split == 1 or -(-n // block_n) * split <= 8 * 132, (n, k, split)
-    assert it.gemv_config(1024, 4096, 132)[3] > 1  # 2 row tiles alone would leave 130 SMs idle
-    assert it.gemv_split(1024, 4096, torch.device("cpu")) == it.gemv_config(1024, 4096, 132)[3]
+        _, split = it.gemv_config(n, k, 132)
+        steps = k // 64 // split
+        assert split == 1 or steps >= 4, (n, k, split)
+        assert split == 1 or -(-n // it.TILE_N) * split <= 8 * 132, (n, k, split)
+    assert it.gemv_config(1024, 4096, 132)[1] > 1  # 4 row tiles alone would leave 128 SMs idle
+    assert it.gemv_split(1024, 4096, torch.device("cpu")) == it.gemv_config(1024, 4096, 132)[1]
 
 
 def test_fake_impls_give_shapes_and_dtypes_without_running_a_kernel() -> None:
@@ -65,10 +66,10 @@ def test_fake_impls_give_shapes_and_dtypes_without_running_a_kernel() -> None:
 
     with FakeTensorMode():
         x = torch.empty(3, 256, dtype=torch.bfloat16)
-        codes = torch.empty(40, 32, dtype=torch.int32)
-        sb = torch.empty(40, 2, 2, dtype=torch.float16)
-        part = torch.ops.orin_agent.int4_gemv(x, codes, sb, 128, 4)
-        wd = torch.ops.orin_agent.int4_dequant(codes, sb, 128, torch.float16)
+        codes = torch.empty(1, 4, 256, 8, dtype=torch.int32)
+        sb = torch.empty(1, 2, 256, 2, dtype=torch.float16)
+        part = torch.ops.orin_agent.int4_gemv(x, codes, sb, 40, 128, 4)
+        wd = torch.ops.orin_agent.int4_dequant(codes, sb, 40, 128, torch.float16)
     assert part.shape == (4, 3, 40) and part.dtype == torch.float32
     assert wd.shape == (40, 256) and wd.dtype == torch.float16
 
@@ -76,35 +77,35 @@ def test_fake_impls_give_shapes_and_dtypes_without_running_a_kernel() -> None:
 def check_kernels(device: str) -> None:
     """The GEMV and the dequantise kernel against the reference on `device` (called in the interpreter
     on CPU and compiled on CUDA)."""
-    cases = [(40, 256, 32, False), (64, 512, 128, True), (300, 320, 64, False), (520, 1024, 128, False)]
-    for seed, (n, k, group, mins) in enumerate(cases):
+    cases = [(40, 256, 32, False, 32), (64, 512, 128, True, 64), (300, 384, 64, False, 128), (520, 1024, 128, False, 256)]
+    for seed, (n, k, group, mins, tile_n) in enumerate(cases):
         w = _weights(n, k, group, mins, seed)
-        codes, sb = it.pack(w["q"], w["scales"], zeros=w.get("zeros"), mins=w.get("mins"))
+        codes, sb = it.pack(w["q"], w["scales"], zeros=w.get("zeros"), mins=w.get("mins"), tile_n=tile_n)
         codes, sb = codes.to(device), sb.to(device)
         ref = _reference(w).to(device)
-        assert torch.allclose(it.int4_dequant(codes, sb, group, torch.float32), ref, rtol=2e-7, atol=0), (n, k, group)
+        assert torch.allclose(it.int4_dequant(codes, sb, n, group, torch.float32), ref, rtol=2e-7, atol=0), (n, k, group)
         # one rounding to bf16 of the fp32 value: to nearest on the GPU, toward zero in the interpreter
         # (Triton 3.9's CPU cast), so within one bf16 step
-        assert torch.allclose(it.int4_dequant(codes, sb, group, torch.bfloat16).float(), ref, rtol=2 ** -7, atol=0)
+        assert torch.allclose(it.int4_dequant(codes, sb, n, group, torch.bfloat16).float(), ref, rtol=2 ** -7, atol=0)
         for m, dtype, split in ((1, torch.bfloat16, 1), (3, torch.float32, 3), (2, torch.float16, 2), (1, torch.float32, 4)):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
             want = x.double() @ ref.double().T
-            got = it.int4_gemv(x, codes, sb, group, split).sum(0)
+            got = it.int4_gemv(x, codes, sb, n, group, split).sum(0)
             err = float((got.double() - want).norm() / want.norm())
             assert err < 1e-6, (n, k, group, m, dtype, split, err)  # fp32 rounding: products are exact
     # activations over ~40 orders of magnitude of 2 (an outlier channel, tiny values): still fp32-exact products
     w = _weights(64, 256, 32, False, 9)
-    codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"]))
+    codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=32))
     x = torch.randn(1, 256) * torch.logspace(-12, 8, 256)
     x[0, 7] = 3.0e4
     x = x.to(device)
     want = x.double() @ _reference(w).double().to(device).T
-    got = it.int4_gemv(x, codes, sb, 32, 2).sum(0)
+    got = it.int4_gemv(x, codes, sb, 64, 32, 2).sum(0)
     assert float((got.double() - want).norm() / want.norm()) < 1e-6
     # through the public entry: GEMV rows and the dequantise + F.linear path (more than GEMV_MAX_M rows)
     for m in (1, it.GEMV_MAX_M + 3):
         x = torch.randn(m, 256, device=device)
-        got = it.linear(x, codes, sb, 32, 2)
+        got = it.linear(x, codes, sb, 64, 32, 2)
         want = x @ _reference(w).to(device).T
         assert got.shape == (m, 64) and got.dtype == x.dtype
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (m, float((got - want).abs().max()))
@@ -113,10 +114,10 @@ def check_kernels(device: str) -> None:
 def check_compile(device: str) -> None:
     """The custom ops under torch.compile(fullgraph=True): no graph break, same numbers as eager."""
     w = _weights(64, 256, 32, False, 3)
-    codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"]))
+    codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=32))
 
     def f(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.silu(it.linear(x, codes, sb, 32, 2)) * 2
+        return torch.nn.functional.silu(it.linear(x, codes, sb, 64, 32, 2)) * 2
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     for m in (1, 6):
