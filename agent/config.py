@@ -4,7 +4,7 @@ a frozen `ServiceConfig`; command-line flags override the file. Every error name
     [model]   dir, backend ("torch" | "ort" | "trt"), slices ("0:4,4:8"), max_seq, device, kv_cache ("fp16" | "int8"),
               exits (load the exit heads: requests may ask for early exits / speculation), max_disagreement
               and speculate (K or "auto"): the default of every request that asks for neither,
-              kv_blocks (paged cache: blocks of 16 tokens)
+              kv_blocks (paged cache: blocks of 16 tokens), dtype ("fp32" | "fp16" | "bf16": the float parts, torch)
     [server]  host, port, token, token_file, allowed_hosts, max_body_bytes, max_in_flight, keep_alive_s,
               header_timeout_s, body_timeout_s
     [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, profile, power_control (the
@@ -61,6 +61,7 @@ class ServiceConfig:
     device: str = "cpu"
     kv_cache: str = "fp16"  # "int8": INT8 KV-cache (torch: group-wise; ort: Q/DQ slices)
     kv_blocks: int | None = None  # a paged KV-cache of this many blocks of 16 tokens (torch, fp16 cache); None: rows
+    dtype: str = "fp32"  # the float parts' dtype (partition.checkpoint.DTYPES; the measured CPU default)
     threads: int = 0  # CPU threads for the model's kernels; 0 = every core but one
     exits: bool = False  # load the exit heads beside the model (implied by the next two)
     max_disagreement: float | None = None  # default early-exit target of every request (None: full depth)
@@ -146,6 +147,11 @@ class ServiceConfig:
         if self.kv_cache == "int8" and self.backend == "trt":
             raise bad("model.kv_cache", "'int8' needs model.backend = 'torch' or 'ort' (trt: not built yet)",
                       self.kv_cache)
+        if self.dtype not in ("fp32", "fp16", "bf16"):
+            raise bad("model.dtype", "must be 'fp32', 'fp16' or 'bf16'", self.dtype)
+        if self.dtype != "fp32" and (self.backend != "torch" or self.exits_enabled):
+            raise bad("model.dtype", "fp16 / bf16 need model.backend = 'torch' and no exits (the ONNX graphs and the "
+                      "exit heads are fp32)", (self.dtype, self.backend))
         if self.kv_blocks is not None and (self.kv_blocks < 1 or self.backend != "torch" or self.kv_cache != "fp16"):
             raise bad("model.kv_blocks", "must be >= 1, with model.backend = 'torch' and kv_cache = 'fp16'",
                       self.kv_blocks)
@@ -231,6 +237,7 @@ _SCHEMA: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("model", "device"): ("device", (str,)),
     ("model", "threads"): ("threads", (int,)),
     ("model", "kv_cache"): ("kv_cache", (str,)),
+    ("model", "dtype"): ("dtype", (str,)),
     ("model", "exits"): ("exits", (bool,)),
     ("model", "max_disagreement"): ("max_disagreement", (int, float)),
     ("model", "speculate"): ("speculate", (int, str)),

@@ -16,12 +16,20 @@ from agent.board import BoardReader, make_twin_root
 from agent.config import ServiceConfig
 from agent.phases import PhaseEvent
 from agent.service import Service
+from partition.tokenizer import Tokenizer
 
 DEMO_PROMPTS = (
     ("completion", "def parse(source, filename='<unknown>'):"),
     # The shipped model is a completion model of Python source: its chat template joins the messages.
     ("chat", "class Stack:\n    \"\"\"A last-in, first-out queue.\"\"\""),
     ("completion", "import os\nimport sys\n\n\ndef main():"),
+)
+# A model with its own chat template (an instruct model, e.g. `--model smollm2-135m-instruct`): questions
+# through that template, and one raw completion.
+CHAT_PROMPTS = (
+    ("chat", "What is the capital of France?"),
+    ("chat", "Give me three tips for staying focused while studying."),
+    ("completion", "The three primary colours are"),
 )
 
 
@@ -126,6 +134,7 @@ def run_demo(model_dir: Path, max_tokens: int, on_text: Callable[[str], None],
                         run_dir=str(tmp / "run"), max_batch=4)
     Path(cfg.root).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
     cfg.validate()
+    prompts = CHAT_PROMPTS if Tokenizer.from_dir(model_dir).chat_template else DEMO_PROMPTS
     sampler = ClockSampler(BoardReader(twin) if twin else None)
     svc = Service(cfg, listener=sampler)
     svc.load()
@@ -136,7 +145,7 @@ def run_demo(model_dir: Path, max_tokens: int, on_text: Callable[[str], None],
     results = []
     try:
         with httpx.Client(base_url=svc.url, timeout=120) as client:
-            for kind, prompt in DEMO_PROMPTS:
+            for kind, prompt in prompts:
                 on_log(f"\n--- {kind}: {prompt!r}")
                 t0 = time.monotonic()
                 res = stream_request(client, kind, prompt, max_tokens, on_text)

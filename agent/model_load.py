@@ -43,7 +43,7 @@ def build_chain(cfg: ServiceConfig) -> Chain:
         return edge_chain(cfg)
     return load_chain(cfg.model_dir, backend=cfg.backend, slices=cfg.slices, max_seq=cfg.max_seq,
                       max_batch=cfg.max_batch, device=cfg.device, options=OrtOptions(threads=threads),
-                      kv_cache=cfg.kv_cache, kv_blocks=cfg.kv_blocks)
+                      kv_cache=cfg.kv_cache, kv_blocks=cfg.kv_blocks, dtype=cfg.dtype)
 
 
 def build_executor(cfg: ServiceConfig) -> tuple[ChainExecutor, ExitPolicy]:

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from agent.cli.common import cli_errors, print_json
-from agent.cli.options import BoardOptions, EdgeOptions, ExitOptions, ModelOptions, options, shared_options
+from agent.cli.options import MODEL_HELP, BoardOptions, EdgeOptions, ExitOptions, ModelOptions, options, shared_options
 from agent.config import ServiceConfig
 from partition.paths import DEFAULT_MODEL_DIR
 
@@ -50,7 +50,8 @@ def serve(
         b, m = board_opts, model_opts
         cfg = load_config(b.config).replace(root=b.root, run_dir=b.run_dir, host=host, port=port, token=token,
                                             backend=m.backend, model_dir=m.model, max_batch=max_batch,
-                                            kv_cache=m.kv_cache, kv_blocks=m.kv_blocks, log_level=log_level,
+                                            kv_cache=m.kv_cache, kv_blocks=m.kv_blocks, dtype=m.dtype,
+                                            log_level=log_level,
                                             exits=exits, power_cap_w=power_cap, edge_fallback=edge_fallback,
                                             **dataclasses.asdict(exit_opts), **dataclasses.asdict(edge_opts))
         setup_logging(cfg.log_level)
@@ -59,7 +60,7 @@ def serve(
 
 
 def demo(
-    model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help="Checkpoint folder (default: the shipped model)."),
+    model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help=MODEL_HELP),
     max_tokens: int = typer.Option(48, "--max-tokens", "-n", help="Tokens per request."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
 ) -> None:
@@ -72,6 +73,9 @@ def demo(
 
     console = Console(stderr=as_json, width=None if sys.stdout.isatty() else 130)
     with cli_errors():
+        from partition.gguf.folder import resolve_model
+
+        model = resolve_model(model)  # a .gguf file or an alias: its model folder
         if not (model / "config.json").is_file():
             raise ValueError(f"{model}: no model there (config.json missing); the shipped model is made by "
                              "scripts/train_small_model.py, or pass --model DIR")
