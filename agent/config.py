@@ -115,6 +115,13 @@ class ServiceConfig:
         cfg.validate()
         return cfg
 
+    def with_model_folder(self) -> "ServiceConfig":
+        """The config with model_dir a model folder: a .gguf file or a model alias in [model] dir (or --model)
+        becomes the folder partition/gguf/folder.py makes for it; a checkpoint folder stays as it is."""
+        from partition.gguf.folder import is_gguf_ref, resolve_model
+
+        return dataclasses.replace(self, model_dir=resolve_model(self.model_dir)) if is_gguf_ref(self.model_dir) else self
+
     @property
     def host_names(self) -> tuple[str, ...]:
         """The Host header names the guard accepts (without port); () = any (a non-loopback bind with a token)."""

@@ -43,7 +43,7 @@ def run(root: Optional[Path] = typer.Option(None, "--root", help="The board's ro
     from agent.config import load_config
 
     with cli_errors():
-        cfg = load_config(config)
+        cfg = load_config(config).with_model_folder()  # [model] dir may name a .gguf file or an alias
         dest, doc = run_end_to_end(root, run_dir, cfg, trace, tuple(profile) or ("eco", "balanced", "max"), out,
                                    str(profile_dir), plot)
     rows = [{k: v for k, v in p.items() if k != "timeline"} for p in doc["profiles"]]  # type: ignore[union-attr]

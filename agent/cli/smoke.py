@@ -38,7 +38,7 @@ def smoke(board_opts: BoardOptions = options(BoardOptions, root="/", notes={
         if not root.is_dir():
             raise FileNotFoundError(f"--root {root}: no such directory (the board's / or a twin folder: "
                                     "orin-agent twin create DIR)")
-        cfg = load_config(config)
+        cfg = load_config(config).with_model_folder()  # [model] dir may name a .gguf file or an alias
         url = service_url
         if url is None and sysfs.root_is_host(root):
             host = cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
