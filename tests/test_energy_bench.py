@@ -15,7 +15,7 @@ from agent.benchmark.power_replay import run_power_bench
 from agent.cli import app
 from power.bench.energy import BenchConfig
 from power.bench.run import PolicyRun
-from power.hw.backends import open_board
+from power.runtime.board import open_board_at
 from power.physics.boards import BOARDS
 from power.physics.costmodel import OperatingPoint, prefill_step
 from power.runtime.shapes import model_shape
@@ -53,12 +53,12 @@ def test_stock_prefill_after_idle_ramps_within_the_step() -> None:
 
 def test_jetson_clocks_idle_costs_its_captured_power_and_restores(tmp_path: Path) -> None:
     create_twin(tmp_path, "agx-orin-64gb", "r36")
-    board = open_board(tmp_path)
+    board = open_board_at(tmp_path)
     w = board.writer(tmp_path / "run" / "orin-agent")
     board.set_mode("MAXN", w)
     stock = Twin(tmp_path)
     stock.advance(5.0, IDLE)
-    open_board(tmp_path).set_jetson_clocks(w)
+    open_board_at(tmp_path).set_jetson_clocks(w)
     pinned = Twin(tmp_path)
     pinned.advance(5.0, IDLE)
     assert not pinned.limits.cpu_idle_states and not pinned.limits.railgate

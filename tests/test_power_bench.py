@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from agent.cli import app
 from power.runtime.applier import ClockApplier, read_zone_samples, tables_from_board
 from power.runtime.loop import PowerLoop
-from power.hw.backends import SysfsBoard
+from power.runtime.board import open_board_at
 from power.bench.energy import BenchConfig, compare, run_bench
 from power.physics.boards import BOARDS
 from power.policy.dvfs import DvfsController, PhaseIn, Planner
@@ -27,10 +27,10 @@ EMC = "sys/kernel/debug/bpmp/debug/clk/emc"
 
 
 def _loop(root: Path, profile: str = "balanced") -> tuple[PowerLoop, ClockApplier]:
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     applier = ClockApplier(board, board.writer(root / "run" / "orin-agent"))
     applier.set_mode("MAXN", allow_reboot=True)     # the twin reboots for free
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     applier.board = board
     ctl = DvfsController(tables_from_board(board, SPEC.emc_hz), Planner.for_board(SPEC, model_shape("llama-3-8b"), "int4", 0))
     return PowerLoop(ctl, ProfileStore(None).load(profile), applier, lambda: read_zone_samples(board)), applier

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from power.hw.backends import SysfsBoard
+from power.runtime.board import open_board_at
 from power.hw.errors import BoardWriteError, JournalError, RefusedWrite
 from power.hw.journal import JOURNAL_NAME, BoardIO, Journal, restore_run_dir
 from power.hw.nvpmodel import NvpModel
@@ -33,7 +33,7 @@ def names(kernel: FakeKernel) -> list[str]:
 def test_raising_writes_max_first_and_lowering_min_first(tree):
     root, run = tree
     k = FakeKernel()
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     w = board.writer(run, io=k)
     board.gpu.set_range(w, 816000000, 1300500000)  # raise min above the current... max stays
     assert names(k) == ["min_freq"]
@@ -48,7 +48,7 @@ def test_raising_writes_max_first_and_lowering_min_first(tree):
 
 def test_snapping_to_available_frequencies(tree):
     root, run = tree
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     w = board.writer(run)
     assert board.gpu.set_range(w, 500000000, 900000000) == (612000000, 816000000)
     with pytest.raises(ValueError, match="no available frequency"):
@@ -60,7 +60,7 @@ def test_snapping_to_available_frequencies(tree):
 def test_emc_is_locked_before_its_rate(tree):
     root, run = tree
     k = FakeKernel()
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     w = board.writer(run, io=k)
     board.emc.lock(w, 3199000000)
     assert names(k) == ["mrq_rate_locked", "rate"]
@@ -78,7 +78,7 @@ def test_emc_is_locked_before_its_rate(tree):
 def test_writes_outside_discovered_clock_files_are_refused(tree, path):
     root, run = tree
     before = snapshot(root)
-    w = SysfsBoard(root).writer(run)
+    w = open_board_at(root).writer(run)
     with pytest.raises(RefusedWrite, match="refusing to write"):
         w.write(path, 1)
     assert snapshot(root) == before
@@ -87,13 +87,13 @@ def test_writes_outside_discovered_clock_files_are_refused(tree, path):
 
 def test_class_link_path_is_the_same_file(tree):
     root, run = tree
-    w = SysfsBoard(root).writer(run)
+    w = open_board_at(root).writer(run)
     assert w.write("/sys/class/devfreq/17000000.gpu/max_freq", 816000000)
     assert w.journal.entries[0].path == f"{GPU}/max_freq"  # journal names the resolved device path
 
 
 def _error_leaves_nothing_half_applied(root, run, io, msg):
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     before = snapshot(root)
     w = board.writer(run, io=io)
     with pytest.raises(BoardWriteError, match=msg) as err:
@@ -120,7 +120,7 @@ def test_eacces_from_the_kernel(tree):
 
 def test_directory_in_place_of_the_file(tree, monkeypatch):
     root, run = tree
-    board = SysfsBoard(root)  # discovered while it was a file
+    board = open_board_at(root)  # discovered while it was a file
     f = root / GPU[1:] / "max_freq"
     f.unlink()
     f.mkdir()
@@ -132,7 +132,7 @@ def test_directory_in_place_of_the_file(tree, monkeypatch):
 
 def test_monkeypatched_open_eacces(tree, monkeypatch):
     root, run = tree
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     w = board.writer(run)
     real_open = os.open
 
@@ -157,7 +157,7 @@ def test_read_back_mismatch_is_an_error_and_rolled_back(tree):
             super().write(host_path, b"999\n" if host_path.endswith("max_freq") and data != b"1300500000\n" else data,
                           create=create)
 
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     before = snapshot(root)
     w = board.writer(run, io=Clamping())
     with pytest.raises(BoardWriteError, match="reads back '999'"):
@@ -167,7 +167,7 @@ def test_read_back_mismatch_is_an_error_and_rolled_back(tree):
 
 def test_dry_run_prints_and_touches_nothing(tree):
     root, run = tree
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     before = snapshot(root)
     lines: list[str] = []
     w = board.writer(run, dry_run=True, echo=lines.append)
@@ -181,20 +181,20 @@ def test_dry_run_prints_and_touches_nothing(tree):
 def test_crash_then_new_process_restores_first(tree):
     root, run = tree
     before = snapshot(root)
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     w = board.writer(run, io=FakeKernel(crash_after=2))  # max_freq, lock, then crash
     with pytest.raises(SimulatedCrash):
         board.gpu.set_range(w, 306000000, 408000000)
         board.emc.lock(w, 3199000000)
     w.journal.close()  # the process is gone: its lock goes with it
     assert snapshot(root) != before and (run / JOURNAL_NAME).exists()
-    SysfsBoard(root).writer(run)  # a new start recovers before anything else
+    open_board_at(root).writer(run)  # a new start recovers before anything else
     assert snapshot(root) == before and not (run / JOURNAL_NAME).exists()
 
 
 def test_journal_is_atomic_json_with_originals(tree):
     root, run = tree
-    w = SysfsBoard(root).writer(run)
+    w = open_board_at(root).writer(run)
     w.write(f"{GPU}/max_freq", 816000000)
     doc = json.loads((run / JOURNAL_NAME).read_text())
     assert doc["root"] == str(root) and doc["entries"][0]["original_text"] == "1300500000"
@@ -203,7 +203,7 @@ def test_journal_is_atomic_json_with_originals(tree):
 
 def test_one_writer_per_run_dir_and_root_mismatch(tree, tmp_path):
     root, run = tree
-    w = SysfsBoard(root).writer(run)
+    w = open_board_at(root).writer(run)
     with pytest.raises(JournalError, match="another process"):
         Journal(run, root)
     w.write(f"{GPU}/max_freq", 816000000)
@@ -220,12 +220,12 @@ def test_run_dir_that_cannot_be_created(tree):
     blocker = root / "not-a-dir"
     blocker.write_text("x")
     with pytest.raises(JournalError, match="--run-dir"):
-        SysfsBoard(root).writer(blocker / "run")
+        open_board_at(root).writer(blocker / "run")
 
 
 def test_failed_restore_keeps_the_journal(tree):
     root, run = tree
-    w = SysfsBoard(root).writer(run)
+    w = open_board_at(root).writer(run)
     w.write(f"{GPU}/max_freq", 816000000)
     w.journal.close()
     target = root / GPU[1:] / "max_freq"
@@ -242,7 +242,7 @@ def test_failed_restore_keeps_the_journal(tree):
 def test_nvpmodel_emulation_and_restore(tree):
     root, run = tree
     before = snapshot(root)
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     w = board.writer(run, io=FakeKernel())
     change = board.set_mode("MODE_15W", w)
     assert change.mode.id == 1 and "DLA0_CORE" in change.skipped
@@ -262,7 +262,7 @@ def test_nvpmodel_status_file_created_then_removed(tree):
     root, run = tree
     (root / "var/lib/nvpmodel/status").unlink()
     before = snapshot(root)
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     assert board.read_mode().source == "default in nvpmodel.conf"
     w = board.writer(run)
     board.set_mode(3, w)
@@ -274,7 +274,7 @@ def test_nvpmodel_status_file_created_then_removed(tree):
 def test_jetson_clocks_emulation(tree):
     root, run = tree
     before = snapshot(root)
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     assert not board.jetson_clocks.is_active()
     w = board.writer(run, io=FakeKernel())
     board.set_jetson_clocks(w, fan=True)
@@ -288,7 +288,7 @@ def test_jetson_clocks_emulation(tree):
 
 def test_tools_on_the_host_root_go_through_the_runner(tree):
     root, _ = tree
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     calls: list[list[str]] = []
 
     def runner(args, timeout, writer=None):
@@ -304,7 +304,7 @@ def test_tools_on_the_host_root_go_through_the_runner(tree):
 
 def test_a_dry_run_on_the_host_runs_no_tool(tree):
     root, _ = tree
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     lines: list[str] = []
     w = board.writer(root / "unused", dry_run=True, echo=lines.append)
     assert run_tool(["nvpmodel", "-m", "2"], 5.0, w) == ""     # nothing runs: nvpmodel is not installed here

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from power.hw.backends import SysfsBoard
+from power.runtime.board import open_board_at
 from power.hw.errors import BoardWriteError, RefusedWrite
 from power.hw.journal import JOURNAL_NAME, restore_run_dir
 from power.hw.sysfs import resolve
@@ -73,7 +74,7 @@ def test_any_write_sequence_then_restore_is_byte_identical(bench, steps, end_wit
         shutil.copytree(pristine, root, symlinks=True)
     shutil.rmtree(run, ignore_errors=True)
 
-    board = SysfsBoard(root)
+    board = open_board_at(root)
     files = sorted(board.writable())
     watched = [resolve(root, p) for p in files]
 
@@ -102,7 +103,7 @@ def test_any_write_sequence_then_restore_is_byte_identical(bench, steps, end_wit
             assert state() == before, f"{step} left a partial change"
         except SimulatedCrash:
             w.journal.close()  # the process dies holding nothing; a new one starts and recovers
-            board = SysfsBoard(root)
+            board = open_board_at(root)
             kernel = FakeKernel()
             w = board.writer(run, io=kernel)
             assert snapshot(root) == baseline

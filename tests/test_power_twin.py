@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 twin = pytest.importorskip("power.twin")
 
 from agent.cli import app  # noqa: E402
-from power.hw.backends import SysfsBoard  # noqa: E402
+from power.runtime.board import open_board_at  # noqa: E402
 from power.physics.boards import board_for  # noqa: E402
 from power.hw.discovery import discover  # noqa: E402
 from power_tree import snapshot  # noqa: E402
@@ -35,7 +35,7 @@ def test_twin_is_discovered_completely(tmp_path, board, l4t):
     assert info.gpu.available_hz == spec.gpu_hz
     assert [r.label for r in info.rails] == [r.label for r in spec.rails if r.label != "NC"]
     assert len(info.zones) == 9 and {z.name for z in info.zones} >= {"cpu", "gpu", "tj"}
-    assert SysfsBoard(tmp_path).nvpmodel.conf().default_id == spec.default_mode
+    assert open_board_at(tmp_path).nvpmodel.conf().default_id == spec.default_mode
 
 
 @pytest.mark.parametrize("board,l4t", CASES)
@@ -82,7 +82,7 @@ def test_agent_writes_are_seen_by_the_twin_and_restored(tmp_path, board, l4t):
     twin.create_twin(tmp_path / "root", board, l4t)
     root = tmp_path / "root"
     before = snapshot(root)
-    board_obj = SysfsBoard(root)
+    board_obj = open_board_at(root)
     w = board_obj.writer(tmp_path / "run")
     table = board_obj.info.gpu.available_hz
     board_obj.gpu.set_range(w, table[1], table[1])

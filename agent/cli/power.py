@@ -16,7 +16,7 @@ from rich.table import Table
 
 from agent.cli import profiles
 from agent.cli.common import cli_errors, root_option, run_dir_option
-from power.hw.backends import open_board
+from power.runtime.board import open_board_at
 from power.runtime.state import clear_state, describe_state, read_state
 from power.hw.journal import read_journal, restore_run_dir
 from power.hw.rootlock import BoardLock
@@ -104,7 +104,7 @@ def status(root: Path = root_option(),
     """Board, L4T, power mode, every clock (cur/min/max), zone temperatures, rails and total power, fan,
     and the power controller's profile, phase and last decision when a service runs."""
     with cli_errors():
-        board = open_board(_check_root(root), backend=backend)
+        board = open_board_at(_check_root(root), backend=backend)
         try:
             if not watch:
                 _emit(read_status(board), read_state(run_dir), json_out)

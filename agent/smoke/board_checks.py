@@ -13,11 +13,12 @@ from collections.abc import Callable
 from agent.smoke.context import BoardPicture, SmokeContext, read_files, settable_files, tree_files
 from agent.smoke.result import Outcome, SkipCheck, failed, passed, skipped
 from power.hw import sysfs
-from power.hw.backends import JTOP_SOCKET, SysfsBoard, jtop_available, open_board
+from power.hw.backends import JTOP_SOCKET, SysfsBoard, jtop_available
 from power.hw.errors import JournalError
 from power.hw.rootlock import BoardBusy
 from power.hw.writer import ClockWriter
 from power.physics.boards import board_for
+from power.runtime.board import open_board_at
 
 # L4T -> JetPack, from NVIDIA's JetPack archive (developer.nvidia.com/embedded/jetpack-archive).
 JETPACK = {"35.1": "5.0.2", "35.2.1": "5.1", "35.3.1": "5.1.1", "35.4.1": "5.1.2", "35.5.0": "5.1.3",
@@ -44,7 +45,7 @@ def check_identity(ctx: SmokeContext) -> Outcome:
     root = ctx.root
     if not os.path.isdir(root):
         return failed(f"--root {root}: no such directory", "pass the board's root (/) or a twin folder")
-    ctx.board = open_board(root)
+    ctx.board = open_board_at(root)
     ctx.before = BoardPicture(read_files(ctx.board.root, settable_files(ctx.board)),
                               tree_files(root) if ctx.twin else None)
     ident = ctx.board.info.identity

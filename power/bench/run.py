@@ -18,8 +18,8 @@ from pathlib import Path
 
 from power.runtime.loop import PowerLoop
 from power.runtime.applier import read_zone_samples
+from power.runtime.board import open_board_at
 from power.runtime.session import open_session
-from power.hw.backends import open_board
 from power.physics.boards import board_for
 from power.physics.costmodel import OperatingPoint, StepCost, decode_step, prefill_step
 from power.physics.exitcost import ExitRates, exit_decode_step
@@ -77,14 +77,14 @@ class PolicyRun:
         run_dir = root / "run" / "orin-agent"
         self.loop: PowerLoop | None = None
         if policy in BASELINES or policy.startswith(MODE_PREFIX):
-            self.board = open_board(root)
+            self.board = open_board_at(root)
             self.writer = self.board.writer(run_dir)
             if policy.startswith(MODE_PREFIX):      # a named nvpmodel mode under the stock governors
                 self.board.set_mode(policy[len(MODE_PREFIX):], self.writer)
             elif policy != "stock-default":
                 self.board.set_mode("MAXN", self.writer)
             if policy == "maxn+jetson_clocks":
-                open_board(root).set_jetson_clocks(self.writer)     # on the rediscovered MAXN tree
+                open_board_at(root).set_jetson_clocks(self.writer)     # on the rediscovered MAXN tree
         else:
             assert profile is not None, "a controller policy needs its profile"
             # the twin "reboots" for free: every policy runs at its profile's mode, as MAXN does above

@@ -6,8 +6,10 @@
   jetson_clocks / fan setters from jetson-stats' ``jtop`` service when it runs (root ``/`` only).
   jtop has no GPU/EMC/CPU frequency setters (ORIN.md), so those stay on sysfs.
 
-:func:`open_board` is the only place that chooses; :func:`default_runner` gives the board's tools their
-runner (the real tools on ``/``, the twin's on any other root). ``jtop`` is imported lazily: it is optional
+:func:`open_board` is the only place that chooses the backend. The tools' runner is the caller's: the
+real tools by default on the machine's own ``/``; on any other root (a twin tree) whoever opens it passes
+the twin's (power.runtime.board.open_board_at does), else :class:`power.hw.tools.NoTools` refuses them, so
+this layer never imports the simulator above it. ``jtop`` is imported lazily: it is optional
 (``pip install orin-agent[jetson]``) and AGPL; it is used only through its public API.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from power.hw.journal import DEFAULT_RUN_DIR, BoardIO, Journal
 from power.hw.nvpmodel import ModeChange, ModeReading, NvpModel
 from power.hw.rails import PowerRails, RailReading
 from power.hw.thermal import ThermalZones, ZoneReading
-from power.hw.tools import Runner, run_tool
+from power.hw.tools import NoTools, Runner, run_tool
 from power.hw.writer import ClockWriter
 
 log = logging.getLogger("orin_agent.power")
@@ -47,7 +49,8 @@ class SysfsBoard:
                  runner: Runner | None = None) -> None:
         self.info = info or discover(root)
         self.root = self.info.root
-        runner = runner if runner is not None else default_runner(self.root)
+        if runner is None:      # the caller's choice; without one, the real tools only on the host's own /
+            runner = run_tool if sysfs.root_is_host(self.root) else NoTools(self.root)
         self.gpu = GpuClock(self.root, self.info.gpu)
         self.emc = Emc(self.root, self.info.emc)
         self.cpu = CpuFreq(self.root, self.info.cpu)
@@ -211,15 +214,6 @@ def jtop_available(root: str | os.PathLike[str]) -> bool:
     """jtop can serve this root: the root is the host, jetson-stats is installed, its service runs."""
     return (sysfs.root_is_host(root) and importlib.util.find_spec("jtop") is not None
             and os.path.exists(JTOP_SOCKET))
-
-
-def default_runner(root: str | os.PathLike[str]) -> Runner:
-    """The real tools on the machine's own ``/``; on any other root (a twin tree) the twin's runner,
-    which has their effect on the tree's files."""
-    if sysfs.root_is_host(root):
-        return run_tool
-    from power.twin.runner import TwinRunner    # the twin sits above the hardware layer
-    return TwinRunner(root)
 
 
 def open_board(root: str | os.PathLike[str] = "/", *, backend: str = "auto",

@@ -1,9 +1,11 @@
 """NVIDIA's command-line tools (nvpmodel, jetson_clocks) behind one call signature, the ``Runner``.
 
-The hardware classes (power.hw.nvpmodel, power.hw.jetson_clocks) always call a runner: on the board
-:func:`run_tool` runs the real tool (timeouts, clear errors, nothing run in a dry run); on any other
-root the factory (power.hw.backends) hands them power.twin.runner.TwinRunner, which has the same
-effect on the tree's files through the caller's journal.
+The hardware classes (power.hw.nvpmodel, power.hw.jetson_clocks) always call a runner, the one whoever
+opens the board passes in: on the board :func:`run_tool` runs the real tool (timeouts, clear errors,
+nothing run in a dry run); on a twin tree the composition roots (power.runtime.board) pass
+power.twin.runner.TwinRunner, which has the same effect on the tree's files through the caller's
+journal. The hardware layer never picks the twin itself: a root that is not this machine's ``/`` opened
+without a runner gets :class:`NoTools`, which refuses every call.
 """
 from __future__ import annotations
 
@@ -54,3 +56,15 @@ def run_tool(args: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S, writer: 
         raise ToolError(f"`{cmd}` failed with exit code {proc.returncode}"
                         + (f": {detail[-1]}" if detail else ""))
     return proc.stdout
+
+
+class NoTools:
+    """The runner of a root that is not this machine's ``/`` when whoever opened it passed none: the real
+    tools would act on the host, not on the tree, so every call is refused with what to do instead."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def __call__(self, args: Sequence[str], timeout_s: float, writer: ClockWriter | None = None) -> str:
+        raise ToolError(f"`{' '.join(args)}` for {self.root}: NVIDIA's tools act on this machine's own /, not "
+                        f"on this tree; open the board with the tree's runner (power.runtime.board.open_board_at)")

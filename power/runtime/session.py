@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from power.runtime.applier import ClockApplier, read_zone_samples, tables_from_board
+from power.runtime.board import open_board_at, rediscover
 from power.runtime.loop import PowerLoop
-from power.hw.backends import SysfsBoard, open_board
+from power.hw.backends import SysfsBoard
 from power.hw.journal import DEFAULT_RUN_DIR as _JOURNAL_RUN_DIR
 from power.hw.writer import ClockWriter
 from power.physics.boards import BOARDS, NANO_SUPER, BoardSpec, board_for
@@ -102,7 +103,7 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
     prof = profile if isinstance(profile, Profile) else ProfileStore(
         None if profile_dir is None else os.fspath(profile_dir)).load(profile)
     prof = with_cap(prof, power_cap_w)
-    board = open_board(root)
+    board = open_board_at(root)
     writer = board.writer(run_dir, dry_run=dry_run, echo=echo, recover=recover)
     applier = ClockApplier(board, writer)
     spec = spec if spec is not None else spec_of(board)
@@ -113,7 +114,7 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
         if mode_key and applier.set_mode(mode_key, allow_reboot=allow_reboot_modes) \
                 and not dry_run:
             if board.backend == "sysfs":
-                board = SysfsBoard(board.root)       # rediscover: the mode changed caps and cores
+                board = rediscover(board)       # the mode changed caps and cores
                 applier.board = board
             applier.check_mode_caps(mode_key)
         if cores is not None and board.cpu.available:

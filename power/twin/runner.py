@@ -1,7 +1,7 @@
 """The twin's nvpmodel and jetson_clocks: a :class:`power.hw.tools.Runner` that has the tools' effect on
 a twin tree's files, through the caller's journal (so ``restore`` undoes it), in one transaction.
 
-The hardware classes call it exactly as they call the real tools on the board (power.hw.backends
+The hardware classes call it exactly as they call the real tools on the board (power.runtime.board
 picks it for any root that is not the machine's own ``/``):
 - ``nvpmodel -m N``: the mode's settings from the tree's nvpmodel.conf, written the way nvpmodel
   writes them, and the mode recorded in ``<root>/var/lib/nvpmodel/status`` in nvpmodel's own format
