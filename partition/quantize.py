@@ -52,7 +52,9 @@ def quantize_weight(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor, Tensor]
     n, k = w.shape
     gs = k if spec.group_size == -1 else spec.group_size
     if k % gs:
-        raise ValueError(f"in_features {k} is not a multiple of the group size {gs}")
+        fits = [g for g in (128, 64, 32) if k % g == 0]
+        raise ValueError(f"in_features {k} is not a multiple of the group size {gs}"
+                         + (f": pass --group {fits[0]}" if fits else ": pass --group -1 (per channel)"))
     maxq = 2 ** spec.bits - 1
     wg = w.detach().float().reshape(n, k // gs, gs)
     if spec.sym:  # zero in the middle; amax maps to +-(2^(bits-1) - 1), so nothing is clipped
@@ -111,7 +113,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, spec: QuantS
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.resolve() == model_dir.resolve():
         raise ValueError(f"--out {out_dir} is the source checkpoint; pick another folder")
-    model = load_model(model_dir)
+    model = load_model(model_dir, dequantize=True)  # a GGUF file: re-quantised from its dequantised weights
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ValueError(f"{model_dir} is already quantised")
     state = {k: v.detach().half().contiguous() for k, v in model.state_dict().items()}

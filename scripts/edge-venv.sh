@@ -16,6 +16,6 @@ fi
 "$dir/bin/python" -m pip install -q --upgrade pip
 # torch by version: the CPU build lies on this kind of machine's disk (no multi-GB CUDA download).
 "$dir/bin/python" -m pip install -q torch==2.13.0
-"$dir/bin/python" -m pip install -q "numpy>=1.24,<2" "nvidia-pytriton==0.7.0" "safetensors>=0.4" "tokenizers>=0.15"
+"$dir/bin/python" -m pip install -q "numpy>=1.24,<2" "nvidia-pytriton==0.7.0" "safetensors>=0.4" "tokenizers>=0.15" "gguf>=0.10"
 "$dir/bin/python" -c "$check"
 echo "edge venv ready: $dir"

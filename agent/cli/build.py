@@ -21,7 +21,8 @@ def build(
                                          "contiguous from 0 to the last layer (e.g. 0:4,4:8). Default: one slice."),
     out: Path = typer.Option(..., "--out", help="Folder for the ONNX files and manifest.json."),
     model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help="Checkpoint folder (config.json, "
-                               "*.safetensors). Default: the shipped small model."),
+                               "*.safetensors), .gguf file (its blocks dequantised: the slices are float graphs) or "
+                               "model alias. Default: the shipped small model."),
     exporter: str = typer.Option("torchscript", "--exporter", help="torchscript (legacy, default: what "
                                  "TensorRT 8.5 parses) or dynamo."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Compare each slice with the torch "
@@ -57,6 +58,9 @@ def build(
     from partition.build.trt_versions import rules_for
 
     with cli_errors():
+        from partition.gguf.folder import is_gguf_ref, resolve_model
+
+        model = resolve_model(model) if is_gguf_ref(model) else model  # a .gguf file or an alias: its folder
         if not model.is_dir():
             hint = " (the shipped model is not there yet: pass --model DIR)" if model == DEFAULT_MODEL_DIR else ""
             raise FileNotFoundError(f"model folder {model} does not exist{hint}")

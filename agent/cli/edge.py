@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from agent.cli.common import cli_errors, print_json
+from agent.cli.options import MODEL_HELP
 from partition.paths import DEFAULT_MODEL_DIR
 
 
@@ -26,7 +27,7 @@ def _first_layer(layers: str, n_layers: int) -> int:
 
 
 def edge(
-    model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help="Checkpoint folder."),
+    model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help=MODEL_HELP),
     layers: str = typer.Option("1:", "--layers", help="A:L — serve layers A..L-1; a device may split at any "
                                "N >= A (default 1: every split)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address Triton listens on (0.0.0.0: all)."),
@@ -51,9 +52,11 @@ def edge(
 ) -> None:
     """Serve the deep layers on Triton Inference Server until interrupted."""
     from partition.config import load_config
+    from partition.gguf.folder import resolve_model
     from partition.offload.launch import EdgeOptions, EdgeServer, serve_forever
 
     with cli_errors():
+        model = resolve_model(model)  # a .gguf file or an alias: its model folder
         first = _first_layer(layers, load_config(model).n_layers)
         if bool(tls_cert) != bool(tls_key):
             raise ValueError("--tls-cert and --tls-key go together")

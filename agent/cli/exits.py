@@ -9,6 +9,7 @@ import typer
 
 from agent.cli.common import cli_errors, print_json
 from agent.cli.options import MODEL_HELP
+from partition.gguf.folder import resolve_model
 from partition.paths import DEFAULT_MODEL_DIR
 
 
@@ -25,6 +26,7 @@ def train_exits(
     from partition.exits.train import TrainOptions, default_layers, train_exits as run
 
     with cli_errors():
+        model = resolve_model(model)  # a .gguf file or an alias: its model folder (the heads are saved there)
         try:
             chosen = tuple(int(v) for v in layers.split(",")) if layers else \
                 default_layers(load_config(model).n_layers)
@@ -55,6 +57,7 @@ def calibrate(
     from partition.exits.calibrate import CalibrateOptions, calibrate as run
 
     with cli_errors():
+        model = resolve_model(model)
         first, *rest = max_disagreement
         entries = run(model, CalibrateOptions(first, confidence, prompts), progress=not as_json,
                       more_targets=tuple(rest))

@@ -13,8 +13,8 @@ from partition.paths import DEFAULT_MODEL_DIR
 
 
 def quantize(
-    model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help="Checkpoint folder to quantise; default: "
-                               "the shipped model."),
+    model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help="Checkpoint folder, .gguf file or model alias "
+                               "to quantise (a GGUF's blocks are dequantised first); default: the shipped model."),
     bits: int = typer.Option(..., "--bits", help="4 or 8."),
     group: Optional[int] = typer.Option(None, "--group", help="Group size along the input dimension "
                                         "(-1 = per output channel). Default: 128 for 4 bits, -1 for 8 bits."),
@@ -25,8 +25,10 @@ def quantize(
     """Quantise MODEL's decoder projections (round-to-nearest) and write a GPTQ-layout checkpoint."""
     from partition.quantize import default_spec, quantize_checkpoint
 
+    from partition.gguf.folder import resolve_model
+
     with cli_errors():
-        summary = quantize_checkpoint(model, out, default_spec(bits, group))
+        summary = quantize_checkpoint(resolve_model(model), out, default_spec(bits, group))
     if as_json:
         print_json(asdict(summary))
         return

@@ -51,7 +51,7 @@ def build_slices(model_dir: str | Path, slices: str | Sequence[SliceSpec] | None
     specs = resolve_slices(model_dir, slices)
     digest = model_hash(model_dir)
     refuse_export(model_dir)
-    model = load_model(model_dir)
+    model = load_model(model_dir, dequantize=True)  # a GGUF's blocks as floats: the slices are float graphs
     out_dir.mkdir(parents=True, exist_ok=True)
     stale = out_dir / MANIFEST
     if stale.exists():

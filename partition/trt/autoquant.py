@@ -116,7 +116,7 @@ def auto_precision(model_dir: Path, budget: float, rows: int = 16, seq: int = 12
     """Measure, choose and check a per-layer weight-only plan for the checkpoint in `model_dir` (fp32, CPU)."""
     if budget < 0:
         raise ValueError(f"the perplexity budget must be >= 0, not {budget}")
-    model = load_model(model_dir).eval()
+    model = load_model(model_dir, dequantize=True).eval()  # a GGUF file: measured from its dequantised weights
     if ids is None:
         tok = Tokenizer.from_dir(model_dir, model.config)
         ids = calibration_ids(tok.encode(held_out_text(model_dir, rows * (seq + 1) * 8)), rows, seq)
