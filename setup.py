@@ -27,6 +27,7 @@ setup(
         "typer>=0.12",
         "rich>=13",
         "tqdm>=4.66",
+        "gguf>=0.10",  # llama.cpp's reader of GGUF model files (partition/gguf)
         "scipy>=1.10",  # binomial tail bounds of the exit calibration (partition/exits/calibrate.py)
         "fastapi>=0.110",
         "uvicorn>=0.29",
@@ -37,7 +38,8 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "openai>=1.30",
+        # accelerate: transformers' GGUF loader needs it (tests hold partition/gguf against it)
+        "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "accelerate>=0.26", "openai>=1.30",
                  "vermin>=1.6", "tomli>=2.0", "schemathesis>=4.0"],  # the 3.10 checks run under 3.11 too
         # TensorRT itself comes from JetPack's apt packages (python3-libnvinfer), never pip.
         "jetson": ["jetson-stats>=4.2"],
