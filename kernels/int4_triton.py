@@ -128,7 +128,7 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, sb_ptr, out_ptr, M, N, KS, STEPS_SPLIT, stride_xm,
-                     GROUP: tl.constexpr, TN: tl.constexpr, EVEN: tl.constexpr):
+                     GROUP: tl.constexpr, TN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
         """out[split, m, rows] = partial sums of x[m] . w[rows] over this split's steps (layout: the module
         docstring). Grid: (M, tiles, split); M fastest, so the programs of one weight tile run together
         and a second row's read of it hits L2. EVEN: N a multiple of TN (no store mask)."""
@@ -146,7 +146,7 @@ if triton is not None:
         acc = tl.zeros((TN, 2), tl.float32)
         lo = pid_s * STEPS_SPLIT
         hi = tl.minimum(lo + STEPS_SPLIT, KS)
-        for st in range(lo, hi):
+        for st in tl.range(lo, hi, num_stages=STAGES):  # cp.async ring: STAGES - 1 steps in flight
             w = tl.load(w_tile + st * (TN * 8), eviction_policy="evict_first")  # TN * 32 contiguous bytes
             blk = st * 2 + bi  # (2,) the step's 32-column blocks
             xcol = blk[:, None] * 32 + ji[None, :]  # (2, 4): columns of plane 0
@@ -211,15 +211,15 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemv_config(n: int, k: int, sms: int, tile_n: int = TILE_N) -> tuple[int, int]:
-    """(num_warps, split) for an (N, K) weight on a GPU of `sms` multiprocessors: split-K until there are
-    ~4 programs per SM, keeping each split at least 4 steps long."""
+def gemv_config(n: int, k: int, sms: int, tile_n: int = TILE_N) -> tuple[int, int, int]:
+    """(num_warps, split, stages) for an (N, K) weight on a GPU of `sms` multiprocessors: split-K until
+    there are ~4 programs per SM, keeping each split at least 4 steps long."""
     ks = k // (8 * STEP_WORDS)
     tiles = -(-n // tile_n)
     split = 1
     while tiles * split < 4 * sms and ks // (split * 2) >= 4:
         split *= 2
-    return 4, split
+    return 4, split, 4
 
 
 @torch.library.custom_op("orin_agent::int4_gemv", mutates_args=())
@@ -227,10 +227,10 @@ def int4_gemv(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, spl
     """Partial sums (split, M, N) fp32 of x (M, K) @ W^T for the packed W (codes, sb) of N rows."""
     m, k = x.shape
     nt, ks, tn, _ = codes.shape
-    warps, _ = gemv_config(n, k, 132, tn)
+    warps, _, stages = gemv_config(n, k, 132, tn)
     out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     _gemv_kernel[(m, nt, split)](x, codes, sb, out, m, n, ks, -(-ks // split), x.stride(0), GROUP=group_size,
-                                 TN=tn, EVEN=n % tn == 0, num_warps=warps)
+                                 TN=tn, EVEN=n % tn == 0, STAGES=stages, num_warps=warps)
     return out
 
 

@@ -72,10 +72,10 @@ def copies_for(nbytes: int) -> int:
 
 
 def _gemv_launch(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, n: int, group: int, warps: int, split: int,
-                 out: torch.Tensor) -> None:
+                 stages: int, out: torch.Tensor) -> None:
     nt, ks, tn, _ = codes.shape
     it._gemv_kernel[(x.shape[0], nt, split)](x, codes, sb, out, x.shape[0], n, ks, -(-ks // split), x.stride(0),
-                                             GROUP=group, TN=tn, EVEN=n % tn == 0, num_warps=warps)
+                                             GROUP=group, TN=tn, EVEN=n % tn == 0, STAGES=stages, num_warps=warps)
 
 
 def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sweep: bool, bw: float,
@@ -144,17 +144,20 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
         sec = graph_time([lambda w=w: F.linear(x, w) for w in bfs], 4 * nbf)
         row("bf16 F.linear", m, sec, bf.numel() * 2, rel(F.linear(x, bf)))
         if sweep and m == 1:
-            part = torch.empty(64, 1, n, device=dev)
-            base = it.gemv_split(n, k, x.device)
-            for tn in (256, 512, 128):
+            part = torch.empty(128, 1, n, device=dev)
+            ks = k // 64
+            for tn in (256, 512):
                 packed = [it.pack(q, s, zeros=z, tile_n=tn) for _ in range(nc)] if tn != it.TILE_N else mine
-                for warps in (4, 8) if tn >= 256 else (2, 4):
-                    for sp in sorted({max(1, base // 2), base, base * 2, base * 4}):
-                        if k // 64 // sp < 2:
-                            continue
-                        sec = graph_time([lambda c=c, b=b: _gemv_launch(x, c, b, n, group, warps, sp, part)
-                                          for c, b in packed], 4 * nc)
-                        row(f"  sweep tn{tn} w{warps} s{sp}", m, sec, int4_bytes, config=[tn, warps, sp])
+                for warps in (4, 8) if tn == 512 else (4,):
+                    for stages in (2, 3, 4):
+                        for per in (16, 8, 4, 2):  # steps per split
+                            sp = max(1, ks // per)
+                            if sp > 128 or (per == 16 and ks < 16):
+                                continue
+                            sec = graph_time([lambda c=c, b=b: _gemv_launch(x, c, b, n, group, warps, sp, stages, part)
+                                              for c, b in packed], 4 * nc)
+                            row(f"  sweep tn{tn} w{warps} st{stages} s{sp}", m, sec, int4_bytes,
+                                config=[tn, warps, stages, sp])
                 del packed
     del mine, tiny, bfs, gls
     torch.cuda.empty_cache()

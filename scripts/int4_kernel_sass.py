@@ -32,11 +32,12 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
 
     rows = []
     n, k = SHAPE
-    warps, split = it.gemv_config(n, k, 132)
+    warps, split, stages = it.gemv_config(n, k, 132)
     tn = it.TILE_N
     for act, even in (("bf16", True), ("bf16", False), ("fp16", True)):
         ptrs = {"x_ptr": f"*{act}", "w_ptr": "*i32", "sb_ptr": "*fp16", "out_ptr": "*fp32"}
-        kern = compile_kernel(it._gemv_kernel, ptrs, {"GROUP": group, "TN": tn, "EVEN": even}, arch, warps, 1)
+        kern = compile_kernel(it._gemv_kernel, ptrs, {"GROUP": group, "TN": tn, "EVEN": even, "STAGES": stages},
+                              arch, warps, stages)
         usage = cuobjdump(kern, "--dump-resource-usage")
         ops = main_loop_opcodes(cuobjdump(kern, "-sass"))
         weights = tn * it.STEP_WORDS * 8 / (warps * 32)  # packed weights per thread per loop step

@@ -53,7 +53,7 @@ def test_pack_round_trips_codes_and_rejects_bad_shapes() -> None:
 
 def test_gemv_config_fills_the_gpu_with_long_enough_splits() -> None:
     for n, k in ((1024, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (576, 576), (49152, 576)):
-        _, split = it.gemv_config(n, k, 132)
+        _, split, _ = it.gemv_config(n, k, 132)
         steps = k // 64 // split
         assert split == 1 or steps >= 4, (n, k, split)
         assert split == 1 or -(-n // it.TILE_N) * split <= 8 * 132, (n, k, split)
