@@ -82,16 +82,16 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str, source: str) -> 
 
 def derive_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """SentencePiece BPE stores scores, not merges: every split of a token into two vocabulary pieces is a
-    merge, ranked by the merged token's score (higher first), then by piece lengths and ids."""
+    merge, ranked by the merged token's score, then the pieces' lengths (both higher first); within one
+    token by the pieces' ids. The order of transformers' tokenization_utils_base.generate_merges."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    found: list[tuple[float, int, int, int, int, str, str]] = []
+    found: list[tuple[str, str, float]] = []
     for tok, score in zip(tokens, scores):
-        for cut in range(1, len(tok)):
-            left, right = tok[:cut], tok[cut:]
-            if left in vocab and right in vocab:
-                found.append((-score, len(left), len(right), vocab[left], vocab[right], left, right))
-    found.sort()
-    return [(f[5], f[6]) for f in found]
+        local = sorted(((tok[:c], tok[c:]) for c in range(1, len(tok)) if tok[:c] in vocab and tok[c:] in vocab),
+                       key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        found.extend((left, right, score) for left, right in local)
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)  # stable: ties keep the order above
+    return [(m[0], m[1]) for m in found]
 
 
 def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[float] | None,
