@@ -53,7 +53,7 @@ except ImportError:  # CPU-only installs: QuantLinear uses tinygemm / the refere
 
 BLOCK_COLS = 32  # columns per 4-word block of the packed layout
 STEP_WORDS = 8  # packed words per row per GEMV step: two blocks, 32 bytes (a whole sector)
-TILE_N = 256  # rows per tile of the layout: one GEMV step reads TILE_N * 32 contiguous bytes
+TILE_N = 512  # rows per tile for N >= 4096 (128 below): one GEMV step reads tile * 32 contiguous bytes
 GEMV_MAX_M = 4  # up to this many rows the GEMV (one pass over the codes per row, L2-shared); above, dequant + cuBLAS
 
 
@@ -66,12 +66,19 @@ def supports(n: int, k: int, group_size: int) -> bool:
     return k % (8 * STEP_WORDS) == 0 and group_size % BLOCK_COLS == 0 and k % group_size == 0 and n > 0
 
 
+def tile_rows(n: int) -> int:
+    """Rows per tile for an N-row weight: 512 for big layers (measured best on an H200 for N = 4096 ..
+    128256, docs/BENCHMARKS.md), 128 for small ones, where a 512-row tile would be mostly padding."""
+    return TILE_N if n >= 4096 else 128
+
+
 def pack(q: Tensor, scales: Tensor, zeros: Tensor | None = None, mins: Tensor | None = None,
-         tile_n: int = TILE_N) -> tuple[Tensor, Tensor]:
+         tile_n: int | None = None) -> tuple[Tensor, Tensor]:
     """Codes q (N, K) in [0, 16), scales (N, G) and either integer/float zero points (w = (q - z) * s) or
     float minimums (w = q * s + m) -> (codes int32 (NT, K / 64, tile_n, 8), sb fp16 (NT, G, tile_n, 2)),
-    NT = ceil(N / tile_n), rows past N zero (their s and b too)."""
+    NT = ceil(N / tile_n), rows past N zero (their s and b too); tile_n defaults to tile_rows(N)."""
     n, k = q.shape
+    tile_n = tile_rows(n) if tile_n is None else tile_n
     if k % (8 * STEP_WORDS):
         raise ValueError(f"INT4 Triton layout needs K a multiple of {8 * STEP_WORDS}, got K={k}")
     if (zeros is None) == (mins is None):
@@ -211,15 +218,18 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemv_config(n: int, k: int, sms: int, tile_n: int = TILE_N) -> tuple[int, int, int]:
-    """(num_warps, split, stages) for an (N, K) weight on a GPU of `sms` multiprocessors: split-K until
-    there are ~4 programs per SM, keeping each split at least 4 steps long."""
+def gemv_config(n: int, k: int, sms: int, tile_n: int | None = None) -> tuple[int, int, int]:
+    """(num_warps, split, stages) for an (N, K) weight on a GPU of `sms` multiprocessors. Each step is a
+    dependent load + ~0.3 us of arithmetic, so short programs and many of them win: split-K (a power of
+    two) down to 2 steps per split, up to ~16 programs per SM. On an H200 (sweeps in docs/BENCHMARKS.md)
+    this picked the best of 4 tile / split settings for every Llama-3-8B shape; a cp.async pipeline
+    (stages > 1) measured 1.3-1.6x slower, so the loop is plain."""
     ks = k // (8 * STEP_WORDS)
-    tiles = -(-n // tile_n)
+    tiles = -(-n // (tile_rows(n) if tile_n is None else tile_n))
     split = 1
-    while tiles * split < 4 * sms and ks // (split * 2) >= 4:
+    while ks // (split * 2) >= 2 and tiles * split * 2 <= 16 * sms:
         split *= 2
-    return 4, split, 4
+    return 4, split, 1
 
 
 @torch.library.custom_op("orin_agent::int4_gemv", mutates_args=())

@@ -100,8 +100,8 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales_zeros", torch.stack([s.T, zero.T], dim=-1).to(act).contiguous())  # (G, N, 2)
         elif self.kernel == "int4_triton":
             codes, sb = int4_triton.pack(q, scales, zeros=None if mins is not None else zeros, mins=mins)
-            self.register_buffer("weight", codes)  # int32 (N / 256, K / 64, 256, 8): kernels.int4_triton's tiles
-            self.register_buffer("sb", sb)  # fp16 (N / 256, G, 256, 2): scale and offset per row and group
+            self.register_buffer("weight", codes)  # int32 (N / T, K / 64, T, 8): kernels.int4_triton's row tiles
+            self.register_buffer("sb", sb)  # fp16 (N / T, G, T, 2): scale and offset per row and group
             self.split = int4_triton.gemv_split(self.out_features, self.in_features, device)  # GEMV split-K
         else:
             self.register_buffer("weight", q.to(torch.uint8).contiguous())

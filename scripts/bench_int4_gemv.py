@@ -147,7 +147,7 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
             part = torch.empty(128, 1, n, device=dev)
             ks = k // 64
             for tn in (256, 512):
-                packed = [it.pack(q, s, zeros=z, tile_n=tn) for _ in range(nc)] if tn != it.TILE_N else mine
+                packed = [it.pack(q, s, zeros=z, tile_n=tn) for _ in range(nc)] if tn != it.tile_rows(n) else mine
                 for warps in (4, 8) if tn == 512 else (4,):
                     for stages in (2, 3, 4):
                         for per in (16, 8, 4, 2):  # steps per split

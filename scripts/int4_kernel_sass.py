@@ -33,7 +33,7 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
     rows = []
     n, k = SHAPE
     warps, split, stages = it.gemv_config(n, k, 132)
-    tn = it.TILE_N
+    tn = it.tile_rows(n)
     for act, even in (("bf16", True), ("bf16", False), ("fp16", True)):
         ptrs = {"x_ptr": f"*{act}", "w_ptr": "*i32", "sb_ptr": "*fp16", "out_ptr": "*fp32"}
         kern = compile_kernel(it._gemv_kernel, ptrs, {"GROUP": group, "TN": tn, "EVEN": even, "STAGES": stages},
