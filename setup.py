@@ -49,5 +49,5 @@ setup(
         # GPU kernels of the INT8 KV-cache (kernels/kv_triton.py); CUDA builds of torch bring it already.
         "triton": ["triton>=3.2"],
     },
-    entry_points={"console_scripts": ["orin-agent=agent.cli:main"]},
+    entry_points={"console_scripts": ["orin-agent=agent.boot:main"]},  # SIGTERM handled from the first line
 )

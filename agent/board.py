@@ -109,6 +109,9 @@ def recover_board(run_dir: str | os.PathLike[str], root: str | os.PathLike[str])
     under run_dir). Returns the number of files restored."""
     journal = Journal(run_dir, root, recover=False)
     try:
+        if journal.stale_temps:
+            log.warning("removed %d temp file(s) a killed write left: %s", len(journal.stale_temps),
+                        ", ".join(journal.stale_temps))
         n = len(journal.entries)
         if n:
             log.warning("a previous run left %d board file(s) changed (journal in %s): restoring them first",

@@ -22,7 +22,7 @@ import uvicorn
 
 from agent.api.openai import Limits, prompt_char_limit
 from agent.api.routes import ApiState, create_app
-from agent.api.server import server_config
+from agent.api.server import DrainingServer, server_config
 from agent.board import BoardReader, EnergyMeter, TwinDriver, is_orin, make_twin_root, recover_board, restore_board
 from power.runtime.controller import PowerController
 from power.hw.rootlock import BoardLock
@@ -258,7 +258,7 @@ class Service:
                                graceful_s=cfg.shutdown_grace_s + GRACE_BACKSTOP_S)
         service = self
 
-        class _Server(uvicorn.Server):
+        class _Server(DrainingServer):
             # uvicorn installs these only on the main thread (serve_forever), never in a test thread.
             def handle_exit(self, sig: int, frame: Any) -> None:  # SIGTERM / SIGINT
                 if not self.should_exit:

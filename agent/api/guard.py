@@ -23,6 +23,7 @@ OPEN_PATHS = {"/health"}
 JSON_PATHS = {"/v1/completions", "/v1/chat/completions"}
 UNCOUNTED_PATHS = {"/health", "/ready"}  # cheap probes: answered even when the request limit is reached
 BUSY_RETRY_AFTER_S = 1
+STOPPING_RETRY_AFTER_S = 5  # what completions' EngineStopped answer says too: a restart takes seconds
 BODY_TIMEOUT_S = 30.0  # server.body_timeout_s: from the headers to the body's last byte
 CLIENT_CLOSED = 499    # the status counted for a client that left before its answer (nginx's "client closed request")
 
@@ -36,13 +37,15 @@ class GuardMiddleware:
     def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int,
                  on_http: Callable[[str, int], None], max_in_flight: int = 0,
                  host_names: tuple[str, ...] = (), body_timeout_s: float = BODY_TIMEOUT_S,
-                 on_disconnect: Callable[[str, str], None] | None = None) -> None:
+                 on_disconnect: Callable[[str, str], None] | None = None,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self.app, self.token, self.max_body_bytes, self.on_http = app, token, max_body_bytes, on_http
         self.max_in_flight = max_in_flight  # 0: no limit
         self.in_flight = 0  # requests whose body is in, being answered (the event loop's thread only)
         self.host_names = frozenset(host_names)  # empty: any Host
         self.body_timeout_s = body_timeout_s
         self.on_disconnect = on_disconnect or (lambda endpoint, stage: None)
+        self.stopping = stopping  # the service began to stop: every new request gets 503 + Retry-After
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -68,6 +71,11 @@ class GuardMiddleware:
             body = await self._read_body(scope, receive, endpoint, counting_send)
             if isinstance(body, int):  # answered (408, 413), or the client left (counted as 499)
                 status["code"] = body
+                return
+            if self.stopping() and path not in UNCOUNTED_PATHS:  # /health, /ready say so themselves
+                await _json(counting_send, 503, error_body("the service is stopping; retry shortly (another "
+                                                           "instance, or this one once restarted)", "server_error"),
+                            {"retry-after": str(STOPPING_RETRY_AFTER_S), "connection": "close"})
                 return
             counted = path not in UNCOUNTED_PATHS
             if counted:

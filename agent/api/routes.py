@@ -31,7 +31,8 @@ def create_app(state: ApiState) -> FastAPI:
     add_body_components(app, (CompletionBody, ChatBody))
     return GuardMiddleware(app, state.token, state.max_body_bytes, state.metrics.on_http,
                            state.max_in_flight, state.host_names, state.body_timeout_s,
-                           state.metrics.on_disconnect)  # type: ignore[return-value]
+                           state.metrics.on_disconnect,
+                           lambda: not state.engine.accepting)  # type: ignore[return-value]
 
 
 def add_status_routes(app: FastAPI, state: ApiState) -> None:

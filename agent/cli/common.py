@@ -3,6 +3,7 @@ code (never a traceback), printing JSON for scripts, and the board options (``--
 ``--profile-dir``) whose defaults are power.runtime.session's constants."""
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from contextlib import contextmanager
@@ -14,15 +15,36 @@ import typer
 from power.runtime.session import DEFAULT_PROFILE_DIR, DEFAULT_ROOT, DEFAULT_RUN_DIR
 
 
+# Exit statuses: 2 is a usage or configuration error (systemd/orin-agent.service's
+# RestartPreventExitStatus=2: retrying cannot fix it); 75 is a temporary failure that can pass, such as
+# a full disk (EX_TEMPFAIL in BSD's sysexits.h: "the user is invited to retry"), which the unit's
+# Restart=on-failure retries.
+EXIT_USAGE, EXIT_TEMPFAIL = 2, 75
+TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A full disk (or quota) anywhere in the error's chain of causes."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 @contextmanager
 def cli_errors() -> Iterator[None]:
     """Our error types are ValueError / OSError subclasses whose messages say what was wrong and what to
-    do: print that and exit 2. Anything else is a bug and keeps its traceback."""
+    do: print that and exit 2 (75 when it can pass by itself: a full disk). Anything else is a bug and
+    keeps its traceback."""
     try:
         yield
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_TEMPFAIL if is_transient(exc) else EXIT_USAGE) from None
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None

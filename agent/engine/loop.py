@@ -98,6 +98,11 @@ class EngineLoop:
         with self._lock:
             self._accepting = False
 
+    @property
+    def accepting(self) -> bool:
+        """False once the service began to stop: new requests are answered 503."""
+        return self._accepting
+
     def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is queued or running (True), or the timeout passed (False)."""
         end = time.monotonic() + timeout

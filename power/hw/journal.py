@@ -15,9 +15,11 @@ import base64
 import contextlib
 import errno
 import fcntl
+import glob
 import json
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +42,8 @@ _ERRNO_HINT = {
     errno.EISDIR: "it is a directory, not a file",
     errno.ENOENT: "no such file",
     errno.EBUSY: "device busy",
+    errno.ENOSPC: "no space left on the device (free some space there; the service retries: exit 75)",
+    errno.EDQUOT: "disk quota exceeded (free some space there; the service retries: exit 75)",
 }
 
 
@@ -146,14 +150,19 @@ class RestoreReport:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a kill leaves it: Journal() removes it next time
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     dfd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dfd)
@@ -299,6 +308,7 @@ class Journal:
             raise
         try:
             self._entries: list[JournalEntry] = []
+            self.stale_temps = list(_remove_temps(self.run_dir.glob(".*.tmp")))  # a killed atomic write's
             found = read_journal(self.run_dir)
             if found is not None:
                 old_root, entries = found
@@ -307,6 +317,12 @@ class Journal:
                         f"the journal in {self.run_dir} belongs to root {old_root}, not {self.root}; run "
                         f"`orin-agent power restore --root {old_root} --run-dir {self.run_dir}` first")
                 self._entries = list(entries)
+                # BoardIO's replace of a plain file (a twin's) killed between its temp file and the rename
+                for e in entries:
+                    host = sysfs.resolve(self.root, e.path)
+                    if not os.path.abspath(host).startswith(KERNEL_TREES):
+                        pattern = glob.escape(os.path.basename(host)) + ".*.tmp"
+                        self.stale_temps += _remove_temps(Path(host).parent.glob(pattern))
                 if recover:
                     self.restore()
         except BaseException:
@@ -326,8 +342,12 @@ class Journal:
             os.close(fd)
             raise JournalError(f"another process (pid {holder}) is changing the board through "
                                f"{self.run_dir}; stop it or use another --run-dir") from exc
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            os.close(fd)
+            raise JournalError(describe_os_error(exc, "write", str(path))) from exc
         self._lock_fd = fd
 
     @property
@@ -392,6 +412,17 @@ class Journal:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _remove_temps(paths: Iterable[Path]) -> list[str]:
+    """Remove the given temp files (each a killed writer's, never a live one's: the caller holds the
+    locks); returns their paths."""
+    gone = []
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            gone.append(str(p))
+    return gone
 
 
 def restore_run_dir(run_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None = None,
