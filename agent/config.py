@@ -295,10 +295,16 @@ _REMOVED = {("board", "lock_dir"): "the board lock is always <root>/run/lock/ori
 
 
 def read_token_file(path: str, where: str) -> str:
+    """The token in ``path``; refused when other users may read or write the file (as OpenSSH refuses
+    a private key with any group or other permission bit), naming the chmod that fixes it."""
     try:
+        mode = os.stat(path).st_mode & 0o777
         token = Path(path).read_text(encoding="utf-8").strip()
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read the token file {path}: {exc.strerror}") from None
+    if mode & 0o077:
+        raise ConfigError(f"{where}: the token file {path} is open to other users (mode {mode:04o}); run "
+                          f"`chmod 600 {path}`")
     if not token:
         raise ConfigError(f"{where}: the token file {path} is empty")
     return token

@@ -119,6 +119,11 @@ def test_config_file_flags_and_errors_name_the_key(tmp_path: Path) -> None:
     tok = tmp_path / "token"
     tok.write_text("abc\n")
     f.write_text(f'[server]\nport = 9000\ntoken_file = "{tok}"\n[limits]\nmax_batch = 2\n')
+    tok.chmod(0o644)  # readable by anyone: refused, naming the fix
+    with pytest.raises(ConfigError, match=f"token file {tok} is open to other users \\(mode 0644\\); run "
+                                          f"`chmod 600 {tok}`"):
+        load_config(f)
+    tok.chmod(0o600)
     cfg = load_config(f)
     assert (cfg.port, cfg.token, cfg.max_batch, cfg.host) == (9000, "abc", 2, "127.0.0.1")
     assert cfg.replace(port=0, host=None).port == 0
