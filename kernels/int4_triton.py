@@ -179,12 +179,13 @@ if triton is not None:
             tl.store(out_ptr + (pid_s * M + pid_m) * N + rows, out, mask=rows < N)
 
     @triton.jit
-    def _dequant_kernel(w_ptr, sb_ptr, out_ptr, N, KS, GROUP: tl.constexpr, TN: tl.constexpr):
-        """out (N, K) = q * s + b in out's dtype, one (tile, step) per program: TN * 32 bytes of codes
-        in, TN rows of 64 consecutive values out (the eight planes interleaved back in registers)."""
+    def _dequant_kernel(w_ptr, sb_ptr, out_ptr, N, KS, GROUP: tl.constexpr, TN: tl.constexpr, RB: tl.constexpr):
+        """out (N, K) = q * s + b in out's dtype, one (tile, step, RB-row chunk) per program: RB * 32
+        contiguous bytes of codes in, RB rows of 64 consecutive values out (the eight planes
+        interleaved back in registers)."""
         pid_t = tl.program_id(0)
         st = tl.program_id(1)
-        r = tl.arange(0, TN)
+        r = tl.program_id(2) * RB + tl.arange(0, RB)
         bi = tl.arange(0, 2)
         ji = tl.arange(0, 4)
         n_groups = (KS * 64) // GROUP
@@ -207,7 +208,7 @@ if triton is not None:
         p7 = (_plane(w, w_hi, 7) * s + b).to(dt)
         # (TN, 2, 4 j, 2 c, 2 b, 2 a) with plane 4a + 2b + c, then (TN, block, a, b, c, j): column 32 block + 4 i + j
         v = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
-        v = tl.reshape(tl.permute(v, (0, 1, 5, 4, 3, 2)), (TN, 64))
+        v = tl.reshape(tl.permute(v, (0, 1, 5, 4, 3, 2)), (RB, 64))
         rows = pid_t * TN + r
         cols = st * 64 + tl.arange(0, 64)
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * (KS * 64) + cols[None, :], v, mask=(rows < N)[:, None])
@@ -254,7 +255,8 @@ def int4_dequant(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torc
     """The (N, K) weight q * s + b in `dtype` from the packed (codes, sb)."""
     nt, ks, tn, _ = codes.shape
     out = torch.empty((n, ks * 64), device=codes.device, dtype=dtype)
-    _dequant_kernel[(nt, ks)](codes, sb, out, n, ks, GROUP=group_size, TN=tn, num_warps=4)
+    rb = min(tn, 256)  # rows per program: 256 measured at 72-87 % of the copy rate on an H200
+    _dequant_kernel[(nt, ks, tn // rb)](codes, sb, out, n, ks, GROUP=group_size, TN=tn, RB=rb, num_warps=4)
     return out
 
 

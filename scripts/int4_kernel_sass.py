@@ -52,7 +52,7 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
                      "top_opcodes": dict(ops.most_common(10))})
     for act in ("bf16", "fp16"):
         ptrs = {"w_ptr": "*i32", "sb_ptr": "*fp16", "out_ptr": f"*{act}"}
-        kern = compile_kernel(it._dequant_kernel, ptrs, {"GROUP": group, "TN": tn}, arch, 4, 1)
+        kern = compile_kernel(it._dequant_kernel, ptrs, {"GROUP": group, "TN": tn, "RB": min(tn, 256)}, arch, 4, 1)
         usage = cuobjdump(kern, "--dump-resource-usage")
         sass = cuobjdump(kern, "-sass")
         rows.append({"kernel": f"dequant {act}", "arch": f"sm_{arch}", "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
