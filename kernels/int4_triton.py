@@ -10,29 +10,33 @@ Weight form: w[n, k] = q[n, k] * s[n, g] + b[n, g], g = k // group_size (sequent
 of 32), which is both GPTQ/AWQ's (q - z) * s (b = -z * s) and GGUF Q4_1's q * d + m (b = m).
 
 Layout (built once by `pack`, from the canonical (N, K) codes):
-  codes int32 (N, K / 8): word w of row n holds, in nibble i (bits 4i..4i+3), the code of column
-    32 * (w // 4) + 4 * i + w % 4. Four consecutive words (one 16-byte load) are one 32-column block:
-    a thread unpacks nibble plane i of its four words into four consecutive columns, so its slice of
-    the activation is one 8-byte load per plane, and a block never straddles a group.
-  sb fp16 (N, G, 2): (s, b) per row and group, interleaved (one sector holds both). fp16 holds GGUF's
-    own d and m exactly; for (q - z) * s, b = -z * s rounds to fp16 (2^-11 relative).
+  codes int32 (NT, K / 64, T, 8), T = tile_rows(N) rows per tile (512, or 128 for N < 4096), rows past N
+    zero: [t, step, r, w] is word w of row t * T + r's step, and word w holds, in nibble i (bits
+    4i..4i+3), the code of column 64 step + 32 (w // 4) + 4 i + w % 4. One GEMV step of a program reads
+    the tile's T * 32 bytes as one contiguous chunk (row-major codes, 32 bytes per row per step
+    across thousands of rows at once, streamed at 18-28 % of the copy rate on an H200); a thread's four
+    consecutive words are one 32-column block, so its slice of the activation is one 8-byte load per
+    nibble plane, and a block never straddles a group.
+  sb fp16 (NT, G, T, 2): (s, b) per row and group, tiled the same way. fp16 holds GGUF's own d and m
+    exactly; for (q - z) * s, b = -z * s rounds to fp16 (2^-11 relative).
 
-GEMV (`_gemv_kernel`): a program owns BLOCK_N rows and one of `split` equal K ranges; per step it loads
-NB blocks of each row (NB * 16 bytes, whole 32-byte sectors), masks each nibble in place and reads its
-bits as an fp32 denormal, q * 2^(p - 149) (`_plane_bits`: one LOP3 per weight, no shift, no int->float
-conversion), FMAs it with the activation pre-scaled by 2^(49 - p), so every product is exactly
-q * x * 2^-100, sums a block's 32 products in fp32 and applies the group's s and b once per block:
-acc += 2^100 s * sum(q * x) + b * sum(x). Partial sums (split, M, N) fp32. sm_90 SASS: ~3.1
-instructions per weight in the loop (scripts/int4_kernel_sass.py), against ~4.2 the issue rate allows
-at the copy rate. Range: exact for |x| < 2^79; products under 2^-26 in magnitude lose relative precision
-(as denormals), which no bf16 / fp16 result can show.
+GEMV (`_gemv_kernel`): a program owns one tile and one of `split` equal step ranges; per step it masks
+each nibble in place and reads its bits as an fp32 denormal, q * 2^(p - 149) (`_plane_bits`: one LOP3
+per weight, no shift, no int->float conversion), FMAs it with the activation pre-scaled by 2^(49 - p),
+so every product is exactly q * x * 2^-100, sums a block's 32 products in fp32 and applies the group's
+s and b once per block: acc += 2^100 s * sum(q * x) + b * sum(x). Partial sums (split, M, N) fp32.
+sm_90 SASS: ~3.1-3.5 instructions per weight in the loop (scripts/int4_kernel_sass.py) against ~4.2
+the issue rate allows at the copy rate; what bounds it is a DRAM round trip per step, hence short
+programs (gemv_config). Range: exact for |x| < 2^79; products under 2^-26 in magnitude lose relative
+precision (as denormals), which no bf16 / fp16 result can show.
 Why this and not tl.dot on tensor cores: for M = 1 the dot needs M padded to 16 and the dequantised
 tile moved through shared memory into the MMA operand layout; a prototype of it compiled for sm_90 had
 7.8-8.7 SASS instructions per weight in its loop (bf16 operands), against ~3 here.
 
 Why our own kernel rather than a library's (docs/BENCHMARKS.md, "INT4 GEMV in Triton"): tinygemm
 (`aten._weight_int4pack_mm`) streams at ~35 % of the copy rate at batch 1; GemLite (dropbox/gemlite,
-pure Triton, pip) autotunes at first call and reduces split-K with atomics into a zeroed output;
+pure Triton, pip) autotunes at first call, reduces split-K with atomics into a zeroed output, and on
+an H200 ran slower than this kernel on every Llama-3-8B shape, and than tinygemm, at 10x the error;
 Marlin-class kernels are CUDA C++ extensions to build per target (vLLM's, IST-DASLab/marlin), not a pip
 wheel for L4T. JetPack ships no Triton either (see kernels/kv_triton.py): on Orin this path needs a
 Triton built for the board, and QuantLinear falls back to tinygemm where Triton is absent.
