@@ -36,10 +36,11 @@ def test_each_command_lists_every_flag_of_its_groups(name: str) -> None:
 
 
 def test_the_flags_and_defaults_the_commands_had_before_stay() -> None:
+    """generate's defaults are its own (backend auto since partition/runners/backend_choice.py); serve's are None."""
     gen, serve, smoke = _params("generate"), _params("serve"), _params("smoke")
     assert {n: gen[n].default for n in ("model", "backend", "kv_cache", "kv_blocks", "device_layers",
                                         "edge_token", "link_dtype", "edge")} == {
-        "model": gen["model"].default, "backend": "torch", "kv_cache": "fp16", "kv_blocks": None,
+        "model": gen["model"].default, "backend": "auto", "kv_cache": "fp16", "kv_blocks": None,
         "device_layers": "4", "edge_token": "", "link_dtype": "fp16", "edge": None}
     assert str(gen["model"].default).endswith("models/stdlib-llama-8l")
     # serve leaves every shared option unset (None), so the config file decides
