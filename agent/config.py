@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from agent.engine.types import MAX_SPECULATE
+from partition.config import DTYPE_NAMES
 from partition.paths import DEFAULT_MODEL_DIR
 
 if sys.version_info >= (3, 11):
@@ -57,7 +58,7 @@ class ServiceConfig:
     model_dir: Path = DEFAULT_MODEL_DIR
     backend: str = "torch"
     slices: str | None = None
-    max_seq: int | None = None  # None: the model's context, at most 2048
+    max_seq: int | None = None  # None: the model's context, at most partition.config.MAX_SEQ_CAP
     device: str = "cpu"
     kv_cache: str = "fp16"  # "int8": INT8 KV-cache (torch: group-wise; ort: Q/DQ slices)
     kv_blocks: int | None = None  # a paged KV-cache of this many blocks of 16 tokens (torch, fp16 cache); None: rows
@@ -154,8 +155,8 @@ class ServiceConfig:
         if self.kv_cache == "int8" and self.backend == "trt":
             raise bad("model.kv_cache", "'int8' needs model.backend = 'torch' or 'ort' (trt: not built yet)",
                       self.kv_cache)
-        if self.dtype not in ("fp32", "fp16", "bf16"):
-            raise bad("model.dtype", "must be 'fp32', 'fp16' or 'bf16'", self.dtype)
+        if self.dtype not in DTYPE_NAMES:
+            raise bad("model.dtype", f"must be one of {', '.join(DTYPE_NAMES)}", self.dtype)
         if self.dtype != "fp32" and (self.backend != "torch" or self.exits_enabled):
             raise bad("model.dtype", "fp16 / bf16 need model.backend = 'torch' and no exits (the ONNX graphs and the "
                       "exit heads are fp32)", (self.dtype, self.backend))

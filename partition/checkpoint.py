@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from partition.config import ModelConfig, ModelConfigError, load_config
+from partition.config import DTYPE_NAMES, ModelConfig, ModelConfigError, load_config
 from partition.model import Transformer, rope_inv_freq
 from partition.quant_format import quantization_config, replace_module, unpack_awq, unpack_gptq
 
@@ -26,8 +26,7 @@ LOADABLE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfl
 # `--dtype`: the float parts' dtype (weights kept in floating point, activations, the KV-cache). Default
 # fp32, measured on SmolLM2-135M Q4_1 on the CPU (docs/BENCHMARKS.md, "GGUF on the CPU"): bf16 moved the
 # top-1 token at 2.7 % (float) / 4.4 % (INT4) of a held-out text's positions, fp16 was no faster than fp32.
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-DEFAULT_DTYPE = "fp32"
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16)))
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -13,6 +13,13 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# The KV-cache length when none is asked for is the model's context capped here (presets declare up to
+# 131072 positions): partition.runners.base.default_max_seq, the one rule of every runner, the TensorRT
+# engines' profiles and `--max-seq`'s help. Torch-free, so the CLI's help can state it.
+MAX_SEQ_CAP = 8192
+# `--dtype` names of the float parts (partition.checkpoint.DTYPES maps them to torch dtypes).
+DTYPE_NAMES = ("fp32", "fp16", "bf16")
+DEFAULT_DTYPE = "fp32"
 
 
 class ModelConfigError(ValueError):

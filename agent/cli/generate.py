@@ -11,7 +11,7 @@ import typer
 
 from agent.cli.common import cli_errors, print_json
 from agent.cli.options import EdgeOptions, ExitOptions, ModelOptions, options, shared_options
-from partition.checkpoint import DEFAULT_DTYPE
+from partition.config import DEFAULT_DTYPE, MAX_SEQ_CAP
 from partition.paths import DEFAULT_MODEL_DIR
 
 
@@ -34,7 +34,7 @@ def generate(
                               "template (what /v1/chat/completions renders) and stop at its end-of-turn token; "
                               "without --chat the prompt is continued as raw text."),
     max_seq: Optional[int] = typer.Option(None, "--max-seq", help="KV-cache length in tokens "
-                                          "(default: the model's context, at most 2048)."),
+                                          f"(default: the model's context, at most {MAX_SEQ_CAP})."),
     device: str = typer.Option("cpu", help="cpu or cuda (torch backend)."),
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay decode "
                                                "steps as CUDA graphs (torch backend; default: on with "

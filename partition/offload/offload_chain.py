@@ -11,11 +11,9 @@ from partition.offload.planner import LinkEstimate
 
 from partition.offload.link import EdgeLink, LinkOptions, LinkShape
 from partition.offload.replan import ReplanOptions, SplitPolicy, Verdict, planner_verdict
-from partition.runners.base import SliceRunner
+from partition.runners.base import SliceRunner, default_max_seq
 from partition.slices import SliceSpec
 from partition.runners.chain import Chain
-
-MAX_SEQ_CAP = 2048
 
 
 def make_offload_chain(model_dir: str | Path, device_layers: int, edge_url: str,
@@ -43,7 +41,7 @@ def make_offload_chain(model_dir: str | Path, device_layers: int, edge_url: str,
     if not 1 <= device_layers < n:
         raise ValueError(f"--device-layers must be in 1..{n - 1} for a {n}-layer model with an edge "
                          f"(got {device_layers}); without --edge every layer runs here")
-    seq = max_seq or min(config.max_position_embeddings, MAX_SEQ_CAP)
+    seq = max_seq or default_max_seq(config.max_position_embeddings)  # load_chain's one default
     model = load_model(Path(model_dir), device=device)
     bounds = [0, *sorted({c for c in cuts if 0 < c < device_layers}), device_layers]
     local: list[SliceRunner] = [TorchRunner(model, SliceSpec(a, b, n), seq, max_batch)

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from partition.slices import SliceSpec
+from partition.config import MAX_SEQ_CAP  # the default cache length cap (torch-free, beside the config)
 
 
 def row_range(rows: Sequence[int]) -> slice | None:
@@ -34,7 +35,6 @@ def write_new_kv(cache: Sequence[Any], new: Sequence[Any], rows: Sequence[int], 
 # KV-cache storage: "fp16" = unquantised in the model's dtype (fp16 on a GPU, fp32 on CPU), "int8" =
 # group-wise INT8 with FP16 scales (kernels/kv_quant.py; torch backend).
 KV_CACHE_KINDS = ("fp16", "int8")
-MAX_SEQ_CAP = 8192  # default cache length cap: presets declare up to 131072 positions
 
 
 def default_max_seq(max_position_embeddings: int) -> int:
