@@ -12,6 +12,9 @@ from agent.cli.options import MODEL_HELP
 from partition.gguf.folder import resolve_model
 from partition.paths import DEFAULT_MODEL_DIR
 
+TEXT_HELP = ("Text for a model without its own corpus record: its blank-line separated paragraphs are dealt into "
+             "train / val / test (default: the model's own seeded generations on a fixed prompt set).")
+
 
 def train_exits(
     model: Path = typer.Option(DEFAULT_MODEL_DIR, "--model", help=MODEL_HELP),
@@ -19,6 +22,7 @@ def train_exits(
                                          "quarter of the depth)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     steps: int = typer.Option(40, "--steps", help="KL distillation steps after the least-squares start."),
+    text: Optional[Path] = typer.Option(None, "--text", help=TEXT_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Distil exit heads on the frozen model and save them beside it (exits.safetensors, exits.json)."""
@@ -32,6 +36,7 @@ def train_exits(
                 default_layers(load_config(model).n_layers)
         except ValueError:
             raise ValueError(f"--layers takes comma-separated layer numbers, got {layers!r}") from None
+        ensure_corpus(model, text)
         res = run(model, TrainOptions(layers=chosen, steps=steps, device=device), progress=not as_json)
         out = {"heads": str(res.heads_path), "record": str(res.record_path), "seconds": round(res.seconds, 1),
                "held_out_top1_agreement": res.agreement, "logit_lens_agreement": res.lens_agreement}
@@ -51,6 +56,7 @@ def calibrate(
                                                  "collection serves every target)."),
     confidence: float = typer.Option(0.95, "--confidence", help="Probability that the target holds."),
     prompts: int = typer.Option(256, "--prompts", help="Prompts per set (calibration and held-out)."),
+    text: Optional[Path] = typer.Option(None, "--text", help=TEXT_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Certify per-layer exit thresholds for a disagreement target (Learn-then-Test) and save them."""
@@ -58,6 +64,7 @@ def calibrate(
 
     with cli_errors():
         model = resolve_model(model)
+        ensure_corpus(model, text)
         first, *rest = max_disagreement
         entries = run(model, CalibrateOptions(first, confidence, prompts), progress=not as_json,
                       more_targets=tuple(rest))
@@ -70,6 +77,25 @@ def calibrate(
             typer.echo(f"target {entry['target']} at confidence {confidence}: thresholds {entry['thresholds']}; "
                        f"held-out disagreement {held['disagreement']}, exits {held['exit_rate_per_layer']}, "
                        f"{held['mean_layers_per_token']} layers per token")
+
+
+def ensure_corpus(model: Path, text: Path | None) -> None:
+    """A model without a corpus record of its own gets one beside it: TEXT's paragraphs, else the model's own
+    seeded generations (an instruct model answering through its chat template); partition/exits/corpus.py."""
+    from agent.chat import chat_text
+    from partition.exits.corpus import GENERATED_RECORD, TEXT_RECORD, generated_corpus, text_file_corpus
+    from partition.tokenizer import Tokenizer
+
+    own = (model / "corpus.json").is_file()
+    if text is not None:
+        if own:
+            raise ValueError(f"{model} has its own corpus record (corpus.json): drop --text")
+        if not text.is_file():
+            raise ValueError(f"--text {text}: no such file")
+        text_file_corpus(model, text)
+    elif not own and not (model / TEXT_RECORD).is_file() and not (model / GENERATED_RECORD).is_file():
+        tok = Tokenizer.from_dir(model)
+        generated_corpus(model, (lambda p: chat_text(tok, p)) if tok.chat_template else None)
 
 
 def register(app: typer.Typer) -> None:

@@ -131,7 +131,7 @@ def cascade(table: TokenTable, thresholds: dict[int, float], n_layers: int) -> d
 
 
 def collect(model_dir: Path, split: str, options: CalibrateOptions, progress: bool) -> TokenTable:
-    model = load_model(model_dir)
+    model = load_model(model_dir, dequantize=True)  # a GGUF's blocks as floats, as train.py reads them
     heads = load_heads(model, model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     seed = options.seed + (0 if split == "val" else 1)

@@ -2,7 +2,8 @@
 (corpus.json: which stdlib files, their sha256 and their train / val / test split), read from this
 machine's standard library. A file whose bytes differ from the record is skipped, so the splits are
 the ones the model was trained with: heads train on `train`, calibration uses `val`, held-out
-figures come from `test`.
+figures come from `test`. A model without one (a GGUF file, a downloaded checkpoint) uses the record
+partition/exits/corpus.py writes beside it: a text file's paragraphs or the model's own generations.
 
 Also the teacher-forced pass that gives every exit layer's hidden state and the final logits.
 """
@@ -30,8 +31,16 @@ def split_texts(model_dir: Path, split: str, max_files: int | None = None, seed:
     at most max_files of them)."""
     record_path = Path(model_dir) / "corpus.json"
     if not record_path.is_file():
-        raise CorpusError(f"{record_path}: no corpus record beside the model; exit heads need the model's "
-                          "own training corpus record (see scripts/train_small_model.py prepare)")
+        from partition.exits.corpus import record_texts
+
+        texts = record_texts(Path(model_dir), split)
+        if texts is None:
+            raise CorpusError(f"{record_path}: no corpus record beside the model; run `orin-agent train-exits` "
+                              "(it writes one from the model's own generations) or pass --text FILE")
+        random.Random(seed).shuffle(texts)
+        if not texts:
+            raise CorpusError(f"{model_dir}: the corpus record beside the model has no '{split}' text")
+        return texts[:max_files] if max_files is not None else texts
     record = json.loads(record_path.read_text(encoding="utf-8"))
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [f for f in record["files"] if f["split"] == split]

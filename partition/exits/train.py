@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from partition.checkpoint import load_model
+from partition.exits.corpus import corpus_source
 from partition.exits.data import layer_states, split_texts, token_windows
 from partition.exits.heads import ExitHeads, read_record, write_record
 from partition.model import Transformer
@@ -92,7 +93,9 @@ def train_exits(model_dir: str | Path, options: TrainOptions = TrainOptions(), p
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
     torch.manual_seed(options.seed)
-    model = load_model(model_dir, device=options.device).requires_grad_(False)
+    # a GGUF's blocks dequantised: the same numbers, and the CPU INT4 kernel is slow for training-sized batches
+    # (top-1 equal to the INT4 model at every position of SmolLM2's held-out text, tests/test_gguf_smollm2.py)
+    model = load_model(model_dir, device=options.device, dequantize=True).requires_grad_(False)
     tokenizer = Tokenizer.from_dir(model_dir)
     heads = ExitHeads(model, options.layers)
     train = token_windows(tokenizer, split_texts(model_dir, "train", options.train_files, options.seed),
@@ -130,7 +133,7 @@ def train_exits(model_dir: str | Path, options: TrainOptions = TrainOptions(), p
         "head": "affine translator A h + b (A initialised to I) -> shared final norm -> shared LM head",
         "objective": "KL(full model || head), backbone frozen",
         "data": {"train": f"{options.steps * options.batch} windows of {options.seq_len} tokens from "
-                          f"{options.train_files} files of the corpus 'train' split (corpus.json), seed {options.seed}",
+                          f"{options.train_files} files of the corpus 'train' split ({corpus_source(model_dir)}), seed {options.seed}",
                  "held_out": f"{options.eval_windows} windows of {options.seq_len} tokens of the 'test' split"},
         "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(options).items()},
         "final_kl_per_head": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
