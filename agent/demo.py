@@ -12,11 +12,12 @@ from typing import Callable
 
 import httpx
 
-from agent.board import BoardReader, make_twin_root
 from agent.config import ServiceConfig
-from agent.phases import PhaseEvent
 from agent.service import Service
 from partition.tokenizer import Tokenizer
+from power.policy.phase import PhaseEvent, PhaseListener
+from power.runtime.meter import BoardSnapshot
+from power.twin.layout import make_temp_twin
 
 DEMO_PROMPTS = (
     ("completion", "def parse(source, filename='<unknown>'):"),
@@ -41,31 +42,40 @@ def applied_clocks(controller: object, kind: str) -> str:
     return "-" if d is None else f"{d.gpu_max_hz / 1e6:.0f}/{d.emc_hz / 1e6:.0f}"
 
 
-class ClockSampler:
-    """A phase listener that notes the GPU and EMC clocks the board reported during each phase: read at
-    the next event, i.e. at the end of the phase (the twin updates ``cur_freq`` every 50 ms, so a short
-    prefill can still read the previous phase's clocks: the table shows the controller's own choice
-    beside it)."""
+class ClockSampler(PhaseListener):
+    """A phase listener that notes the GPU and EMC clocks the board reported during each step: the board
+    meter's first sample at or after the step's end (the power thread samples at every event, so that is
+    the board as the step left it; the twin updates ``cur_freq`` every 50 ms, so a short prefill can still
+    read the previous phase's clocks: the table shows the controller's own choice beside it). No file is
+    read on the engine thread."""
 
-    def __init__(self, reader: BoardReader | None) -> None:
-        self.reader = reader
+    def __init__(self) -> None:
+        self.snapshot: Callable[[], BoardSnapshot] | None = None    # the service's meter, once it runs
         self.lock = threading.Lock()
         self.samples: list[tuple[float, str, int | None, int | None]] = []
         self._open: PhaseEvent | None = None
+        self._ended: list[tuple[PhaseEvent, float]] = []          # steps waiting for a sample after their end
 
     def on_phase(self, event: PhaseEvent) -> None:
-        if self.reader is None:
+        if self.snapshot is None:
             return
-        ended, self._open = self._open, event if event.kind != "idle" else None
-        if ended is None:
-            return
-        gpu = self.reader.gpu.read().cur_hz if self.reader.gpu is not None and self.reader.gpu.available else None
-        emc = self.reader.emc.read().cur_hz if self.reader.emc is not None and self.reader.emc.available else None
         with self.lock:
-            self.samples.append((ended.t, ended.kind, gpu, emc))
+            if self._open is not None:
+                self._ended.append((self._open, event.t))
+            self._open = event if event.kind != "idle" else None
+            self._resolve()
+
+    def _resolve(self) -> None:
+        assert self.snapshot is not None
+        snap = self.snapshot()
+        while self._ended and snap.t >= self._ended[0][1]:
+            step, _ = self._ended.pop(0)
+            self.samples.append((step.t, step.kind, snap.gpu_hz, snap.emc_hz))
 
     def clocks(self, kind: str, t0: float, t1: float) -> str:
         with self.lock:
+            if self.snapshot is not None:
+                self._resolve()
             got = [(g, e) for t, k, g, e in self.samples if k == kind and t0 <= t <= t1]
         if not got or got[-1][0] is None:
             return "-"
@@ -128,16 +138,18 @@ def stream_request(client: httpx.Client, kind: str, prompt: str, max_tokens: int
 
 def run_demo(model_dir: Path, max_tokens: int, on_text: Callable[[str], None],
              on_log: Callable[[str], None]) -> list[DemoResult]:
-    twin = make_twin_root()
+    twin = make_temp_twin()
     tmp = Path(tempfile.mkdtemp(prefix="orin-agent-demo-"))
     cfg = ServiceConfig(model_dir=model_dir, port=0, root=str(twin) if twin else str(tmp / "no-board"),
                         run_dir=str(tmp / "run"), max_batch=4)
     Path(cfg.root).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
     cfg.validate()
     prompts = CHAT_PROMPTS if Tokenizer.from_dir(model_dir).chat_template else DEMO_PROMPTS
-    sampler = ClockSampler(BoardReader(twin) if twin else None)
+    sampler = ClockSampler()
     svc = Service(cfg, listener=sampler)
     svc.load()
+    if svc.controller is not None:
+        sampler.snapshot = svc.controller.meter.snapshot
     if twin is not None and svc.board is not None:
         svc.board.temp_dir = twin  # the service removes the twin it ran on when it stops
     svc.start_in_thread()

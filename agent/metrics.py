@@ -1,8 +1,9 @@
 """Prometheus metrics of one service instance (its own registry, so several can live in one process).
 
 The engine reports through the `EngineMetrics` methods (called on the engine thread); board readings
-(clocks, zone temperatures, rail power) are read at scrape time by a collector, so a scrape always
-shows the board as it is now.
+(clocks, zone temperatures, rail power) come at scrape time from the board meter's last sample
+(power.runtime.meter: taken by the power thread at every phase event and at least once a second), so a
+scrape never reads the board itself.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from agent.board import BoardSnapshot
 from agent.engine.types import MAX_SPECULATE, DepthStats, StepPlan, Usage
+from power.runtime.meter import BoardSnapshot
 
 PHASES = ("prefill", "decode", "idle")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -23,10 +23,13 @@ import uvicorn
 from agent.api.openai import Limits, prompt_char_limit
 from agent.api.routes import ApiState, create_app
 from agent.api.server import DrainingServer, server_config
-from agent.board import BoardReader, EnergyMeter, TwinDriver, is_orin, make_twin_root, recover_board, restore_board
-from power.runtime.controller import PowerController
+from power.hw.identity import read_identity
 from power.hw.rootlock import BoardLock
 from power.physics.costmodel import shape_of
+from power.runtime.controller import PowerController
+from power.runtime.recovery import recover_board, restore_board
+from power.twin.driver import TwinDriver
+from power.twin.layout import DEFAULT_BOARD, DEFAULT_L4T, make_temp_twin
 from agent.chat import eos_text
 from agent.config import ServiceConfig
 from agent.engine.core import EngineCore
@@ -86,10 +89,12 @@ class BoardSetup:
 def setup_board(cfg: ServiceConfig) -> BoardSetup:
     root, run_dir, temp = cfg.root, cfg.run_dir, None
     if root is None:
-        if is_orin("/"):
+        if read_identity("/").is_orin:
             root = "/"
         else:
-            made = make_twin_root()
+            made = make_temp_twin()
+            log.info("not an Orin and no --root: running on a fresh twin of %s (%s) at %s", DEFAULT_BOARD,
+                     DEFAULT_L4T, made)
             temp, root = made, str(made)
             if cfg.run_dir == ServiceConfig.run_dir:  # the default /run/orin-agent is for the board
                 run_dir = str(made / "run" / "orin-agent")
@@ -128,7 +133,7 @@ class Service:
         self._loaded = False
         self._grace_timer: threading.Timer | None = None
         self._stop_requested = False
-        self.controller: Any = None
+        self.controller: PowerController | None = None   # the board session: control or metering
 
     @property
     def port(self) -> int:
@@ -169,10 +174,6 @@ class Service:
         cfg = self.cfg
         self.board = setup_board(cfg)
         self._check_stop()
-        reader = BoardReader(self.board.root) if self.board.root else None
-        meter = EnergyMeter(reader) if reader is not None and reader.has_power else None
-        if reader is not None and meter is None:
-            log.info("no power rails under %s: energy is reported as null", self.board.root)
         t0 = time.monotonic()
         # the model's files first (a missing model is the one error of a failed start), then the power
         # mode switch (nvpmodel) before any CUDA context exists, then the weights
@@ -181,28 +182,30 @@ class Service:
             cfg = self.cfg = cfg.replace(model_dir=resolve_model(cfg.model_dir))
         model_config = load_config(cfg.model_dir)
         tokenizer = Tokenizer.from_dir(cfg.model_dir)
-        self.controller = self._open_controller(model_config)
+        self.controller = self._open_controller(model_config)   # the process's one board session
+        ctl = self.controller
+        meter = ctl.meter if ctl is not None and ctl.meter.available else None
+        if ctl is not None and meter is None:
+            log.info("no power rails under %s: energy is reported as null", self.board.root)
         executor, exit_policy = build_executor(cfg)
         chain = executor.chain
         log.info("model %s loaded (%s, %d slice(s), max_seq %d, max_batch %d%s) in %.1f s", cfg.model_dir,
                  cfg.backend, len(chain.runners), chain.max_seq, chain.max_batch,
                  f", exit heads; default speculate {exit_policy.default_speculate}, max_disagreement "
                  f"{exit_policy.default_max_disagreement}" if exit_policy.available else "", time.monotonic() - t0)
-        metrics = ServiceMetrics(reader.snapshot if reader is not None else None)
-        listeners: list[Any] = [self.listener]
+        metrics = ServiceMetrics(ctl.meter.snapshot if ctl is not None else None)
+        listeners: list[PhaseListener] = [self.listener]
         if self.board.twin is not None:
             listeners.append(self.board.twin)
-        if self.controller is not None:
-            listeners.append(self.controller)
-            metrics.watch_budget(self.controller.budget_status)
+        if ctl is not None:     # its phase events in, the budget's batch limit (max_rows) out
+            listeners.append(ctl)
+            metrics.watch_budget(ctl.budget_status)
         if cfg.edge:
             from partition.offload.offload_chain import offload_stats
 
             metrics.watch_edge(lambda: offload_stats(chain))
-        ctl = self.controller
         core = EngineCore(executor, tokenizer, listener=FanOut(*listeners), meter=meter, metrics=metrics,
-                          scheduler=paged_scheduler(chain, tokenizer),
-                          row_limit=(lambda: ctl.max_rows(chain.max_batch)) if ctl is not None else None)
+                          scheduler=paged_scheduler(chain, tokenizer))
         self.engine = EngineLoop(core, max_queue=cfg.max_queue, on_tick=self.notifier.watchdog)
         max_prompt = min(cfg.max_prompt_tokens or chain.max_seq - 1, chain.max_seq - 1)
         limits = Limits(chain.max_seq, max_prompt, cfg.max_output_tokens, cfg.default_max_tokens,
@@ -212,9 +215,6 @@ class Service:
                          max_in_flight=cfg.request_limit, host_names=cfg.host_names,
                          body_timeout_s=cfg.body_timeout_s)
         self.app = create_app(state)
-        # The last point a stop aborts the start: once the socket listens, connections may queue, and
-        # serve_forever's server answers them (503 while stopping) instead of a close resetting them.
-        self._check_stop()
         self.sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((cfg.host, cfg.port))
@@ -225,13 +225,17 @@ class Service:
         if self.controller is not None:
             self.controller.start()
         self._loaded = True
+        self._check_stop()
 
-    def _open_controller(self, model_config: ModelConfig) -> Any:
-        """power.runtime.controller on the board (or twin), or None: the service then runs at the board's own
-        clocks. Fails soft: a board the controller cannot drive is logged, never fatal."""
+    def _open_controller(self, model_config: ModelConfig) -> PowerController | None:
+        """The board session (power.runtime.controller): controlling the board (or twin), or metering it
+        only when power control is off or cannot drive this board (the service then runs at the board's
+        own clocks: fails soft, logged, never fatal); None without a root (no board readings at all)."""
         b, cfg = self.board, self.cfg
-        if not cfg.power_control or b is None or b.root is None or b.run_dir is None:
+        if b is None or b.root is None:
             return None
+        if not cfg.power_control or b.run_dir is None:
+            return PowerController.metering(b.root)
         try:
             # `auto` plans from the cost model of the model being served, in the precision an Orin's
             # engines run it (TensorRT FP16).
@@ -241,7 +245,7 @@ class Service:
         except Exception as exc:  # noqa: BLE001 - any board/profile problem: log it and serve anyway
             log.warning("power controller not started (%s: %s): serving at the board's own clocks",
                         type(exc).__name__, exc)
-            return None
+            return PowerController.metering(b.root)
         log.info("power controller on %s, profile %s", b.root, cfg.profile)
         return ctl
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from power.physics.boards import BOARDS
-from power.policy.dvfs import (Decision, DvfsController, DvfsState, PhaseIn, Planner, Readings, StepSample,
-                        tables_for)
+from power.policy.dvfs import Decision, DvfsController, DvfsState, Planner, Readings, StepSample, tables_for
+from power.policy.phase import PhaseEvent
 from power.policy.profiles import ProfileStore
 from power.policy.thermal import ZoneSample
 from power.runtime.shapes import model_shape
@@ -19,7 +19,7 @@ PROFILES = {n: STORE.load(n) for n in STORE.names()}
 ZONES_COOL = (ZoneSample("cpu", 50.0, 99.0), ZoneSample("gpu", 52.0, 99.0))
 
 
-def run(events: list[tuple[PhaseIn, float]], profile: str = "balanced", zones=None) -> list[Decision]:
+def run(events: list[tuple[PhaseEvent, float]], profile: str = "balanced", zones=None) -> list[Decision]:
     s, out = DvfsState(), []
     for p, now in events:
         d, s = CTL.decide(Readings(zones), p, PROFILES[profile], s, now)
@@ -28,7 +28,7 @@ def run(events: list[tuple[PhaseIn, float]], profile: str = "balanced", zones=No
 
 
 def test_auto_decode_low_gpu_high_emc_prefill_high_gpu_lower_emc() -> None:
-    pre, dec = run([(PhaseIn("prefill", 512), 0.0), (PhaseIn("decode", context=600), 1.0)])
+    pre, dec = run([(PhaseEvent("prefill", 512), 0.0), (PhaseEvent("decode", context=600), 1.0)])
     assert dec.gpu_max_hz < 0.6 * SPEC.gpu_max_hz and dec.emc_hz == SPEC.emc_max_hz
     assert pre.gpu_max_hz > 0.9 * SPEC.gpu_max_hz and pre.emc_hz < SPEC.emc_max_hz
     fastest = Planner.for_board(SPEC, model_shape("llama-3-8b"), "int4", 0).predict("decode", 608, 1, SPEC.gpu_max_hz,
@@ -37,8 +37,8 @@ def test_auto_decode_low_gpu_high_emc_prefill_high_gpu_lower_emc() -> None:
 
 
 def test_idle_holds_then_floors_within_one_second() -> None:
-    ds = run([(PhaseIn("decode", context=100), 0.0), (PhaseIn("idle"), 1.0), (PhaseIn("idle"), 1.3),
-              (PhaseIn("idle"), 1.0 + PROFILES["balanced"].timing.idle_hold_s)])
+    ds = run([(PhaseEvent("decode", context=100), 0.0), (PhaseEvent("idle"), 1.0), (PhaseEvent("idle"), 1.3),
+              (PhaseEvent("idle"), 1.0 + PROFILES["balanced"].timing.idle_hold_s)])
     assert ds[1].phase == "idle-hold" and ds[1].clocks() == ds[0].clocks()
     assert ds[1].wake_at is not None and ds[1].wake_at - 1.0 < 1.0
     assert ds[3].phase == "idle" and ds[3].gpu_max_hz == SPEC.gpu_hz[0] and ds[3].emc_hz == SPEC.emc_hz[0]
@@ -47,12 +47,12 @@ def test_idle_holds_then_floors_within_one_second() -> None:
 def test_online_correction_moves_decode_off_a_slow_point() -> None:
     s = DvfsState()
     p = PROFILES["balanced"]
-    d, s = CTL.decide(Readings(), PhaseIn("decode", context=600), p, s, 0.0)
+    d, s = CTL.decide(Readings(), PhaseEvent("decode", context=600), p, s, 0.0)
     slow_point = (d.gpu_max_hz, d.emc_hz)
     pred = d.predicted_s
     for i in range(20):     # this board runs that point 30 % slower than the model says
-        sample = StepSample(PhaseIn("decode", context=600), slow_point[0], slow_point[1], pred * 1.3)
-        d, s = CTL.decide(Readings(steps=(sample,)), PhaseIn("decode", context=600), p, s, 2.0 + i * 2)
+        sample = StepSample(PhaseEvent("decode", context=600), slow_point[0], slow_point[1], pred * 1.3)
+        d, s = CTL.decide(Readings(steps=(sample,)), PhaseEvent("decode", context=600), p, s, 2.0 + i * 2)
     assert (d.gpu_max_hz, d.emc_hz) != slow_point
     assert abs(s.ratio("decode", *slow_point) - 1.3) < 0.01
 
@@ -62,21 +62,21 @@ def test_thermal_throttles_prefill_before_decode() -> None:
     s = DvfsState()
     p = PROFILES["max"]
     for i in range(3):
-        dp, s = CTL.decide(Readings(hot), PhaseIn("prefill", 256), p, s, float(i * 2))
-    dd, s = CTL.decide(Readings(hot), PhaseIn("decode", context=100), p, s, 7.0)
+        dp, s = CTL.decide(Readings(hot), PhaseEvent("prefill", 256), p, s, float(i * 2))
+    dd, s = CTL.decide(Readings(hot), PhaseEvent("decode", context=100), p, s, 7.0)
     assert dp.gpu_max_hz < SPEC.gpu_max_hz and dd.gpu_max_hz == SPEC.gpu_max_hz
 
 
 def test_offline_zone_is_reported_not_cold() -> None:
     zones = (ZoneSample("gpu", None, 99.0), ZoneSample("cpu", None, 99.0))
     s = DvfsState()
-    d, s = CTL.decide(Readings(zones), PhaseIn("decode", context=100), PROFILES["balanced"], s, 0.0)
+    d, s = CTL.decide(Readings(zones), PhaseEvent("decode", context=100), PROFILES["balanced"], s, 0.0)
     assert d.message and "offline" in d.message and s.verdict.offline == ("gpu", "cpu")
 
 
-phase_st = st.one_of(st.builds(PhaseIn, st.just("prefill"), st.integers(1, 4096)),
-                     st.builds(lambda c, b: PhaseIn("decode", 0, c, b), st.integers(1, 4096), st.integers(1, 16)),
-                     st.just(PhaseIn("idle")))
+phase_st = st.one_of(st.builds(PhaseEvent, st.just("prefill"), st.integers(1, 4096)),
+                     st.builds(lambda c, b: PhaseEvent("decode", 0, c, b), st.integers(1, 4096), st.integers(1, 16)),
+                     st.just(PhaseEvent("idle")))
 temp_st = st.one_of(st.none(), st.floats(20, 110))
 
 
@@ -107,7 +107,7 @@ def test_no_flapping_on_alternating_decode_idle(gap: float, n: int, ctx: int) ->
     """Decode steps separated by short idle gaps (< idle_hold_s) never change the clocks."""
     events, now = [], 0.0
     for i in range(n):
-        events.append((PhaseIn("decode", context=ctx) if i % 2 == 0 else PhaseIn("idle"), now))
+        events.append((PhaseEvent("decode", context=ctx) if i % 2 == 0 else PhaseEvent("idle"), now))
         now += gap
     ds = run(events)
     assert len({d.clocks() for d in ds}) == 1
@@ -122,7 +122,7 @@ def test_thermal_no_flapping_on_alternating_temperatures(base: float, n: int) ->
     s, levels = DvfsState(), []
     for i in range(n):
         t = target - 0.2 * p.thermal.hysteresis_c if i % 2 else target - 0.8 * p.thermal.hysteresis_c
-        d, s = CTL.decide(Readings((ZoneSample("gpu", t + 0 * base, 99.0),)), PhaseIn("decode", context=100),
+        d, s = CTL.decide(Readings((ZoneSample("gpu", t + 0 * base, 99.0),)), PhaseEvent("decode", context=100),
                           p, s, float(i))
         levels.append(d.thermal_level)
     assert set(levels) == {0}

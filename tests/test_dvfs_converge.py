@@ -10,7 +10,8 @@ from typing import Callable
 import pytest
 
 from power.physics.boards import BOARDS
-from power.policy.dvfs import DvfsController, DvfsState, PhaseIn, Planner, Readings, StepSample, tables_for
+from power.policy.dvfs import DvfsController, DvfsState, Planner, Readings, StepSample, tables_for
+from power.policy.phase import PhaseEvent
 from power.policy.profiles import ProfileStore
 from power.runtime.shapes import model_shape
 
@@ -37,7 +38,7 @@ def optimum(kind: str, size: int, truth: Truth) -> tuple[int, int]:
 
 def replay(kind: str, size: int, truth: Truth, steps: int = 40) -> list[tuple[int, int]]:
     ctl = DvfsController(TABLES, PLANNER)
-    phase = PhaseIn("prefill", n_tokens=size) if kind == "prefill" else PhaseIn("decode", context=size)
+    phase = PhaseEvent("prefill", n_tokens=size) if kind == "prefill" else PhaseEvent("decode", context=size)
     s, sample, out = DvfsState(), (), []
     for i in range(steps):
         d, s = ctl.decide(Readings(steps=sample), phase, PROFILE, s, 2.0 * i)   # past RECHECK_S: decides anew
@@ -101,7 +102,7 @@ def test_noisy_cpu_steps_settle() -> None:
 def test_measured_point_corrects_every_point() -> None:
     """One point measured 30 % slow: the correction reaches the points never measured too."""
     ctl = DvfsController(TABLES, PLANNER)
-    p = PhaseIn("decode", context=600)
+    p = PhaseEvent("decode", context=600)
     d, s = ctl.decide(Readings(), p, PROFILE, DvfsState(), 0.0)
     pred = model_time("decode", 608, d.gpu_max_hz, d.emc_hz)
     d2, s = ctl.decide(Readings(steps=(StepSample(p, d.gpu_max_hz, d.emc_hz, 1.3 * pred),)), p, PROFILE, s, 2.0)

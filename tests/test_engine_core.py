@@ -8,7 +8,7 @@ import pytest
 
 from agent.engine.core import EngineCore
 from agent.engine.types import Delta, Finished, InvalidRequest, SamplingParams, SeqRequest, StepOutput, StepPlan
-from agent.phases import RecordingListener
+from agent.phases import FanOut, RecordingListener
 from partition.tokenizer import Tokenizer
 
 TEXT = " the quick brown fox jumps over the lazy dog and the quick brown fox again"
@@ -154,17 +154,31 @@ def test_sampling_params_errors_name_the_field(kwargs: dict, param: str) -> None
     assert err.value.param == param
 
 
-def test_row_limit_caps_the_rows_admitted_each_step(tok: Tokenizer) -> None:
-    """The power budget's admission limit (power.runtime.controller.PowerController.max_rows) is read every step."""
-    limit = [1]
+class _Budgeted(RecordingListener):
+    """A listener that also sets the batch limit, as the power controller does under a budget."""
+
+    def __init__(self, limit: int | None) -> None:
+        super().__init__()
+        self.limit, self.asked = limit, []
+
+    def max_rows(self, engine_max: int) -> int | None:
+        self.asked.append(engine_max)
+        return self.limit
+
+
+def test_the_listeners_batch_limit_caps_the_rows_admitted_each_step(tok: Tokenizer) -> None:
+    """The power budget's admission limit (power.runtime.controller.PowerController.max_rows) reaches the
+    scheduler through the phase listener, read before every step; behind FanOut the tightest limit wins."""
+    budget = _Budgeted(1)
     ex = ScriptedExecutor(tok.encode(TEXT), max_batch=2)
-    core = EngineCore(ex, tok, row_limit=lambda: limit[0])
+    core = EngineCore(ex, tok, listener=FanOut(_Budgeted(None), budget))
     core.add_request(SeqRequest("a", (5, 6), SamplingParams(max_tokens=4)))
     core.add_request(SeqRequest("b", (7, 8), SamplingParams(max_tokens=4)))
     core.step()
-    assert core.scheduler.num_running == 1
-    limit[0] = 2
+    assert core.scheduler.num_running == 1 and budget.asked == [2]   # asked with the executor's max_batch
+    budget.limit = 2
     core.step()
     assert core.scheduler.num_running == 2
     drain(core)
     assert max(len(p.chunks) for p in ex.plans[:2]) == 1
+    assert [e.kind for e in budget.events[:2]] == ["prefill", "prefill"]   # the same listener heard the phases

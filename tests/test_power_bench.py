@@ -14,7 +14,8 @@ from power.runtime.loop import PowerLoop
 from power.runtime.board import open_board_at
 from power.bench.energy import BenchConfig, compare, run_bench
 from power.physics.boards import BOARDS
-from power.policy.dvfs import DvfsController, PhaseIn, Planner
+from power.policy.dvfs import DvfsController, Planner
+from power.policy.phase import PhaseEvent
 from power.hw.errors import BoardWriteError
 from power.policy.profiles import ProfileStore
 from power.bench.traces import make_trace
@@ -44,20 +45,20 @@ def test_phase_events_produce_the_expected_files_within_settle_time(tmp_path: Pa
     create_twin(tmp_path, "agx-orin-64gb", "r36")
     loop, applier = _loop(tmp_path)
     twin = Twin(tmp_path)
-    d = loop.on_event(PhaseIn("prefill", 512), 0.0)
+    d = loop.on_event(PhaseEvent("prefill", 512), 0.0)
     assert _read(tmp_path, f"{GPU_DEVFREQ}/max_freq") == d.gpu_max_hz > 1.0e9
     assert _read(tmp_path, f"{EMC}/mrq_rate_locked") == 1 and _read(tmp_path, f"{EMC}/rate") == d.emc_hz
     twin.read_limits()
     twin.step(0.008)            # ORIN.md: a new GPU clock in ~5 ms, EMC ~8 ms
     twin.flush()
     assert _read(tmp_path, f"{GPU_DEVFREQ}/cur_freq") == d.gpu_max_hz
-    d = loop.on_event(PhaseIn("decode", context=600), 0.3)
+    d = loop.on_event(PhaseEvent("decode", context=600), 0.3)
     twin.read_limits()
     twin.step(0.008)
     twin.flush()
     assert _read(tmp_path, f"{GPU_DEVFREQ}/cur_freq") == d.gpu_max_hz < 0.6 * SPEC.gpu_max_hz
     assert _read(tmp_path, f"{EMC}/rate") == SPEC.emc_max_hz
-    loop.on_event(PhaseIn("idle"), 1.0)
+    loop.on_event(PhaseEvent("idle"), 1.0)
     loop.tick(1.0 + loop.profile.timing.idle_hold_s)        # within 1 s of going idle
     assert _read(tmp_path, f"{GPU_DEVFREQ}/max_freq") == SPEC.gpu_hz[0]
     assert _read(tmp_path, f"{EMC}/rate") == SPEC.emc_hz[0]
@@ -73,12 +74,12 @@ def test_write_error_restores_every_file(tmp_path: Path) -> None:
     create_twin(tmp_path, "agx-orin-64gb", "r36")
     before = (tmp_path / GPU_DEVFREQ / "max_freq").read_text()
     loop, applier = _loop(tmp_path)
-    loop.on_event(PhaseIn("prefill", 512), 0.0)
+    loop.on_event(PhaseEvent("prefill", 512), 0.0)
     rate = tmp_path / EMC / "rate"
     rate.unlink()
     rate.mkdir()                            # EISDIR on the next EMC write
     with pytest.raises(BoardWriteError):
-        loop.on_event(PhaseIn("decode", context=100), 1.0)
+        loop.on_event(PhaseEvent("decode", context=100), 1.0)
     assert (tmp_path / GPU_DEVFREQ / "max_freq").read_text() == before
 
 
@@ -86,7 +87,7 @@ def test_offline_zone_reported_by_the_loop(tmp_path: Path) -> None:
     create_twin(tmp_path, "agx-orin-64gb", "r36")
     Twin(tmp_path).fail_zone("gpu")
     loop, applier = _loop(tmp_path)
-    d = loop.on_event(PhaseIn("decode", context=100), 0.0)
+    d = loop.on_event(PhaseEvent("decode", context=100), 0.0)
     assert d.message and "gpu" in d.message and "offline" in d.message
     applier.restore()
 

@@ -10,7 +10,8 @@ import pytest
 from power.physics.boards import BOARDS
 from power.policy.budget import (BINS, Budget, BudgetController, BudgetState, account, allowed_power,
                                  window_average, window_energy, window_pasts)
-from power.policy.dvfs import DvfsController, PhaseIn, Planner, Readings, tables_for
+from power.policy.dvfs import DvfsController, Planner, Readings, tables_for
+from power.policy.phase import PhaseEvent
 from power.policy.profiles import ProfileStore
 from power.policy.thermal import ZoneSample
 from power.runtime.shapes import model_shape
@@ -77,9 +78,9 @@ def simulate(c: BudgetController, seconds: float, rail_factor: float = 1.0,
     energy = 0.0
     while t < seconds:
         if t < idle_until:
-            p = PhaseIn("idle")
+            p = PhaseEvent("idle")
         else:
-            p = PhaseIn("decode", context=600, batch=1)
+            p = PhaseEvent("decode", context=600, batch=1)
         d, s = c.decide(Readings(power_w=power), p, BALANCED, s, t)
         if p.kind == "idle":
             dt, w = 0.5, 6.5
@@ -113,7 +114,7 @@ def test_closed_loop_holds_the_window_and_learns_the_rails() -> None:
 def test_prefill_borrows_from_idle_time() -> None:
     b15 = ctl(15.0)
     # after 10 s idle the prefill runs above the budget's wattage (borrowed), not capped to 15 W
-    d, _ = b15.decide(Readings(power_w=6.5), PhaseIn("prefill", n_tokens=1024), BALANCED,
+    d, _ = b15.decide(Readings(power_w=6.5), PhaseEvent("prefill", n_tokens=1024), BALANCED,
                       simulate(b15, 10.0, idle_until=10.0)[2], 10.0)
     sec, j = PLANNER.predict("prefill", 1024, 1, d.gpu_max_hz, d.emc_hz)
     assert j / sec > 15.0
@@ -122,8 +123,8 @@ def test_prefill_borrows_from_idle_time() -> None:
 def test_floor_case_reports_and_serves_at_the_floor() -> None:
     c = ctl(5.0)                                            # below what any busy point draws
     s = BudgetState()
-    d, s = c.decide(Readings(power_w=6.5), PhaseIn("decode", context=600), BALANCED, s, 0.0)
-    least = min(c.points(PhaseIn("decode", context=600), s.dvfs), key=lambda p: p[1])
+    d, s = c.decide(Readings(power_w=6.5), PhaseEvent("decode", context=600), BALANCED, s, 0.0)
+    least = min(c.points(PhaseEvent("decode", context=600), s.dvfs), key=lambda p: p[1])
     assert (d.gpu_max_hz, d.emc_hz) == (least[2], least[3])
     assert d.message is not None and "cannot be met" in d.message
     assert s.status is not None and s.status.unmet and s.status.unmet_decisions == 1
@@ -132,7 +133,7 @@ def test_floor_case_reports_and_serves_at_the_floor() -> None:
 def test_thermal_still_overrides() -> None:
     c = ctl(100.0)                                          # a budget that never binds
     crit = (ZoneSample("gpu", 98.5, 99.0),)                 # above critical (99 - 3)
-    d, s = c.decide(Readings(crit, power_w=20.0), PhaseIn("decode", context=600), BALANCED, BudgetState(), 0.0)
+    d, s = c.decide(Readings(crit, power_w=20.0), PhaseEvent("decode", context=600), BALANCED, BudgetState(), 0.0)
     assert d.critical and d.clocks() == c.floor()
     # a thermal cap (hot, not critical) is never raised by the budget
     hot = (ZoneSample("gpu", 93.0, 99.0),)
@@ -140,8 +141,8 @@ def test_thermal_still_overrides() -> None:
     s = BudgetState()
     plain_s = s.dvfs
     for i in range(3):
-        d, s = c.decide(Readings(hot, power_w=20.0), PhaseIn("prefill", 256), mx, s, float(2 * i))
-        p, plain_s = c.dvfs.decide(Readings(hot), PhaseIn("prefill", 256), mx, plain_s, float(2 * i))
+        d, s = c.decide(Readings(hot, power_w=20.0), PhaseEvent("prefill", 256), mx, s, float(2 * i))
+        p, plain_s = c.dvfs.decide(Readings(hot), PhaseEvent("prefill", 256), mx, plain_s, float(2 * i))
         assert d.gpu_max_hz <= p.gpu_max_hz and d.emc_hz <= p.emc_hz
     assert d.gpu_max_hz < SPEC.gpu_max_hz
 

@@ -12,7 +12,8 @@ from power.physics.boards import BOARDS, board_for
 from power.physics.costmodel import OperatingPoint, decode_step
 from power.runtime.shapes import model_shape
 from power.policy.budget import Budget, BudgetController, BudgetState
-from power.policy.dvfs import DvfsController, PhaseIn, Planner, Readings, tables_for
+from power.policy.dvfs import DvfsController, Planner, Readings, tables_for
+from power.policy.phase import PhaseEvent
 from power.policy.powerconfig import Mix, choose_config, hull_rate
 from power.policy.profiles import ProfileError, ProfileStore
 
@@ -127,7 +128,7 @@ def _rail_ctl(watts: float, rail: str | None) -> BudgetController:
 
 
 def test_rail_budget_predicts_the_rail_and_names_valid_rails() -> None:
-    p = PhaseIn("decode", context=1024, batch=8)
+    p = PhaseEvent("decode", context=1024, batch=8)
     board, gpu = _rail_ctl(6.0, None), _rail_ctl(6.0, "VDD_GPU_SOC")
     st = BudgetState()
     for (_, wb, g, e), (_, wr, g2, e2) in zip(board.points(p, st.dvfs), gpu.points(p, st.dvfs)):
@@ -139,7 +140,7 @@ def test_rail_budget_predicts_the_rail_and_names_valid_rails() -> None:
 def test_rail_budget_in_a_closed_loop_holds_the_rail() -> None:
     c = _rail_ctl(6.0, "VDD_GPU_SOC")
     st, t = c.initial_state(), 0.0
-    energy, p = 0.0, PhaseIn("decode", context=1024, batch=8)
+    energy, p = 0.0, PhaseEvent("decode", context=1024, batch=8)
     reading = None
     while t < 60.0:
         d, st = c.decide(Readings(power_w=reading), p, BALANCED, st, t)
@@ -152,19 +153,19 @@ def test_rail_budget_in_a_closed_loop_holds_the_rail() -> None:
 
 def test_admission_limit_only_when_the_floor_does_not_hold_the_window() -> None:
     c = _rail_ctl(5.0, None)                  # below any busy point's board power: unmet, and the rails say 9 W
-    d, st = c.decide(Readings(power_w=9.0), PhaseIn("decode", context=2048, batch=8), BALANCED,
+    d, st = c.decide(Readings(power_w=9.0), PhaseEvent("decode", context=2048, batch=8), BALANCED,
                      c.initial_state(), 0.0)
-    d, st = c.decide(Readings(power_w=9.0), PhaseIn("decode", context=2049, batch=8), BALANCED, st, 1.0)
+    d, st = c.decide(Readings(power_w=9.0), PhaseEvent("decode", context=2049, batch=8), BALANCED, st, 1.0)
     assert st.status is not None and st.status.unmet
     assert c.max_rows(st, 8) == 1
     # unmet by the prediction, but the rails hold the window: no limit (fewer rows would only cost tokens/s)
     held = _rail_ctl(7.5, None)
-    d, st3 = held.decide(Readings(power_w=7.0), PhaseIn("decode", context=2048, batch=8), BALANCED,
+    d, st3 = held.decide(Readings(power_w=7.0), PhaseEvent("decode", context=2048, batch=8), BALANCED,
                          held.initial_state(), 0.0)
-    d, st3 = held.decide(Readings(power_w=7.0), PhaseIn("decode", context=2049, batch=8), BALANCED, st3, 1.0)
+    d, st3 = held.decide(Readings(power_w=7.0), PhaseEvent("decode", context=2049, batch=8), BALANCED, st3, 1.0)
     assert st3.status is not None and st3.status.unmet and held.max_rows(st3, 8) == 8
     ok = _rail_ctl(30.0, None)
-    _, st2 = ok.decide(Readings(power_w=9.0), PhaseIn("decode", context=2048, batch=8), BALANCED,
+    _, st2 = ok.decide(Readings(power_w=9.0), PhaseEvent("decode", context=2048, batch=8), BALANCED,
                        ok.initial_state(), 0.0)
     assert ok.max_rows(st2, 8) == 8
 

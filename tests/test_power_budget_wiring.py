@@ -50,7 +50,7 @@ def test_power_cap_overrides_the_profile(tmp_path: Path) -> None:
 def test_service_controller_capped_on_a_twin(tmp_path: Path) -> None:
     from agent.metrics import ServiceMetrics
     from power.runtime.controller import PowerController
-    from power.policy.dvfs import PhaseIn
+    from power.policy.phase import PhaseEvent
     from power.runtime.state import describe_state
     from power.twin import create_twin
 
@@ -61,8 +61,8 @@ def test_service_controller_capped_on_a_twin(tmp_path: Path) -> None:
     try:
         assert isinstance(ctl.loop.controller, BudgetController)
         assert ctl.budget_status() is None                           # no decision yet
-        ctl.loop.on_event(PhaseIn("decode", context=600), 0.0)
-        ctl.loop.on_event(PhaseIn("decode", context=601), 0.5)
+        ctl.loop.on_event(PhaseEvent("decode", context=600), 0.0)
+        ctl.loop.on_event(PhaseEvent("decode", context=601), 0.5)
         st = ctl.budget_status()
         assert st is not None and st["watts"] == 15.0 and st["window_s"] == 10.0
         assert st["headroom_w"] == pytest.approx(15.0 - st["window_avg_w"])

@@ -16,8 +16,7 @@ from agent.engine.scheduler import Scheduler
 from agent.engine.types import INTERACTIVE, SamplingParams, SeqRequest, StepOutput, StepPlan
 from power.bench.energy import BenchConfig, PolicyResult, run_bench
 from power.bench.run import PolicyRun, Tally
-from power.policy.budget import BudgetController
-from power.policy.dvfs import PhaseIn
+from power.policy.phase import PhaseEvent
 from power.bench.traces import Request
 
 TOKEN = 1                   # the token every sampled row returns (never EOS: requests run to max_tokens)
@@ -31,15 +30,15 @@ class _Live:
     first_s: float | None = None
 
 
-def _phase(plan: StepPlan) -> tuple[PhaseIn, int, int, int]:
+def _phase(plan: StepPlan) -> tuple[PhaseEvent, int, int, int]:
     """The phase event a plan makes, and (size, batch, context) of its step for the cost model."""
     rows = len(plan.chunks)
     if plan.kind == "prefill":
         tokens = sum(len(c.token_ids) for c in plan.chunks)
         context = max(c.start_pos for c in plan.chunks)
-        return PhaseIn("prefill", n_tokens=tokens, batch=rows), tokens, rows, context
+        return PhaseEvent("prefill", n_tokens=tokens, batch=rows), tokens, rows, context
     ctx = [c.start_pos + 1 for c in plan.chunks]
-    return PhaseIn("decode", context=max(ctx), batch=rows), sum(ctx) // rows, rows, 0
+    return PhaseEvent("decode", context=max(ctx), batch=rows), sum(ctx) // rows, rows, 0
 
 
 def scheduler_driver(run: PolicyRun, trace: tuple[Request, ...], cfg: BenchConfig) -> Tally:
@@ -48,7 +47,7 @@ def scheduler_driver(run: PolicyRun, trace: tuple[Request, ...], cfg: BenchConfi
     pending = list(trace)
     live: dict[str, _Live] = {}
     tally = Tally()
-    run.event(PhaseIn("idle"))
+    run.event(PhaseEvent("idle"))
     n = 0
     while pending or sched.has_work():
         while pending and pending[0].arrival_s <= run.t + 1e-9:
@@ -58,12 +57,10 @@ def scheduler_driver(run: PolicyRun, trace: tuple[Request, ...], cfg: BenchConfi
             live[rid] = _Live(r)
             sched.add(SeqRequest(rid, (TOKEN,) * min(r.prompt, MAX_SEQ - r.output - 1),
                                  SamplingParams(max_tokens=r.output, ignore_eos=True), INTERACTIVE))
-        if isinstance(run.loop.controller if run.loop is not None else None, BudgetController):
-            assert run.loop is not None     # the budget's admission limit (power.policy.budget.max_rows)
-            sched.row_cap = run.loop.controller.max_rows(run.loop.state, cfg.max_batch)  # type: ignore[union-attr,arg-type]
+        sched.row_cap = run.max_rows(cfg.max_batch)     # the budget's admission limit, None without one
         plan = sched.schedule()
         if plan is None:
-            run.event(PhaseIn("idle"))
+            run.event(PhaseEvent("idle"))
             if pending:
                 run.idle_until(pending[0].arrival_s)
             continue

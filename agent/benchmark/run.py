@@ -1,8 +1,10 @@
 """`orin-agent bench run`: the end-to-end benchmark of the running configuration (model, backend, power
 profile) in real time, on the board or a twin. A short request trace goes through the service's own
 engine (agent.engine.core.EngineCore) with the service's power controller (power.runtime.controller) and, on a
-twin, the twin's real-time board model; a sampler thread notes the clocks, the rails and the
-temperatures every ``SAMPLE_S`` with the engine's phase, which gives energy per phase and the plots.
+twin, the twin's real-time board model; a recorder thread notes the clocks, the rails and the
+temperatures every ``SAMPLE_S`` with the engine's phase, which gives energy per phase and the plots. The
+readings are the board meter's (power.runtime.meter: the controller's thread samples it at every phase
+event and at least every ``SAMPLE_S``), the process's one reader of the board.
 
 Each profile runs the same trace in turn (the board is restored between them). On a twin every
 power, temperature and clock figure is the twin's simulation, and the report says so.
@@ -15,12 +17,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from agent.config import ServiceConfig
+from power.policy.phase import PhaseEvent, PhaseListener
+from power.runtime.meter import BoardSnapshot
 
 if TYPE_CHECKING:
-    from agent.board import BoardReader
     from partition.runners.chain import Chain
     from partition.tokenizer import Tokenizer
 
@@ -96,12 +99,13 @@ class ProfileRun:
 PHASE_CODE = {"prefill": 0, "decode": 1, "idle": 2}
 
 
-class _BoardRecorder:
-    """The engine's phases (a listener: each change timed, the GPU/EMC clocks read as a phase ends) and a
-    thread that samples the board's power, temperatures and clocks every ``SAMPLE_S``."""
+class _BoardRecorder(PhaseListener):
+    """The engine's phases (a listener: each change timed, the GPU/EMC clocks noted as a phase ends) and a
+    thread that notes the board's power, temperatures and clocks every ``SAMPLE_S``, both from the board
+    meter's last sample (``snapshot``: no file read here)."""
 
-    def __init__(self, reader: "BoardReader") -> None:
-        self.reader = reader
+    def __init__(self, snapshot: Callable[[], BoardSnapshot]) -> None:
+        self.snapshot = snapshot
         self.phase = "idle"
         self.t0 = time.monotonic()
         self.tl: dict[str, list[float]] = {"t": [], "phase": [], "gpu_mhz": [], "emc_mhz": [], "power_w": [],
@@ -109,19 +113,17 @@ class _BoardRecorder:
         self.rails: tuple[str, ...] = ()
         # per phase, read as it ended: (GPU running MHz, GPU max limit MHz, EMC MHz)
         self.ended: dict[str, list[tuple[float, ...]]] = {"prefill": [], "decode": [], "idle": []}
+        self._ending: list[tuple[str, float]] = []    # phases ended, waiting for the meter's next sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
 
-    def on_phase(self, event: object) -> None:
-        kind = str(getattr(event, "kind", "idle"))
+    def on_phase(self, event: PhaseEvent) -> None:
+        kind = event.kind
         if kind == self.phase:
             return
-        # the clocks in force at the end of a phase: the controller has had the phase's steps to set them
-        nan = float("nan")
-        g = self.reader.gpu.read() if self.reader.gpu.available else None
-        e = self.reader.emc.read() if self.reader.emc.available else None
-        self.ended[self.phase].append(tuple(v / 1e6 if v else nan for v in (
-            g.cur_hz if g else None, g.max_hz if g else None, e.cur_hz if e else None)))
+        # the clocks in force at the end of a phase (the controller has had the phase's steps to set them):
+        # the meter's first sample at or after it, which the power thread takes at this very event
+        self._ending.append((self.phase, event.t))
         self.phase = kind
         self.tl["phase_t"].append(time.monotonic() - self.t0)
         self.tl["phase_code"].append(float(PHASE_CODE.get(kind, 2)))
@@ -132,11 +134,20 @@ class _BoardRecorder:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        self._note_ends(force=True)
+
+    def _note_ends(self, force: bool = False) -> None:
+        nan = float("nan")
+        s = self.snapshot()
+        while self._ending and (force or s.t >= self._ending[0][1]):
+            phase, _ = self._ending.pop(0)
+            self.ended[phase].append(tuple(v / 1e6 if v else nan for v in (s.gpu_hz, s.gpu_max_hz, s.emc_hz)))
 
     def _run(self) -> None:
         nan = float("nan")
         while not self._stop.wait(SAMPLE_S):
-            s = self.reader.snapshot()
+            self._note_ends()
+            s = self.snapshot()
             tl = self.tl
             tl["t"].append(time.monotonic() - self.t0)
             tl["phase"].append(PHASE_CODE.get(self.phase, 2))
@@ -169,7 +180,6 @@ def _median(xs: list[float]) -> float:
 
 
 def _run_profile(opts: BenchOptions, profile: str, chain: "Chain", tokenizer: "Tokenizer") -> ProfileRun:
-    from agent.board import BoardReader
     from agent.engine.core import EngineCore
     from agent.engine.executor import ChainExecutor
     from agent.engine.types import Finished, SamplingParams, SeqRequest, next_request_id
@@ -181,23 +191,22 @@ def _run_profile(opts: BenchOptions, profile: str, chain: "Chain", tokenizer: "T
 
     cfg = opts.config
     spec = TRACES[opts.trace]
-    reader = BoardReader(opts.root)
-    sampler = _BoardRecorder(reader)
     driver = TwinDriver(Path(opts.root)) if opts.twin else None
-    ctl, ctl_error = None, None
+    ctl_error = None
     try:
         kw = {} if opts.profile_dir is None else {"profile_dir": opts.profile_dir}
-        ctl = PowerController.open(opts.root, opts.run_dir, profile, precision="fp16",
+        ctl = PowerController.open(opts.root, opts.run_dir, profile, precision="fp16", period_s=SAMPLE_S,
                                    shape=shape_of(cfg.model_dir.name, load_config(cfg.model_dir)), **kw)
     except (OSError, ValueError) as exc:
         ctl_error = f"no power control ({exc}): the board's own clocks"
+        ctl = PowerController.metering(opts.root, SAMPLE_S)   # the readings all the same
+    sampler = _BoardRecorder(ctl.meter.snapshot)
     listeners = [x for x in (sampler, driver, ctl) if x is not None]
     core = EngineCore(ChainExecutor(chain), tokenizer, listener=FanOut(*listeners))
     done: list[RequestStats] = []
     if driver is not None:
         driver.start()
-    if ctl is not None:
-        ctl.start()
+    ctl.start()
     t0 = sampler.t0 = time.monotonic()                        # the plots' time axis starts with the trace
     sampler.start()
     pending = list(enumerate(spec.arrivals_s))
@@ -222,11 +231,9 @@ def _run_profile(opts: BenchOptions, profile: str, chain: "Chain", tokenizer: "T
         time.sleep(0.5)                                       # a little idle after the last answer
     finally:
         sampler.stop()
-        if ctl is not None:
-            ctl.stop()
+        ctl.stop()
         if driver is not None:
             driver.stop()
-        reader.close()
     return _summarise(profile, time.monotonic() - t0, done, sampler, ctl_error)
 
 
@@ -262,9 +269,9 @@ def run_bench(opts: BenchOptions) -> list[ProfileRun]:
 
 def fresh_twin() -> tuple[str, str, Path]:
     """A twin of the service's default board in a temp folder: (root, run dir, folder to remove)."""
-    from agent.board import make_twin_root
+    from power.twin.layout import make_temp_twin
 
-    root = make_twin_root()
+    root = make_temp_twin()
     return str(root), str(root / "run" / "orin-agent"), root
 
 

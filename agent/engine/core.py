@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from agent.engine.output import OutputProcessor
 from agent.engine.scheduler import Scheduler
-from agent.engine.types import (Delta, EnergyMeter, EngineMetrics, Executor, Finished, PhaseEvent, RequestOutput,
+from agent.engine.types import (Delta, EnergyMeter, EngineMetrics, Executor, Finished, RequestOutput,
                                 SamplingParams, SeqRequest, StepPlan, next_request_id)
 from agent.phases import NullListener, PhaseListener
 from partition.tokenizer import Tokenizer
+from power.policy.phase import PhaseEvent
 
 log = logging.getLogger("orin_agent.engine")
 
@@ -29,9 +30,8 @@ log = logging.getLogger("orin_agent.engine")
 class EngineCore:
     def __init__(self, executor: Executor, tokenizer: Tokenizer, *, listener: PhaseListener | None = None,
                  meter: EnergyMeter | None = None, metrics: EngineMetrics | None = None,
-                 scheduler: Scheduler | None = None, row_limit: Callable[[], int | None] | None = None) -> None:
+                 scheduler: Scheduler | None = None) -> None:
         self.executor, self.tokenizer = executor, tokenizer
-        self.row_limit = row_limit  # the power budget's admission limit (power.runtime.controller.max_rows), read per step
         # No queue bound here: the caller (the loop) bounds what it submits.
         self.scheduler = scheduler or Scheduler(executor.max_batch, executor.max_seq, tokenizer.eos_ids,
                                                 max_queue=1 << 30)
@@ -67,17 +67,16 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule -> phase event -> execute -> update: one step, and what it gave each request."""
-        if self.row_limit is not None:
-            self.scheduler.row_cap = self.row_limit()
+        self.scheduler.row_cap = self._row_cap()
         plan = self.scheduler.schedule()
         now = time.monotonic()
         if plan is None:
-            self.set_phase(PhaseEvent("idle", now))
+            self.set_phase(PhaseEvent("idle", batch=0, t=now))
             return []
         if plan.kind == "prefill":
-            self.set_phase(PhaseEvent("prefill", now, n_tokens=plan.n_tokens, batch=len(plan.chunks)))
+            self.set_phase(PhaseEvent("prefill", n_tokens=plan.n_tokens, batch=len(plan.chunks), t=now))
         else:
-            self.set_phase(PhaseEvent("decode", now, context=plan.context, batch=len(plan.chunks)))
+            self.set_phase(PhaseEvent("decode", context=plan.context, batch=len(plan.chunks), t=now))
         try:
             out = self.executor.execute(plan)
         except Exception as exc:  # noqa: BLE001 - the runner failed: fail these requests, keep serving
@@ -111,6 +110,15 @@ class EngineCore:
                     if isinstance(o.event, Finished):
                         return
         raise RuntimeError(f"request {rid} left the scheduler without finishing")  # a bug, not bad input
+
+    def _row_cap(self) -> int | None:
+        """The rows the listener lets the next step run (a power budget's limit, through the same listener
+        as the phase events); None: the executor's max_batch."""
+        try:
+            return self.listener.max_rows(self.executor.max_batch)
+        except Exception:  # noqa: BLE001 - a listener bug must not stop serving; log it, admit as usual
+            log.exception("phase listener failed on max_rows")
+            return None
 
     def set_phase(self, event: PhaseEvent) -> None:
         """Tell the listener: prefill / decode every step (n_tokens, context and batch change), idle

@@ -15,9 +15,10 @@ import time
 from typing import Callable
 
 from agent.engine.core import EngineCore
-from agent.engine.types import (PRIORITIES, EngineStopped, Finished, InvalidRequest, PhaseEvent, QueueFull,
+from agent.engine.types import (PRIORITIES, EngineStopped, Finished, InvalidRequest, QueueFull,
                                 RequestOutput, SamplingParams, SeqRequest, Usage, check_prompt,
                                 next_request_id)
+from power.policy.phase import PhaseEvent
 
 log = logging.getLogger("orin_agent.engine")
 
@@ -135,14 +136,14 @@ class EngineLoop:
                 if self.core.metrics:
                     self.core.metrics.on_queue(self.queue_depth, self.scheduler.num_running)
                 if not self.core.has_work():
-                    self.core.set_phase(PhaseEvent("idle", time.monotonic()))
+                    self.core.set_phase(PhaseEvent("idle", batch=0, t=time.monotonic()))
                     self._wake.wait(0.5)
                     self._wake.clear()
         finally:
             self._drain_inbox()
             for rid in list(self._sinks):
                 self._route(self.core.abort(rid))
-            self.core.set_phase(PhaseEvent("idle", time.monotonic()))
+            self.core.set_phase(PhaseEvent("idle", batch=0, t=time.monotonic()))
 
     def _drain_inbox(self) -> None:
         while True:

@@ -236,20 +236,6 @@ class RequestOutput:
     event: Delta | Finished
 
 
-# -- phase events (the power controller's seam) -----------------------------------------------------
-
-PhaseKind = Literal["prefill", "decode", "idle"]
-
-
-@dataclass(frozen=True)
-class PhaseEvent:
-    kind: PhaseKind
-    t: float  # time.monotonic() on the engine thread
-    n_tokens: int = 0  # prefill: prompt tokens in this step
-    context: int = 0  # decode: the longest context (tokens in the KV-cache) of the batch
-    batch: int = 0  # sequences in this step
-
-
 # -- what the engine is handed ---------------------------------------------------------------------
 
 class Executor(Protocol):
@@ -263,7 +249,8 @@ class Executor(Protocol):
 
 
 class EnergyMeter(Protocol):
-    """Joules a step drew (agent.board.EnergyMeter); `available` is False without power rails."""
+    """Joules a step drew (power.runtime.meter.BoardMeter: from its last sample, never a file read);
+    `available` is False without power rails."""
 
     @property
     def available(self) -> bool: ...

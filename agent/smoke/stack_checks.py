@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.engine.types import PhaseEvent
 from agent.smoke.context import GenerationRun, SmokeContext
 from agent.smoke.result import Outcome, failed, passed, skipped
 from power.hw import sysfs
+from power.policy.phase import PhaseEvent, PhaseListener
 
 if TYPE_CHECKING:
     from power.physics.costmodel import ModelShape
+    from power.runtime.meter import BoardMeter
 
 # Orin's GPU is Ampere compute capability 8.7 (NVIDIA CUDA GPUs list: "Jetson AGX Orin, Orin NX, Orin Nano: 8.7").
 ORIN_ARCH = "sm_87"
@@ -106,10 +107,22 @@ def check_engines(ctx: SmokeContext) -> Outcome:
 
 # -- the short generation ----------------------------------------------------------------------------
 
-class _Controlled:
+class _Sampled(PhaseListener):
+    """The board meter sampled at each phase event, on the engine thread: the smoke run is synchronous
+    (the service's power thread does this apart, power.runtime.controller)."""
+
+    def __init__(self, meter: "BoardMeter") -> None:
+        self.meter = meter
+
+    def on_phase(self, event: PhaseEvent) -> None:
+        self.meter.sample()
+
+
+class _Controlled(PhaseListener):
     """A phase listener that runs the power controller's loop (power.runtime.loop.PowerLoop, the service's
     controller without its thread) synchronously, so each decision is in force before the step runs,
-    and notes each decision and the GPU/EMC limits read back from the board."""
+    then samples the session's board meter (energy, and the GPU/EMC limits read back from the board) and
+    notes each decision."""
 
     def __init__(self, ctx: SmokeContext, profile: str, shape: "ModelShape") -> None:
         from power.runtime.session import open_session
@@ -121,34 +134,31 @@ class _Controlled:
         self.in_force: dict[str, int | None] = {}
 
     def on_phase(self, ev: PhaseEvent) -> None:
-        from power.policy.dvfs import PhaseIn
-
-        d = self.session.loop.on_event(PhaseIn(ev.kind, ev.n_tokens, ev.context, max(1, ev.batch)), time.monotonic())
+        d = self.session.loop.on_event(ev, time.monotonic())
+        snap = self.session.meter.sample()
         self.decisions.append((ev.kind, d.clocks()))
         if ev.kind == "decode":
-            b = self.session.applier.board
-            self.in_force = {"gpu_max_hz": b.gpu.read().max_hz, "emc_hz": b.emc.read().cur_hz if b.emc.available else None}
+            self.in_force = {"gpu_max_hz": snap.gpu_max_hz, "emc_hz": snap.emc_hz}
 
     def close(self) -> None:
-        from power.policy.dvfs import PhaseIn
-
         try:
-            self.session.loop.on_event(PhaseIn("idle"), time.monotonic())
+            self.session.loop.on_event(PhaseEvent("idle"), time.monotonic())
             self.session.applier.restore()
         finally:
             self.session.close()
 
 
 def _generate(ctx: SmokeContext) -> GenerationRun:
-    from agent.board import BoardReader, EnergyMeter
     from agent.engine.core import EngineCore
     from agent.engine.executor import ChainExecutor
     from agent.engine.types import Finished, SamplingParams
-    from agent.phases import FanOut, PhaseListener
+    from agent.phases import FanOut
     from agent.model_load import build_chain
     from partition.config import load_config
     from partition.tokenizer import Tokenizer
     from power.physics.costmodel import shape_of
+    from power.runtime.board import open_board_at
+    from power.runtime.meter import BoardMeter
 
     cfg = dataclasses.replace(ctx.options.config, max_batch=1)
     tokenizer = Tokenizer.from_dir(cfg.model_dir)
@@ -167,9 +177,14 @@ def _generate(ctx: SmokeContext) -> GenerationRun:
             listeners.append(controlled)
         except (OSError, ValueError) as exc:
             ctl_error = f"the controller could not open the board: {exc}"
-    reader = BoardReader(ctx.root)
-    meter = EnergyMeter(reader) if reader.has_power else None
-    core = EngineCore(ChainExecutor(chain), tokenizer, listener=FanOut(*listeners), meter=meter)
+    if controlled is not None:      # the board's one meter: the session's, or one on the board the checks opened
+        meter = controlled.session.meter
+    else:
+        meter = BoardMeter(ctx.board if ctx.board is not None else open_board_at(ctx.root))
+        listeners.append(_Sampled(meter))
+    meter.sample()
+    core = EngineCore(ChainExecutor(chain), tokenizer, listener=FanOut(*listeners),
+                      meter=meter if meter.available else None)
     params = SamplingParams(max_tokens=ctx.options.max_tokens, temperature=0.0, ignore_eos=True)
     pieces: list[str] = []
     done = None
@@ -182,7 +197,6 @@ def _generate(ctx: SmokeContext) -> GenerationRun:
     finally:
         if controlled is not None:
             controlled.close()
-        reader.close()
     assert done is not None
     if done.reason not in ("stop", "length"):
         raise RuntimeError(f"the generation ended with {done.reason}: {done.message}")

@@ -31,7 +31,6 @@ from power.policy.budget import Budget, BudgetState
 from power.policy.powerconfig import Mix
 from power.policy.profiles import ProfileStore
 from power.runtime.shapes import model_shape
-from power.runtime.cap import install
 from power.bench.traces import TRACES, Request, make_trace
 
 MEASURE_WINDOW_S = 60.0         # the window the objective is measured over
@@ -151,11 +150,6 @@ def _run_one(cfg: BenchConfig, policy: str, trace: tuple[Request, ...], store: P
         run = PolicyRun(cfg.board, cfg.l4t, cfg.shape, cfg.precision, policy, Path(d),
                         ambient_c=cfg.ambient_c, fan=cfg.fan, profile=profile, mix=mix,
                         exits=parse_exit_rates(cfg.exit_rates) if cfg.exit_rates else None, exit_gate=cfg.exit_gate)
-        if budget is not None:
-            assert run.loop is not None
-            # the rails as the twin has them: the module's power, or the budget's rail
-            install(run.loop, budget, (lambda: run.twin.state.power.board_w) if rail is None
-                    else (lambda: dict(run.twin.state.power.rails)[rail]))
         try:
             res = result(run, driver(run, trace, cfg), len(trace), cfg.duration_s)
             mode = run.board.read_mode()

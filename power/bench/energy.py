@@ -28,7 +28,7 @@ from power.bench.run import BASELINES, PolicyRun, Tally, pct
 from power.physics.boards import board_for
 from power.physics.costmodel import PRECISIONS
 from power.physics.exitcost import parse_exit_rates
-from power.policy.dvfs import PhaseIn
+from power.policy.phase import PhaseEvent
 from power.policy.profiles import ProfileStore
 from power.runtime.shapes import model_shape
 from power.bench.traces import Request, make_trace
@@ -110,20 +110,20 @@ def simple_driver(run: PolicyRun, trace: tuple[Request, ...], cfg: "BenchConfig"
     pending, waiting = list(trace), []
     active: list[list[Any]] = []           # [request, context, tokens left, first-token time]
     tally = Tally()
-    run.event(PhaseIn("idle"))
+    run.event(PhaseEvent("idle"))
     while pending or waiting or active:
         while pending and pending[0].arrival_s <= run.t + 1e-9:
             waiting.append(pending.pop(0))
         if waiting and len(active) < cfg.max_batch:
             r = waiting.pop(0)
-            run.event(PhaseIn("prefill", n_tokens=r.prompt, batch=1))
+            run.event(PhaseEvent("prefill", n_tokens=r.prompt, batch=1))
             run.step("prefill", r.prompt, 1)
             tally.ttft_s.append(run.t - r.arrival_s)
             tally.tokens += 1
             if r.output > 1:
                 active.append([r, r.prompt + 1, r.output - 1, run.t])
         elif active:
-            run.event(PhaseIn("decode", context=max(s[1] for s in active), batch=len(active)))
+            run.event(PhaseEvent("decode", context=max(s[1] for s in active), batch=len(active)))
             run.step("decode", sum(s[1] for s in active) // len(active), len(active))
             tally.tokens += len(active)
             for s in active:
@@ -132,14 +132,14 @@ def simple_driver(run: PolicyRun, trace: tuple[Request, ...], cfg: "BenchConfig"
                     tally.tpot_s.append((run.t - s[3]) / (s[0].output - 1))
             active = [s for s in active if s[2] > 0]
         else:
-            run.event(PhaseIn("idle"))
+            run.event(PhaseEvent("idle"))
             run.idle_until(pending[0].arrival_s)
     return tally
 
 
 def result(run: PolicyRun, tally: Tally, requests: int, duration_s: float) -> PolicyResult:
     """Close the trace (idle to its end) and account for it."""
-    run.event(PhaseIn("idle"))
+    run.event(PhaseEvent("idle"))
     run.idle_until(max(run.t + 1.0, duration_s))
     st = run.twin.state
     busy_j = run.energy["prefill"] + run.energy["decode"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 from power.runtime.loop import PowerLoop
@@ -23,7 +24,7 @@ from power.runtime.session import open_session
 from power.physics.boards import board_for
 from power.physics.costmodel import OperatingPoint, StepCost, decode_step, prefill_step
 from power.physics.exitcost import ExitRates, exit_decode_step
-from power.policy.dvfs import PhaseIn
+from power.policy.phase import PhaseEvent
 from power.policy.powerconfig import Mix
 from power.policy.profiles import Profile
 from power.policy.thermal import ZoneSample
@@ -90,7 +91,7 @@ class PolicyRun:
             # the twin "reboots" for free: every policy runs at its profile's mode, as MAXN does above
             session = open_session(root, run_dir, profile, self.shape, precision=precision,
                                    fan_ours=fan == "ours", spec=self.spec, zones=self._zones,
-                                   allow_reboot_modes=True, mix=mix)
+                                   allow_reboot_modes=True, mix=mix, power=self)
             self.board, self.writer, self.loop = session.board, session.writer, session.loop
         self.twin = Twin(root, ambient_c=ambient_c, fan_daemon=fan == "daemon")
         self.trip_c = min((p for p, _, _ in self.twin.trips), default=TRIP_C * 1000) / 1000.0
@@ -110,6 +111,17 @@ class PolicyRun:
         self.rail_log: list[tuple[float, tuple[float, ...]]] = [(0.0, tuple(self._rail_j))]  # (t, J so far per rail)
         self._zone_meta: tuple[ZoneSample, ...] | None = None
         self.sensor_read_s: float | None = None
+
+    def reader(self, rail: str | None) -> Callable[[], float | None]:
+        """A budget's power (the profile's ``[budget]``, installed by the session) as the twin has it: the
+        module's power, or that rail's, W (power.runtime.meter.PowerSource)."""
+        if rail is None:
+            return lambda: self.twin.state.power.board_w
+        return lambda: dict(self.twin.state.power.rails)[rail]
+
+    def max_rows(self, engine_max: int) -> int | None:
+        """The decode rows the budget lets the engine admit now (None: no budget)."""
+        return self.loop.max_rows(engine_max) if self.loop is not None else None
 
     def _zones(self) -> tuple[ZoneSample, ...]:
         """The controller's sensor read. The zones' names and trip points are read through the board
@@ -136,7 +148,7 @@ class PolicyRun:
         return self.sensor_read_s
 
     # -- the engine's calls
-    def event(self, p: PhaseIn) -> None:
+    def event(self, p: PhaseEvent) -> None:
         """A phase event: the controller decides (and writes); new limits take effect from now on."""
         if self.loop is None:
             return

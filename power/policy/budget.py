@@ -43,7 +43,8 @@ from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, TypeVar
 
 from power.physics.costmodel import OperatingPoint, decode_step, prefill_step
-from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, served_size
+from power.policy.dvfs import Decision, DvfsController, DvfsState, Readings, served_size
+from power.policy.phase import PhaseEvent
 from power.policy.profiles import Budget, Profile
 from power.policy.thermal import ThermalState, ThermalVerdict
 
@@ -214,7 +215,7 @@ class BudgetController:
     def floor(self) -> tuple[int, int, int, int]:
         return self.dvfs.floor()
 
-    def points(self, p: PhaseIn, dstate: DvfsState) -> list[tuple[float, float, int, int]]:
+    def points(self, p: PhaseEvent, dstate: DvfsState) -> list[tuple[float, float, int, int]]:
         """(corrected seconds, predicted board W, gpu, emc) for every point the board's mode allows."""
         assert self.planner is not None
         t = self.tables
@@ -228,13 +229,13 @@ class BudgetController:
         return [(s * dstate.ratio(p.kind, g, e), self.power_of(p.kind, size, batch, g, e), g, e)
                 for s, _, g, e in self.planner.candidates(p.kind, size, batch, gpus, emcs)]
 
-    def horizon(self, p: PhaseIn, step_s: float) -> float:
+    def horizon(self, p: PhaseEvent, step_s: float) -> float:
         """How long a point is planned to run: its step and a recheck; decode at least a quarter window (a
         decode stretch lasts seconds: planning it whole keeps its speed even instead of fast-then-floor)."""
         h = RECHECK_S + step_s
         return max(h, self.budget.window_s * DECODE_AHEAD) if p.kind == "decode" else h
 
-    def step_power(self, p: PhaseIn, d: Decision) -> float:
+    def step_power(self, p: PhaseEvent, d: Decision) -> float:
         """The cost model's power (board, or the budget's rail) of the step ``p`` at the decision's clocks (what
         the rails are compared with)."""
         return self.power_of(p.kind, served_size(p), max(1, p.batch), d.gpu_max_hz, d.emc_hz)
@@ -243,13 +244,13 @@ class BudgetController:
         """The power any busy phase draws at its least-power point (corrected): what the rest of a window is
         planned at, so that after any admitted point the floor still fits."""
         out = 0.0
-        for p in (PhaseIn("prefill", n_tokens=RESERVE_PREFILL), PhaseIn("decode", context=RESERVE_CONTEXT,
+        for p in (PhaseEvent("prefill", n_tokens=RESERVE_PREFILL), PhaseEvent("decode", context=RESERVE_CONTEXT,
                                                                           batch=RESERVE_BATCH)):
             floor = min(w for _, w, _, _ in self.points(p, st.dvfs))
             out = max(out, floor * math.exp(max(0.0, st.power_log.get(p.kind, 0.0))))
         return out
 
-    def decide(self, readings: Readings, phase: PhaseIn, profile: Profile, state: BudgetState,
+    def decide(self, readings: Readings, phase: PhaseEvent, profile: Profile, state: BudgetState,
                now: float) -> tuple[Decision, BudgetState]:
         b = self.budget
         st = account(b, state, now, readings.power_w)
@@ -268,7 +269,7 @@ class BudgetController:
             return st.out, replace(st, running=(phase.kind, self.step_power(phase, st.out)))
         return self._plan(d, phase, st, now)
 
-    def _plan(self, d: Decision, phase: PhaseIn, st: BudgetState, now: float) -> tuple[Decision, BudgetState]:
+    def _plan(self, d: Decision, phase: PhaseEvent, st: BudgetState, now: float) -> tuple[Decision, BudgetState]:
         b = self.budget
         pts = self.points(phase, st.dvfs)
         corr = math.exp(st.power_log.get(phase.kind, 0.0))
@@ -313,7 +314,7 @@ class BudgetController:
         """The most decode rows whose least-power step fits ``allowed`` (corrected), at least one."""
         corr = math.exp(st.power_log.get("decode", 0.0))
         for rows in range(RESERVE_BATCH, 0, -1):
-            p = PhaseIn("decode", context=RESERVE_CONTEXT, batch=rows)
+            p = PhaseEvent("decode", context=RESERVE_CONTEXT, batch=rows)
             if min(w for _, w, _, _ in self.points(p, st.dvfs)) * corr <= allowed:
                 return rows
         return 1

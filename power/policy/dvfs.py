@@ -35,6 +35,7 @@ from typing import Mapping
 from power.physics.boards import BoardSpec, active_tpcs
 from power.physics.costmodel import CostParams, DEFAULT_PARAMS, ModelShape, OperatingPoint, decode_step, prefill_step
 from power.hw.tables import BoardTables, snap
+from power.policy.phase import PhaseEvent
 from power.policy.profiles import Profile, resolve_clock
 from power.policy.thermal import ThermalState, ThermalVerdict, ZoneSample, thermal_step
 
@@ -47,18 +48,9 @@ PREFILL_ONLY_LEVELS = 4     # thermal levels that cap prefill alone before decod
 
 
 @dataclass(frozen=True)
-class PhaseIn:
-    """The engine's phase event: ``prefill(n_tokens)``, ``decode(context, batch)`` or ``idle``."""
-    kind: str
-    n_tokens: int = 0
-    context: int = 0
-    batch: int = 1
-
-
-@dataclass(frozen=True)
 class StepSample:
     """One measured step: what ran, at which clocks, and how long it took."""
-    phase: PhaseIn
+    phase: PhaseEvent
     gpu_hz: int
     emc_hz: int
     seconds: float
@@ -122,7 +114,7 @@ class DvfsState:
 
 # --- the cost model behind `auto` -----------------------------------------------------------------
 
-def size_bucket(p: PhaseIn) -> int:
+def size_bucket(p: PhaseEvent) -> int:
     """Prefill: tokens to the next power of two (>= 16); decode: context to the next 256."""
     if p.kind == "prefill":
         return 1 << max(4, math.ceil(math.log2(max(1, p.n_tokens))))
@@ -131,7 +123,7 @@ def size_bucket(p: PhaseIn) -> int:
     return 0
 
 
-def served_size(p: PhaseIn) -> int:
+def served_size(p: PhaseEvent) -> int:
     """The size the planner predicts at: prefill tokens up to a multiple of 16, decode context up
     to a multiple of 32 (fine enough that the prediction is the served one, coarse enough to memoise)."""
     if p.kind == "prefill":
@@ -241,7 +233,7 @@ class DvfsController:
         return t.gpu_hz[0], t.gpu_hz[0], t.emc_hz[0], t.cpu_khz[0]
 
     # -- auto
-    def _auto(self, p: PhaseIn, b: _Bounds, gpu_cap: int, profile: Profile,
+    def _auto(self, p: PhaseEvent, b: _Bounds, gpu_cap: int, profile: Profile,
               state: DvfsState) -> tuple[int, int, float, str]:
         assert self.planner is not None
         t = self.tables
@@ -284,7 +276,7 @@ class DvfsController:
                 tag = " (explore)"
         return best[2], best[3], best[0], tag
 
-    def _busy_decision(self, p: PhaseIn, profile: Profile, level: int, state: DvfsState) -> Decision:
+    def _busy_decision(self, p: PhaseEvent, profile: Profile, level: int, state: DvfsState) -> Decision:
         t = self.tables
         b = self.bounds(profile, p.kind)
         top_i = len(t.gpu_hz) - 1
@@ -326,7 +318,7 @@ class DvfsController:
             r[key] = x if old is None else old + EWMA_ALPHA * (x - old)
         return MappingProxyType(r)
 
-    def decide(self, readings: Readings, phase: PhaseIn, profile: Profile, state: DvfsState,
+    def decide(self, readings: Readings, phase: PhaseEvent, profile: Profile, state: DvfsState,
                now: float) -> tuple[Decision, DvfsState]:
         learned = self._learn(state, readings.steps)
         therm, verdict = state.thermal, state.verdict

@@ -1,15 +1,22 @@
-"""The service's power controller: a :class:`agent.phases.PhaseListener` that runs the pure DVFS and
-thermal controllers on its own thread and applies their decisions through the journaled board layer.
+"""The service's power thread: the process's one board session. A
+:class:`power.policy.phase.PhaseListener` that meters the board for everyone and, with a control session,
+runs the pure DVFS, thermal and budget controllers and applies their decisions through the journaled
+board layer.
 
-``on_phase`` only queues the event (the engine thread must not wait on sysfs); the thread wakes on
-events, on the controller's timers (idle hold, 1 s re-checks) and on the sensor period, and writes a
-small state file (``<run_dir>/power-state.json``) that ``orin-agent power status`` shows. ``stop()``
-puts every changed file back (journal restore). Any write error restores the journal, logs it and
-disables the controller: the service keeps serving at the board's own clocks.
+``on_phase`` only queues the event (the engine thread never waits on sysfs); the thread wakes on events,
+on the controller's timers (idle hold, 1 s re-checks), on the sensor period and, while the engine runs,
+every ``BUSY_PERIOD_S``. At each wake it samples
+the board meter (power.runtime.meter: the one reader of the rails, whose last sample gives the engine its
+joules per step, the budget its power and /metrics its readings), then lets the loop decide, and once a
+second writes a small state file (``<run_dir>/power-state.json``) that ``orin-agent power status``
+shows. ``max_rows`` hands the budget's batch limit back to the scheduler through the same listener.
+``stop()`` puts every changed file back (journal restore). Any write error restores the journal, logs it
+and disables control (the meter keeps sampling): the service keeps serving at the board's own clocks.
 
-Wiring (agent/service.py): ``PowerController.open(root, run_dir, profile)`` (one board session) and pass it as the
-service's ``listener`` (or inside ``FanOut``); call ``start()`` after the engine starts and
-``stop()`` before the board is restored.
+Wiring (agent/service.py): ``PowerController.open(root, run_dir, profile, ...)`` (control) or
+``PowerController.metering(root)`` (readings only: power control off, or a board it cannot drive), pass
+it as the engine's listener (inside ``FanOut``), its ``meter`` as the engine's energy meter; call
+``start()`` after the engine starts and ``stop()`` before the board is restored.
 """
 from __future__ import annotations
 
@@ -18,59 +25,70 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any
 
-from power.runtime.applier import ClockApplier
-from power.runtime.loop import PowerLoop
-from power.runtime.session import DEFAULT_PROFILE_DIR, open_session
-from power.policy.budget import BudgetController
-from power.runtime.cap import budget_for, install, status_dict
-from power.runtime.meter import rail_power_reader
 from power.physics.costmodel import ModelShape
-from power.policy.dvfs import PhaseIn
+from power.policy.dvfs import Decision
+from power.policy.phase import PhaseEvent, PhaseListener
 from power.policy.profiles import Profile
+from power.runtime.board import open_board_at
+from power.runtime.cap import status_dict
+from power.runtime.meter import SENSOR_PERIOD_S, BoardMeter
+from power.runtime.session import DEFAULT_PROFILE_DIR, Session, open_session
 from power.runtime.state import STATE_FILE, clear_state, write_state
 
 log = logging.getLogger("orin_agent.power")
 
-
-class _Event(Protocol):
-    kind: str
-    t: float
-    n_tokens: int
-    context: int
-    batch: int
+# While the engine runs, the meter samples at least this often, so a step's joules come from samples of its
+# own phase (a prefill right after idle too): the twin's model rewrites its readings every 50 ms
+# (power.twin.driver), and the real-time benchmark samples at the same period.
+BUSY_PERIOD_S = 0.05
 
 
-class PowerController:
-    def __init__(self, loop: PowerLoop, applier: ClockApplier, run_dir: str | os.PathLike[str]) -> None:
-        self.loop, self.applier, self.run_dir = loop, applier, run_dir
-        self._q: queue.SimpleQueue[PhaseIn | None] = queue.SimpleQueue()
+class PowerController(PhaseListener):
+    def __init__(self, meter: BoardMeter, session: Session | None, run_dir: str | os.PathLike[str] | None,
+                 period_s: float = SENSOR_PERIOD_S) -> None:
+        # period_s: the longest the thread sleeps without an event, and the meter's temperature period
+        self.meter, self.session, self.run_dir, self.period_s = meter, session, run_dir, period_s
+        meter.zones_period_s = period_s
+        self.loop = session.loop if session is not None else None
+        self.applier = session.applier if session is not None else None
+        self._q: queue.SimpleQueue[PhaseEvent | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="power", daemon=True)
         self._stop = threading.Event()
         self.failed: str | None = None
         self._noted = 0     # applier notes (skipped interfaces, clamps) already logged
+        meter.sample()      # a first sample before the engine's first step asks for one
 
     @classmethod
     def open(cls, root: str | os.PathLike[str], run_dir: str | os.PathLike[str], profile: str | Profile,
              *, profile_dir: str | None = DEFAULT_PROFILE_DIR, shape: ModelShape | None = None,
-             precision: str = "int4", fan_ours: bool = False, power_cap_w: float | None = None) -> "PowerController":
-        """The controller of a board session (:func:`power.runtime.session.open_session`). With a model shape
-        (the served model's ModelShape) `auto` plans from the cost model; without
-        one it falls back to a fixed rule."""
+             precision: str = "int4", fan_ours: bool = False, power_cap_w: float | None = None,
+             period_s: float = SENSOR_PERIOD_S) -> "PowerController":
+        """The controller of a board session (:func:`power.runtime.session.open_session`, which applies the
+        power cap and installs the budget). With a model shape (the served model's) `auto` plans from the
+        cost model; without one it falls back to a fixed rule. ``period_s``: see :func:`metering`."""
         session = open_session(root, run_dir, profile, shape, profile_dir=profile_dir, precision=precision,
                                fan_ours=fan_ours, power_cap_w=power_cap_w)
-        budget = budget_for(session.profile, power_cap_w)     # [budget] / --power-cap: cap the clocks to it
-        if budget is not None:
-            install(session.loop, budget, rail_power_reader(session.board, budget.rail))
-        return cls(session.loop, session.applier, run_dir)
+        return cls(session.meter, session, run_dir, period_s)
 
-    # -- PhaseListener
-    def on_phase(self, event: _Event) -> None:
-        self._q.put(PhaseIn(event.kind, event.n_tokens, event.context, max(1, event.batch)))
+    @classmethod
+    def metering(cls, root: str | os.PathLike[str], period_s: float = SENSOR_PERIOD_S) -> "PowerController":
+        """Readings only (energy, /metrics): the board's own clocks, nothing written. The meter samples at
+        every phase event and at least every ``period_s`` (the real-time benchmark asks for 50 ms)."""
+        return cls(BoardMeter(open_board_at(root)), None, None, period_s)
+
+    # -- the listener (engine thread: never blocks)
+    def on_phase(self, event: PhaseEvent) -> None:
+        self._q.put(event)
+
+    def max_rows(self, engine_max: int) -> int | None:
+        """The decode rows the engine may admit now under the power budget (None: no budget, no limit)."""
+        return self.loop.max_rows(engine_max) if self.loop is not None else None
 
     def set_profile(self, profile: Profile) -> None:
-        self.loop.set_profile(profile)
+        if self.loop is not None:
+            self.loop.set_profile(profile)
         self._q.put(None)
 
     def start(self) -> None:
@@ -81,53 +99,63 @@ class PowerController:
         self._q.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        try:
-            self.applier.restore()
-            clear_state(self.run_dir)
-        finally:
-            if self.applier.writer.journal is not None:
-                self.applier.writer.journal.close()
-
-    def _run(self) -> None:
-        last_state = 0.0
-        while not self._stop.is_set():
-            wake = self.loop.next_wake()
-            timeout = 1.0 if wake is None else max(0.0, min(1.0, wake - time.monotonic()))
+        if self.session is not None:
             try:
-                ev = self._q.get(timeout=timeout)
+                self.session.applier.restore()
+                if self.run_dir is not None:
+                    clear_state(self.run_dir)
+            finally:
+                self.session.close()
+        self.meter.board.close()
+
+    # -- the power thread
+    def _run(self) -> None:
+        last_state = last_loop = 0.0
+        busy = False
+        while not self._stop.is_set():
+            now = time.monotonic()
+            due = self.loop.next_wake() if self.loop is not None and not self.failed else None
+            period = min(self.period_s, BUSY_PERIOD_S) if busy else self.period_s
+            wait = period if due is None else min(period, due - now)
+            try:
+                ev = self._q.get(timeout=max(0.0, wait))
             except queue.Empty:
                 ev = None
-            if self._stop.is_set() or self.failed:
-                if self.failed:
-                    self._stop.wait(1.0)
+            if self._stop.is_set():
                 continue
             now = time.monotonic()
+            if ev is not None:
+                busy = ev.kind != "idle"
+            self.meter.sample(now)      # the one read of the rails: energy, /metrics and the budget use it
+            if self.loop is None or self.failed:
+                continue
+            if ev is None and not ((due is not None and now >= due - 1e-3) or now - last_loop >= self.period_s):
+                continue                # a sampling wake only: nothing is due for the loop
+            last_loop = now
             try:
                 d = self.loop.on_event(ev, now) if ev is not None else self.loop.tick(now)
             except (OSError, ValueError) as exc:
                 self.failed = str(exc)
                 log.error("power controller disabled after a write error (board files restored): %s", exc)
                 continue
+            assert self.applier is not None
             for line in self.applier.notes[self._noted:]:
                 log.warning("%s", line)
             self._noted = len(self.applier.notes)
-            if now - last_state >= 1.0:
+            if now - last_state >= 1.0 and self.run_dir is not None:
                 last_state = now
                 try:
                     write_state(self.run_dir, self.snapshot(d))
                 except OSError as exc:
                     log.warning("cannot write %s: %s", STATE_FILE, exc)
 
-    def max_rows(self, engine_max: int) -> int | None:
-        """The decode rows the engine may admit now under the power budget (None: no budget, no limit)."""
-        ctl = self.loop.controller
-        return ctl.max_rows(self.loop.state, engine_max) if isinstance(ctl, BudgetController) else None  # type: ignore[arg-type]
-
     def budget_status(self) -> dict[str, float | int | bool] | None:
         """The power budget's last status (``/metrics``), None without a budget."""
-        return status_dict(self.loop)
+        return status_dict(self.loop) if self.loop is not None else None
 
-    def snapshot(self, d: Any) -> dict[str, Any]:
+    def snapshot(self, d: Decision | None) -> dict[str, Any]:
+        """The state file's content (the controller's profile, phase, last decision, budget, thermal state)."""
+        assert self.loop is not None and self.applier is not None, "a metering-only controller has no state"
         v = self.loop.state.verdict
         return {"profile": self.loop.profile.name, "phase": self.loop.phase.kind, "pid": os.getpid(),
                 "updated": time.time(), "failed": self.failed, "warnings": list(self.applier.notes),

@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Readings, StepSample
+from power.policy.budget import BudgetController
+from power.policy.dvfs import Decision, DvfsController, DvfsState, Readings, StepSample
+from power.policy.phase import PhaseEvent
 from power.policy.profiles import Profile
 from power.policy.thermal import ZoneSample
 from power.runtime.applier import ClockApplier
@@ -45,7 +47,7 @@ class PowerLoop:
         self.decision: Decision | None = None
         self.stats = LoopStats()
         self._clock = clock
-        self._phase = PhaseIn("idle")
+        self._phase = PhaseEvent("idle")
         self._phase_t: float | None = None
         self._sensed_t = float("-inf")
         self._switched = False
@@ -57,13 +59,13 @@ class PowerLoop:
         return self._sensed_t
 
     @property
-    def phase(self) -> PhaseIn:
+    def phase(self) -> PhaseEvent:
         return self._phase
 
     def set_profile(self, profile: Profile) -> None:
         self.profile = profile
 
-    def on_event(self, p: PhaseIn, now: float) -> Decision:
+    def on_event(self, p: PhaseEvent, now: float) -> Decision:
         steps: tuple[StepSample, ...] = ()
         d = self.decision
         # a step measures its clock point when the clocks were pinned and did not move at its start
@@ -80,6 +82,11 @@ class PowerLoop:
 
     def tick(self, now: float) -> Decision:
         return self._decide(now, ())
+
+    def max_rows(self, engine_max: int) -> int | None:
+        """The decode rows the budget lets the engine admit now (None: no budget on this loop)."""
+        ctl = self.controller
+        return ctl.max_rows(self.state, engine_max) if isinstance(ctl, BudgetController) else None  # type: ignore[arg-type]
 
     def next_wake(self) -> float | None:
         w = self.decision.wake_at if self.decision is not None else None

@@ -1,5 +1,7 @@
-"""Opening the board for control: the one place that goes profile -> board (one factory) -> journaled
-writer -> nvpmodel mode switch -> rediscovery -> clock tables -> planner -> control loop.
+"""Opening the board for control: the one place that goes profile (and the power cap, applied here once)
+-> board (one factory, the tools' runner for its root) -> journaled writer -> nvpmodel mode switch (the
+budget's choice under a cap) -> rediscovery -> clock tables -> planner -> control loop (the budget
+installed on it) -> the board's meter.
 
 Used by the service's controller (:meth:`power.runtime.controller.PowerController.open`), ``orin-agent power
 set`` (:func:`apply_profile`) and the energy benchmark (power.bench). Also the default paths every
@@ -14,17 +16,21 @@ from pathlib import Path
 
 from power.runtime.applier import ClockApplier, read_zone_samples, tables_from_board
 from power.runtime.board import open_board_at, rediscover
+from power.runtime.cap import DEFAULT_SHAPE, budget_config, install, with_cap
 from power.runtime.loop import PowerLoop
+from power.runtime.meter import BoardMeter, PowerSource
 from power.hw.backends import SysfsBoard
 from power.hw.journal import DEFAULT_RUN_DIR as _JOURNAL_RUN_DIR
 from power.hw.writer import ClockWriter
 from power.physics.boards import BOARDS, NANO_SUPER, BoardSpec, board_for
 from power.physics.costmodel import ModelShape
-from power.policy.dvfs import Decision, DvfsController, DvfsState, PhaseIn, Planner, Readings
+from power.policy.dvfs import Decision, DvfsController, DvfsState, Planner, Readings
+from power.policy.phase import PhaseEvent
 from power.policy.powerconfig import Mix
 from power.policy.profiles import DEFAULT_USER_DIR, Profile, ProfileStore
 from power.hw.tables import BoardTables
 from power.policy.thermal import ZoneSample
+from power.runtime.shapes import model_shape
 from power.runtime.state import write_state
 
 DEFAULT_ROOT = "/"
@@ -35,14 +41,17 @@ DEFAULT_PROFILE_DIR = DEFAULT_USER_DIR      # the user's profiles, over the ship
 @dataclass
 class Session:
     """An open board under control: the board (rediscovered after the mode switch), its journaled
-    writer, the applier that writes decisions, and the loop that makes them."""
+    writer, the applier that writes decisions, the loop that makes them (``loop.controller``: ``dvfs``, or
+    the budget around it), and the board's one meter."""
     board: SysfsBoard
     writer: ClockWriter
     applier: ClockApplier
     loop: PowerLoop
-    profile: Profile
+    profile: Profile                # the power cap applied
     spec: BoardSpec | None
     tables: BoardTables
+    dvfs: DvfsController
+    meter: BoardMeter
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -87,7 +96,7 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
                  zones: Callable[[], tuple[ZoneSample, ...]] | None = None,
                  echo: Callable[[str], None] | None = None, recover: bool = True,
                  allow_reboot_modes: bool = False, power_cap_w: float | None = None,
-                 mix: Mix | None = None) -> Session:
+                 mix: Mix | None = None, power: PowerSource | None = None) -> Session:
     """Open ``root`` for control with ``profile``: its nvpmodel mode is switched (journaled), the board
     rediscovered, the tables read and, with a model shape (the served model's, or a preset's), the
     cost-model planner built (without one, ``auto`` falls back to a fixed rule). ``spec`` defaults to
@@ -96,10 +105,10 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
     switch that needs a reboot (TPC mask) only with ``allow_reboot_modes``. Call it before any CUDA
     context exists (a mode switch changes the GPU's caps under it). With a power budget (the profile's
     ``[budget]``, ``power_cap_w`` over it) the mode and the CPU cores online are the budget's choice
-    (``power.runtime.cap.budget_config``, for ``mix``; extra cores are taken offline, journaled). On any error the
-    journal is restored and closed before the error propagates."""
-    from power.runtime.cap import budget_config, with_cap
-
+    (``power.runtime.cap.budget_config``, for ``mix``; extra cores are taken offline, journaled) and the
+    loop's controller is capped to it, reading its power from ``power`` (default: the session's board
+    meter, which the caller samples; the energy bench passes the twin's state). On any error the journal
+    is restored and closed before the error propagates."""
     prof = profile if isinstance(profile, Profile) else ProfileStore(
         None if profile_dir is None else os.fspath(profile_dir)).load(profile)
     prof = with_cap(prof, power_cap_w)
@@ -121,16 +130,23 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
             board.cpu.keep_online(writer, cores)
         tables = tables_from_board(board, spec.emc_hz if spec else ())
         mode = board.read_mode()
-        planner = (Planner.for_board(spec, shape, precision, mode.id if mode else None)
-                   if spec is not None and shape is not None else None)
+        # a budget plans with the cost model: the served model's shape, else the one its configuration was
+        # chosen for (power.runtime.cap.DEFAULT_SHAPE, as `power set` has no model)
+        plan_shape = shape if shape is not None or prof.budget is None else model_shape(DEFAULT_SHAPE)
+        planner = (Planner.for_board(spec, plan_shape, precision, mode.id if mode else None)
+                   if spec is not None and plan_shape is not None else None)
+        read_zones = zones if zones is not None else (lambda: read_zone_samples(applier.board))
+        dvfs = DvfsController(tables, planner)
+        loop = PowerLoop(dvfs, prof, applier, read_zones, fan_ours=fan_ours)
+        meter = BoardMeter(board)
+        if prof.budget is not None:         # the cap's one installation: the loop decides under it
+            install(loop, prof.budget, (power or meter).reader(prof.budget.rail))
     except Exception:
         applier.restore()
         if writer.journal is not None:
             writer.journal.close()
         raise
-    read_zones = zones if zones is not None else (lambda: read_zone_samples(applier.board))
-    loop = PowerLoop(DvfsController(tables, planner), prof, applier, read_zones, fan_ours=fan_ours)
-    return Session(board, writer, applier, loop, prof, spec, tables)
+    return Session(board, writer, applier, loop, prof, spec, tables, dvfs, meter)
 
 
 @dataclass(frozen=True)
@@ -149,15 +165,14 @@ def apply_profile(root: str | os.PathLike[str], run_dir: str | os.PathLike[str],
     restore`` undoes it), leave the journal for that restore and record the state file (with the
     warnings, so ``power status`` shows them, and the budget, ``power_cap_w`` over the profile's
     ``[budget]``: the controller holds it while it runs)."""
-    from power.runtime.cap import with_cap
-
-    prof = with_cap(ProfileStore(None if profile_dir is None else os.fspath(profile_dir)).load(name), power_cap_w)
+    prof = ProfileStore(None if profile_dir is None else os.fspath(profile_dir)).load(name)
     if not Path(root).is_dir():
         raise FileNotFoundError(f"--root {root}: no such directory")
     session = open_session(root, run_dir, prof, None, dry_run, profile_dir=profile_dir, echo=echo,
-                           recover=False, allow_reboot_modes=allow_reboot_modes)
-    try:
-        d, _ = session.loop.controller.decide(Readings(), PhaseIn("idle"), session.profile, DvfsState(), 0.0)
+                           recover=False, allow_reboot_modes=allow_reboot_modes, power_cap_w=power_cap_w)
+    prof = session.profile
+    try:     # the idle clocks of the profile itself (the budget caps busy phases, not idle)
+        d, _ = session.dvfs.decide(Readings(), PhaseEvent("idle"), prof, DvfsState(), 0.0)
         session.applier.apply(d)
     finally:
         session.close()

@@ -1,7 +1,7 @@
 """The twin driven in real time next to a running engine: every period it re-reads the limits written
 into the tree, steps the board model with the engine's current phase and flushes the readings (rails,
 temperatures, clocks) that the service then reads like a real board's. The service's listener for
-phase events when it runs on a twin.
+phase events when it runs on a twin (a :class:`power.policy.phase.PhaseListener`).
 """
 from __future__ import annotations
 
@@ -9,16 +9,12 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Protocol
 
 from power.physics.equations import Workload
+from power.policy.phase import PhaseEvent, PhaseListener
 from power.twin.model import Twin
 
 log = logging.getLogger("orin_agent.board")
-
-
-class _PhaseEvent(Protocol):
-    kind: str
 
 
 # How busy each phase keeps the simulated board (fractions for the Workload). Estimates:
@@ -52,10 +48,11 @@ def reading_files(scratch: Path, board: str = "agx-orin-64gb", l4t: str = "r36")
     return changed
 
 
-class TwinDriver:
+class TwinDriver(PhaseListener):
     """Runs the twin's board model in real time next to the engine: every `period_s` it re-reads the
     limits written into the tree, steps the model with the engine's current phase, and flushes the
-    readings (rails, temperatures, clocks) that BoardReader then reads like a real board's."""
+    readings (rails, temperatures, clocks) that the board meter (power.runtime.meter) then reads like a
+    real board's."""
 
     def __init__(self, root: Path, period_s: float = 0.05) -> None:
         self.twin = Twin(root, atomic_writes=True)
@@ -64,7 +61,7 @@ class TwinDriver:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="twin", daemon=True)
 
-    def on_phase(self, event: _PhaseEvent) -> None:
+    def on_phase(self, event: PhaseEvent) -> None:
         self._phase = event.kind
 
     def start(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -312,6 +313,17 @@ def create_twin(root: Path | str, board: str, l4t: str, ambient_c: float = 25.0,
     t.write(META_FILE, json.dumps({"board": board, "l4t": l4t, "format": 1}))
     t.write(WORKLOAD_FILE, json.dumps({"phase": "idle", "gpu_util": 0.0, "mem_util": 0.0}))
     return paths
+
+
+DEFAULT_BOARD = "agx-orin-64gb"     # the twin a front end runs on when there is no board (and no --root)
+DEFAULT_L4T = "r36"
+
+
+def make_temp_twin(board: str = DEFAULT_BOARD, l4t: str = DEFAULT_L4T) -> Path:
+    """A fresh twin tree in a new temporary folder (the caller removes it when done)."""
+    root = Path(tempfile.mkdtemp(prefix="orin-agent-twin-"))
+    create_twin(root, board, l4t)
+    return root
 
 
 def read_meta(root: Path | str) -> tuple[str, str]:
