@@ -41,6 +41,10 @@ TEST_WATCHDOG_SEC = 5
 SHUTDOWN_GRACE_S = 3
 PORT = 8000  # the container has its own network namespace (--private-network): no clash with the host
 BOOT_TIMEOUT_S = 420
+CHAOS_CYCLE_S = 40  # the boot's time limit grows by this per chaos cycle (~15-25 s each seen here)
+# With chaos cycles the unit's RestartSec (5 s) is shortened by the test's drop-in to this: the same
+# Restart= path, fewer idle seconds per kill.
+CHAOS_RESTART_SEC = 2
 
 
 def unavailable() -> str | None:
@@ -176,7 +180,9 @@ def _start_dbus() -> int | None:
     return int(r.stdout.split()[0])
 
 
-def boot_and_probe(work: Path) -> Boot:
+def boot_and_probe(work: Path, chaos_cycles: int = 0) -> Boot:
+    """Boot once and run the probe: the unit's scenarios, or with ``chaos_cycles`` the chaos loop of
+    tests/systemd_chaos_probe.py instead (its record in ``results["chaos"]``)."""
     t = {"start": time.monotonic()}
     base = base_rootfs()
     t["rootfs"] = time.monotonic()
@@ -217,6 +223,11 @@ orin-agent twin create {TWIN_ROOT} --board agx-orin-64gb --l4t r36
     watchdog = _unit_seconds(unit, "WatchdogSec")
     if watchdog > TEST_WATCHDOG_SEC:
         dropin += [f"# The unit's WatchdogSec={watchdog:.0f}s, shortened for the test.", f"WatchdogSec={TEST_WATCHDOG_SEC}"]
+    restart_sec = _unit_seconds(unit, "RestartSec")
+    if chaos_cycles and restart_sec > CHAOS_RESTART_SEC:
+        dropin += [f"# The unit's RestartSec={restart_sec:.0f}s, shortened for the chaos cycles.",
+                   f"RestartSec={CHAOS_RESTART_SEC}"]
+        restart_sec = CHAOS_RESTART_SEC
     d = etc / "systemd/system/orin-agent.service.d"
     d.mkdir(exist_ok=True)
     (d / "test.conf").write_text("\n".join(dropin) + "\n")
@@ -227,17 +238,18 @@ orin-agent twin create {TWIN_ROOT} --board agx-orin-64gb --l4t r36
         if not (wants / name).exists():
             (wants / name).symlink_to(f"/etc/systemd/system/{name}")
     settings = {"port": PORT, "model_dir": f"{MODELS}/{model_name}", "twin_root": TWIN_ROOT,
-                "restart_sec": _unit_seconds(unit, "RestartSec"),
+                "restart_sec": restart_sec, "chaos_cycles": chaos_cycles,
                 "watchdog_sec": min(watchdog, TEST_WATCHDOG_SEC) if watchdog else 0,
                 "shutdown_grace_s": SHUTDOWN_GRACE_S}
     (out / "settings.json").write_text(json.dumps(settings))
     shutil.copy(REPO / "tests" / "systemd_probe.py", out / "systemd_probe.py")
+    shutil.copy(REPO / "tests" / "systemd_chaos_probe.py", out / "systemd_chaos_probe.py")
     twin = rootfs / TWIN_ROOT.lstrip("/")
     pristine = tree_bytes(twin)
     dbus = _start_dbus()
     try:
         t["boot"] = time.monotonic()
-        r = subprocess.run(["timeout", str(BOOT_TIMEOUT_S)] + _nspawn(rootfs, binds + [f"--bind={out}:/out"])
+        r = subprocess.run(["timeout", str(BOOT_TIMEOUT_S + CHAOS_CYCLE_S * chaos_cycles)] + _nspawn(rootfs, binds + [f"--bind={out}:/out"])
                            + ["--boot", "--console=pipe"], capture_output=True, text=True, check=False)
         t["poweroff"] = time.monotonic()
     finally:

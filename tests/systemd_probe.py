@@ -205,6 +205,18 @@ def stop_during_stream() -> dict:
 
 def main() -> None:
     results: dict = {"boot": show("ActiveState", "Result", "MainPID")}
+    if SETTINGS.get("chaos_cycles"):  # a boot for the chaos loop only (tests/test_systemd_chaos.py)
+        from systemd_chaos_probe import chaos
+
+        t = time.monotonic()
+        try:
+            results["chaos"] = chaos(int(SETTINGS["chaos_cycles"]))
+        except Exception:  # noqa: BLE001 - recorded for the host-side test
+            results["chaos"] = {"probe_error": traceback.format_exc()}
+        results["chaos_s"] = round(time.monotonic() - t, 1)
+        results["done"] = True
+        (OUT / "results.json").write_text(json.dumps(results, indent=1))
+        return
     good = CONFIG.read_text()
     steps = [
         ("ready_order", lambda: (sh("systemctl", "stop", UNIT), start_sampled())[1]),
