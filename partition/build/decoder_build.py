@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from partition.build.ort_decoder import ACCURACY_INT8, DecoderWeights, QuantWeight, build_decoder, weights_from_gguf
+from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, DecoderWeights, QuantWeight, build_decoder, \
+    weights_from_gguf
 
 FORMAT = 1  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
 GRAPH = "decoder.onnx"
@@ -124,11 +125,24 @@ def _checkpoint_weights(model_dir: Path) -> DecoderWeights:
     return DecoderWeights(cfg, embed, layers, vec("model.norm.weight"), head, str(model_dir))  # type: ignore[arg-type]
 
 
-def ensure_decoder(model: str | Path, accuracy_level: int = ACCURACY_INT8, cache_dir: str | Path | None = None,
+# Activation precision of the decoder graph's weight-only matmuls (MatMulNBits accuracy_level per projection):
+#   "fp32": fp32 activations (level 0) in every layer; an 8-bit head runs with int8 activations and its 32 highest
+#           logits are recomputed exactly (ort_decoder._rescored_head). Greedy tokens equal the dequantised float
+#           model's on 100 % of 517 teacher-forced positions (SmolLM2-135M Q4_1, tests/data/teacher_forced.txt).
+#   "int8": int8 activations everywhere (level 4, MLAS's VNNI kernels), ~25 % less CPU per token here, 96.9 % of
+#           those positions (llama.cpp, which also quantises activations to 8 bits: 97.1 %). docs/BENCHMARKS.md.
+PRECISIONS: dict[str, tuple[int, int]] = {"fp32": (ACCURACY_FP32, 32), "int8": (ACCURACY_INT8, 0)}
+DEFAULT_PRECISION = "fp32"
+
+
+def ensure_decoder(model: str | Path, precision: str = DEFAULT_PRECISION, cache_dir: str | Path | None = None,
                    log: Callable[[str], None] | None = None) -> Path:
-    """The cached decoder graph of `model` (built on first use, with a line on `log`)."""
+    """The cached decoder graph of `model` at `precision` (PRECISIONS; built on first use, with a line on `log`)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"decoder precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    accuracy_level, rescore = PRECISIONS[precision]
     model = Path(model)
-    key = hashlib.sha256(f"{FORMAT}|{accuracy_level}|{_source_key(model)}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{FORMAT}|{precision}|{_source_key(model)}".encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder = root / f"decoder-{key}"
     if (folder / GRAPH).is_file():
@@ -138,14 +152,15 @@ def ensure_decoder(model: str | Path, accuracy_level: int = ACCURACY_INT8, cache
     if log:
         log(f"building the ONNX Runtime decoder graph of {model.name} (once; cached in {folder})")
     weights = decoder_weights(model)
-    proto = build_decoder(weights, min(MAX_ROPE, max(weights.config.max_position_embeddings, 2048)), accuracy_level)
+    proto = build_decoder(weights, min(MAX_ROPE, max(weights.config.max_position_embeddings, 2048)), accuracy_level,
+                          rescore_top=rescore)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".decoder-", dir=root))
     try:
         onnx.save_model(proto, str(tmp / GRAPH), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=GRAPH + ".data", size_threshold=4096)
         (tmp / "source.json").write_text(json.dumps({"model": str(model), "format": FORMAT,
-                                                     "accuracy_level": accuracy_level}, indent=2) + "\n")
+                                                     "precision": precision}, indent=2) + "\n")
         try:
             os.rename(tmp, folder)
         except OSError:  # another process built it first

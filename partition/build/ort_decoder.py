@@ -34,7 +34,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from kernels.matmul_nbits import ACCURACY_INT8, BLOCK_SIZES, MS_DOMAIN, matmul_nbits_node, nbits_weight, \
+from kernels.matmul_nbits import ACCURACY_FP32, ACCURACY_INT8, BLOCK_SIZES, MS_DOMAIN, matmul_nbits_node, nbits_weight, \
     offset_matmul_nodes
 from partition.config import ModelConfig
 

@@ -108,8 +108,9 @@ def load_decoder_runner(model: str | Path, n_layers: int, max_seq: int, max_batc
     partition/build/decoder_build.py) in a runner."""
     from partition.build.decoder_build import ensure_decoder
 
-    path = ensure_decoder(model, cache_dir=cache_dir, log=log)
-    return OrtDecoderRunner(path, n_layers, max_seq, max_batch, providers, options or OrtOptions())
+    options = options or OrtOptions()
+    path = ensure_decoder(model, options.activations, cache_dir=cache_dir, log=log)
+    return OrtDecoderRunner(path, n_layers, max_seq, max_batch, providers, options)
 
 
 def teacher_forced_top1(runner: SliceRunner, tokens: Sequence[int], prefill: int = 1) -> np.ndarray:

@@ -49,12 +49,16 @@ class OrtOptions:
     io_binding: bool = True
     spinning: bool = False
     graph_optimization: str = "all"  # "basic" | "extended" | "all"
+    # a quantised model's one-graph decoder (partition/build/decoder_build.py PRECISIONS): "fp32" or "int8" activations
+    activations: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.past_mode not in PAST_MODES:
             raise ValueError(f"past_mode {self.past_mode!r} is not one of {', '.join(PAST_MODES)}")
         if self.graph_optimization not in ("basic", "extended", "all"):
             raise ValueError(f"graph_optimization {self.graph_optimization!r}: use basic, extended or all")
+        if self.activations not in ("fp32", "int8"):
+            raise ValueError(f"activations {self.activations!r}: use fp32 or int8")
 
 
 def resolve_providers(providers: Sequence[str | tuple[str, dict[str, Any]]] | None) -> list[Any]:
