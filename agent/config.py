@@ -1,7 +1,8 @@
 """The service's configuration: /etc/orin-agent/agent.toml (path overridable), validated on start into
 a frozen `ServiceConfig`; command-line flags override the file. Every error names the file and key.
 
-    [model]   dir, backend ("torch" | "ort" | "trt"), slices ("0:4,4:8"), max_seq, device, kv_cache ("fp16" | "int8"),
+    [model]   dir, backend ("auto" | "torch" | "ort" | "trt"; auto: partition/runners/backend_choice.py),
+              slices ("0:4,4:8"), max_seq, device, kv_cache ("fp16" | "int8"),
               exits (load the exit heads: requests may ask for early exits / speculation), max_disagreement
               and speculate (K or "auto"): the default of every request that asks for neither,
               kv_blocks (paged cache: blocks of 16 tokens), dtype ("fp32" | "fp16" | "bf16": the float parts, torch)
@@ -56,7 +57,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ServiceConfig:
     model_dir: Path = DEFAULT_MODEL_DIR
-    backend: str = "torch"
+    backend: str = "auto"  # the fastest measured runner for the model (partition/runners/backend_choice.py)
     slices: str | None = None
     max_seq: int | None = None  # None: the model's context, at most partition.config.MAX_SEQ_CAP
     device: str = "cpu"
@@ -148,8 +149,9 @@ class ServiceConfig:
         def bad(key: str, what: str, got: object) -> ConfigError:
             return ConfigError(f"{src}: {key}: {what}, got {got!r}")
 
-        if self.backend not in ("torch", "ort", "trt"):
-            raise bad("model.backend", "must be 'torch', 'ort' or 'trt'", self.backend)
+        if self.backend not in ("auto", "torch", "ort", "trt"):
+            raise bad("model.backend", "must be 'auto', 'torch', 'ort' or 'trt'", self.backend)
+        torch_ok = self.backend in ("auto", "torch")  # auto picks torch for the torch-only features below
         if self.kv_cache not in ("fp16", "int8"):
             raise bad("model.kv_cache", "must be 'fp16' or 'int8'", self.kv_cache)
         if self.kv_cache == "int8" and self.backend == "trt":
@@ -157,10 +159,10 @@ class ServiceConfig:
                       self.kv_cache)
         if self.dtype not in DTYPE_NAMES:
             raise bad("model.dtype", f"must be one of {', '.join(DTYPE_NAMES)}", self.dtype)
-        if self.dtype != "fp32" and (self.backend != "torch" or self.exits_enabled):
+        if self.dtype != "fp32" and (not torch_ok or self.exits_enabled):
             raise bad("model.dtype", "fp16 / bf16 need model.backend = 'torch' and no exits (the ONNX graphs and the "
                       "exit heads are fp32)", (self.dtype, self.backend))
-        if self.kv_blocks is not None and (self.kv_blocks < 1 or self.backend != "torch" or self.kv_cache != "fp16"):
+        if self.kv_blocks is not None and (self.kv_blocks < 1 or not torch_ok or self.kv_cache != "fp16"):
             raise bad("model.kv_blocks", "must be >= 1, with model.backend = 'torch' and kv_cache = 'fp16'",
                       self.kv_blocks)
         if self.threads < 0:
@@ -175,7 +177,7 @@ class ServiceConfig:
         if self.max_disagreement is not None and self.speculate not in (None, "0"):
             raise bad("model.speculate", "early exits (max_disagreement) and speculation are two modes: "
                       "give one", self.speculate)
-        if self.exits_enabled and (self.backend != "torch" or self.kv_cache != "fp16" or self.kv_blocks is not None):
+        if self.exits_enabled and (not torch_ok or self.kv_cache != "fp16" or self.kv_blocks is not None):
             raise bad("model.exits", "early exits and speculation need model.backend = 'torch', "
                       "model.kv_cache = 'fp16' and no model.kv_blocks", (self.backend, self.kv_cache, self.kv_blocks))
         if not 0 <= self.port <= 65535:
@@ -216,7 +218,7 @@ class ServiceConfig:
             host, _, port = self.edge.rpartition(":")
             if not host or not port.isdigit():
                 raise bad("edge.url", "must be HOST:PORT (the edge server's gRPC endpoint)", self.edge)
-            if self.backend != "torch" or self.slices or self.kv_cache != "fp16":
+            if not torch_ok or self.slices or self.kv_cache != "fp16":
                 raise bad("edge.url", "offload runs layers 0:N with model.backend = 'torch', no model.slices "
                           "and the fp16 KV-cache", self.edge)
             if self.device_layers != "auto" and not self.device_layers.isdigit():

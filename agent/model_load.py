@@ -57,7 +57,8 @@ def build_executor(cfg: ServiceConfig) -> tuple[ChainExecutor, ExitPolicy]:
     if cfg.edge:  # a token that exits here never crosses the link (no speculation: the config refuses it)
         ex = exit_executor_on(edge_chain(cfg), cfg.model_dir, cfg.device)
         return ex, ExitPolicy(True, 0, 0, cfg.max_disagreement, speculation=False)
-    ex = load_exit_executor(cfg.model_dir, cfg.backend, cfg.slices, cfg.max_seq, cfg.device, cfg.max_batch)
+    backend = "torch" if cfg.backend == "auto" else cfg.backend  # exits run on the torch runner
+    ex = load_exit_executor(cfg.model_dir, backend, cfg.slices, cfg.max_seq, cfg.device, cfg.max_batch)
     auto = choose_draft(cfg.model_dir, ex.exits.n_layers, None)[1]
     k = auto if cfg.speculate == "auto" else int(cfg.speculate or 0)
     return ex, ExitPolicy(True, auto, k, cfg.max_disagreement)
