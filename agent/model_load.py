@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 
 from agent.api.extension import ExitPolicy
 from agent.config import ServiceConfig
@@ -37,6 +36,8 @@ def build_chain(cfg: ServiceConfig) -> Chain:
     from partition.runners import load_chain
     from partition.runners.ort_runner import OrtOptions
 
+    import torch
+
     threads = compute_threads(cfg)
     torch.set_num_threads(threads)
     if cfg.edge:
@@ -52,6 +53,8 @@ def build_executor(cfg: ServiceConfig) -> tuple[ChainExecutor, ExitPolicy]:
     if not cfg.exits_enabled:
         return ChainExecutor(build_chain(cfg)), ExitPolicy()
     from agent.engine.speculative import choose_draft, exit_executor_on, load_exit_executor
+
+    import torch
 
     torch.set_num_threads(compute_threads(cfg))
     if cfg.edge:  # a token that exits here never crosses the link (no speculation: the config refuses it)

@@ -210,3 +210,27 @@ def test_gguf_decoder_greedy_equals_the_dequantised_float_model() -> None:
     want = logits[0, :-1].argmax(-1).numpy()
     agree = float((got == want).mean())
     assert agree >= 0.99, f"greedy agreement {agree:.3f} over {len(want)} positions"
+
+
+def test_cache_grows_past_its_first_capacity() -> None:
+    """A sequence longer than the runner's first allocation: the cache doubles, keeps what it held, and the
+    logits still match the torch runner's."""
+    from partition.runners import ort_decoder_runner
+
+    model = random_model(TINY, seed=4).eval()
+    ort_decoder_runner.INITIAL_CAPACITY, saved = 16, ort_decoder_runner.INITIAL_CAPACITY
+    try:
+        runner = OrtDecoderRunner(build_decoder(weights_from_model(model), 256, 0).SerializeToString(), 3, 200)
+    finally:
+        ort_decoder_runner.INITIAL_CAPACITY = saved
+    ref = TorchRunner(model, SliceSpec(0, 3, 3), 200)
+    assert runner.capacity == 16
+    n = 150
+    ids = np.random.default_rng(5).integers(0, 512, (1, n)).astype(np.int32)
+    got = runner.run(ids[:, :n - 1], np.arange(n - 1, dtype=np.int32)[None])
+    want = ref.run(ids[:, :n - 1], np.arange(n - 1, dtype=np.int32)[None]).numpy()
+    np.testing.assert_allclose(got, want, atol=2e-5 * max(1.0, np.abs(want).max()))
+    got = runner.run(ids[:, n - 1:], np.array([[n - 1]], np.int32))
+    want = ref.run(ids[:, n - 1:], np.array([[n - 1]], np.int32)).numpy()
+    np.testing.assert_allclose(got, want, atol=2e-5 * max(1.0, np.abs(want).max()))
+    assert runner.capacity >= n

@@ -8,13 +8,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from agent.engine.types import SamplingParams, TokenLogprob
 
+if TYPE_CHECKING:
+    import torch
+
 
 def make_rng(seed: int | None) -> torch.Generator:
+    import torch
+
     gen = torch.Generator()
     if seed is None:
         gen.seed()
@@ -27,13 +33,14 @@ def make_rng(seed: int | None) -> torch.Generator:
 class Sampler:
     """One request's sampling state, from its first chunk until it is released."""
     params: SamplingParams
-    rng: torch.Generator
+    rng: torch.Generator | None  # None for a greedy request: it never draws
     history: list[int] = field(default_factory=list)  # every token fed so far (prompt + output)
 
     @classmethod
     def for_params(cls, params: SamplingParams) -> "Sampler":
-        """A fresh sampler, its RNG seeded from `params.seed` (or from the OS when None)."""
-        return cls(params, make_rng(params.seed))
+        """A fresh sampler, its RNG seeded from `params.seed` (or from the OS when None); greedy requests get
+        none (so a greedy generation on numpy runners never imports torch)."""
+        return cls(params, make_rng(params.seed) if params.temperature != 0 else None)
 
 
 def sample(logits: np.ndarray | torch.Tensor, params: SamplingParams, history: list[int],
@@ -47,10 +54,17 @@ def sample(logits: np.ndarray | torch.Tensor, params: SamplingParams, history: l
 def sample_with_logprob(logits: np.ndarray | torch.Tensor, params: SamplingParams, history: list[int],
                         rng: torch.Generator) -> tuple[int, TokenLogprob | None]:
     """`sample`, and the token's `TokenLogprob` when `params.logprobs` is set (else None)."""
+    if (params.temperature == 0 and params.logprobs is None and params.repetition_penalty == 1.0
+            and not params.logit_bias and isinstance(logits, np.ndarray)):
+        return int(np.argmax(logits)), None  # plain greedy: nothing to warp (np.argmax = torch.argmax: first max)
+    import torch
+
     x = warp(logits, params, history)
     if params.temperature == 0:
         token = int(torch.argmax(x))
     else:
+        if rng is None:
+            raise ValueError("sampling with a temperature needs the sampler's RNG (Sampler.for_params makes one)")
         token = int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=rng))
     return token, None if params.logprobs is None else token_logprob(x, token, params.logprobs)
 
@@ -62,6 +76,8 @@ def token_logprob(warped: torch.Tensor, token: int, k: int) -> TokenLogprob:
     logprobs as the model's; we report what the sampler actually used, so greedy's top-1 is the
     emitted token even under logit_bias. Tokens masked out by top-k/top-p (-inf) are not listed, so
     `top` may hold fewer than k entries."""
+    import torch
+
     lp = torch.log_softmax(warped, dim=-1)
     top: tuple[tuple[int, float], ...] = ()
     if k > 0:
@@ -73,6 +89,8 @@ def token_logprob(warped: torch.Tensor, token: int, k: int) -> TokenLogprob:
 def warp(logits: np.ndarray | torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
     """The logits `sample` draws from (a fresh float32 tensor): penalty, logit bias, then, unless greedy,
     temperature, top-k and top-p (masked to -inf). Speculative acceptance compares these."""
+    import torch
+
     x = logits.detach().float().clone().cpu() if torch.is_tensor(logits) else \
         torch.from_numpy(np.array(logits, dtype=np.float32, copy=True))
     if params.repetition_penalty != 1.0 and history:

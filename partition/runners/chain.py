@@ -4,17 +4,21 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
 from partition.runners.base import SliceRunner
 from partition.slices import check_tiling
 
 
 def convert(x: Any, kind: str) -> Any:
-    """Hand an array across a backend boundary (numpy <-> torch); a no-op when the kinds match."""
+    """Hand an array across a backend boundary (numpy <-> torch); a no-op when the kinds match. torch is
+    imported only when a tensor is made (a chain of numpy runners never loads it: ~220 MB of RSS)."""
     if kind == "torch":
-        return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
-    return x.detach().cpu().numpy() if torch.is_tensor(x) else x
+        if isinstance(x, np.ndarray):
+            import torch
+
+            return torch.from_numpy(x)
+        return x
+    return x if isinstance(x, np.ndarray) or not hasattr(x, "detach") else x.detach().cpu().numpy()
 
 
 class Chain:

@@ -68,10 +68,11 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    from partition.checkpoint import parse_dtype
+    from partition.config import DTYPE_NAMES
     from partition.gguf.folder import is_gguf_ref, resolve_model
 
-    torch_dtype = parse_dtype(dtype)
+    if dtype not in DTYPE_NAMES:  # parsed to a torch dtype on the torch branch only: numpy runners load no torch
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
     if backend == "auto" and dtype != "fp32":
         backend = "torch"  # the only runner with a dtype choice
     if is_gguf_ref(model_dir):  # a .gguf file or an alias: its model folder (partition/gguf/folder.py)
@@ -110,10 +111,10 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
         return Chain(_trt_runners(model_dir, specs, seq, max_batch, device, build_dir, cache_dir, export_options))
     runners: list[SliceRunner] = []
     if backend == "torch":
-        from partition.checkpoint import load_model
+        from partition.checkpoint import load_model, parse_dtype
         from partition.runners.torch_runner import TorchRunner
 
-        model = model if model is not None else load_model(model_dir, dtype=torch_dtype, device=device)
+        model = model if model is not None else load_model(model_dir, dtype=parse_dtype(dtype), device=device)
         if kv_blocks is not None:
             from partition.runners.paged import PagedTorchRunner
 

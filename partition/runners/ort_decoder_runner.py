@@ -1,8 +1,8 @@
 """`OrtDecoderRunner`: the whole model as one ONNX Runtime session of contrib operators
 (partition/build/ort_decoder.py), one `run_with_iobinding` per step, the KV-cache updated in place.
 
-The cache is one numpy buffer per layer and K/V, (max_batch, KV, max_seq, hd) float32, wrapped once in
-OrtValues; each step binds a row range of it both as `past_*` and as `present_*`, so GroupQueryAttention
+The cache is one numpy buffer per layer and K/V, (max_batch, KV, capacity, hd) float32 (capacity doubles
+up to max_seq as sequences grow), wrapped in OrtValues; each step binds a row range of it both as `past_*` and as `present_*`, so GroupQueryAttention
 writes the new K/V into it by position and nothing is copied (its past_present_share_buffer mode).
 Rows that are not one contiguous range (a batch of scattered slots) are gathered into a scratch
 buffer and written back after the step. Follows SliceRunner's contract for the one slice [0, n_layers).
@@ -21,6 +21,9 @@ import onnxruntime as ort
 from partition.runners.base import SliceRunner, row_range
 from partition.runners.ort_runner import OrtOptions, resolve_providers, session_options
 from partition.slices import SliceSpec
+
+
+INITIAL_CAPACITY = 256  # KV slots allocated at first; the cache doubles from there
 
 
 class OrtDecoderRunner(SliceRunner):
@@ -47,7 +50,11 @@ class OrtDecoderRunner(SliceRunner):
         _, n_kv, _, head_dim = inputs["past_key_0"].shape
         self.past_names = [f"past_{w}_{i}" for i in range(n_layers) for w in ("key", "value")]
         self.present_names = [f"present_{w}_{i}" for i in range(n_layers) for w in ("key", "value")]
-        self.cache = [np.zeros((max_batch, n_kv, max_seq, head_dim), np.float32) for _ in self.past_names]
+        # The buffers hold `capacity` slots and double (up to max_seq) when a step needs more: GroupQueryAttention
+        # touches the whole buffer it is bound to, so a max_seq-long one (8192 by default) would be ~380 MB of
+        # resident memory for SmolLM2 however short the generation.
+        self.capacity = min(max_seq, INITIAL_CAPACITY)
+        self.cache = [np.zeros((max_batch, n_kv, self.capacity, head_dim), np.float32) for _ in self.past_names]
         self._binding = self.session.io_binding()
         self._views: dict[tuple[int, int], list[Any]] = {}  # (first row, rows) -> OrtValues over the cache rows
         self.warm_up()
@@ -64,6 +71,18 @@ class OrtDecoderRunner(SliceRunner):
         for c in self.cache:
             c.fill(0)
 
+    def _grow(self, needed: int) -> None:
+        """Reallocate the cache to hold `needed` slots (doubling, at most max_seq), keeping what is written."""
+        cap = self.capacity
+        while cap < needed:
+            cap = min(self.max_seq, 2 * cap)
+        fresh = []
+        for c in self.cache:
+            n = np.zeros(c.shape[:2] + (cap,) + c.shape[3:], np.float32)
+            n[:, :, :self.capacity] = c
+            fresh.append(n)
+        self.cache, self.capacity, self._views = fresh, cap, {}
+
     def _cache_values(self, first: int, n: int, buffers: list[np.ndarray] | None = None) -> list[Any]:
         if buffers is not None:
             return [ort.OrtValue.ortvalue_from_numpy(b) for b in buffers]
@@ -78,6 +97,8 @@ class OrtDecoderRunner(SliceRunner):
         ids = np.ascontiguousarray(x, dtype=np.int32)
         seqlens = np.ascontiguousarray(positions[:, -1], dtype=np.int32)
         total = np.array(int(seqlens.max()) + 1, dtype=np.int32)
+        if int(total) > self.capacity:
+            self._grow(int(total))
         span = row_range(rows)
         scratch = None if span is not None else [np.ascontiguousarray(c[rows]) for c in self.cache]
         values = self._cache_values(rows[0], len(rows), scratch)
