@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-
 from agent.api.extension import ExitPolicy
 from agent.config import ServiceConfig
 from agent.engine.core import EngineCore

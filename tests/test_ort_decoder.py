@@ -234,3 +234,36 @@ def test_cache_grows_past_its_first_capacity() -> None:
     want = ref.run(ids[:, n - 1:], np.array([[n - 1]], np.int32)).numpy()
     np.testing.assert_allclose(got, want, atol=2e-5 * max(1.0, np.abs(want).max()))
     assert runner.capacity >= n
+
+
+def test_quantised_generate_runs_without_torch(tmp_path: Path) -> None:
+    """The default path for a quantised model on the CPU (backend auto -> the decoder graph, greedy) never imports
+    torch: import torch alone is ~220 MB of RSS, more than llama.cpp's whole process on SmolLM2."""
+    import subprocess
+    import sys
+
+    from partition.build.decoder_build import ensure_decoder
+    from partition.quantize import quantize_checkpoint
+
+    save_model(random_model(TINY, seed=6), tmp_path / "float")
+    for f in Path(__file__).parent.parent.joinpath("models", "stdlib-llama-8l").glob("tokenizer*.json"):
+        (tmp_path / "float" / f.name).write_bytes(f.read_bytes())
+    quantize_checkpoint(tmp_path / "float", tmp_path / "int4", QuantSpec(4, 32, False))
+    cache = tmp_path / "cache"
+    ensure_decoder(tmp_path / "int4", cache_dir=cache)  # reading GPTQ codes needs torch: built once, here
+    code = f"""
+import sys, json
+sys.modules["torch"] = None  # any import of torch now fails
+import partition.build.decoder_build as db
+db.default_cache_dir = lambda: __import__("pathlib").Path({str(cache)!r})
+from agent.model_load import load_core
+from agent.engine.types import Finished, SamplingParams
+core = load_core(__import__("pathlib").Path({str(tmp_path / "int4")!r}), "auto")
+done = [e for e in core.generate(core.tokenizer.encode("def f("), SamplingParams(max_tokens=5)) if isinstance(e, Finished)]
+print(json.dumps({{"tokens": len(done[0].token_ids), "runner": type(core.executor.chain.runners[0]).__name__}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"tokens": 5, "runner": "OrtDecoderRunner"}

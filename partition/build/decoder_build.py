@@ -60,9 +60,15 @@ def _source_key(model: Path) -> str:
     if g is not None:
         st = g.stat()
         return f"gguf|{g}|{st.st_size}|{st.st_mtime_ns}"
-    from partition.checkpoint import model_hash
-
-    return f"dir|{model_hash(model)}"
+    # partition.checkpoint.model_hash's inputs (config.json and the weight shards, in name order), read without
+    # importing the checkpoint loader (torch): a cached graph must load on a torch-free path
+    h = hashlib.sha256()
+    for path in [model / "config.json", *sorted(model.glob("*.safetensors"))]:
+        h.update(path.name.encode())
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return f"dir|{h.hexdigest()}"
 
 
 def decoder_weights(model: str | Path) -> DecoderWeights:
