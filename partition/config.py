@@ -172,11 +172,9 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
-    """config.json of a model folder (a .gguf file or a model alias: of the folder made for it)."""
-    from partition.gguf.folder import is_gguf_ref, resolve_model
-
-    if is_gguf_ref(model_dir):
-        model_dir = resolve_model(model_dir)
+    """config.json of a model folder. A .gguf file or a model alias is made a folder first
+    (partition.gguf.folder.resolve_model, which the front ends, the tokenizer and the loaders call): the
+    GGUF reader builds on this module, so this module never calls it."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelConfigError(f"{path}: not found; a model folder needs config.json, *.safetensors "

@@ -21,8 +21,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-TEXT_RECORD = "corpus_text.json"
-GENERATED_RECORD = "corpus_generated.json"
+from partition.exits.data import GENERATED_RECORD, TEXT_RECORD
+
 SPLITS = ("train",) * 6 + ("val", "test")
 PROMPTS = (
     "Explain how a refrigerator keeps food cold.", "Write a short story about a lighthouse keeper.",
@@ -50,24 +50,6 @@ PROMPTS = (
 
 def split_of(i: int) -> str:
     return SPLITS[i % len(SPLITS)]
-
-
-def record_texts(model_dir: Path, split: str) -> list[str] | None:
-    """The texts of one split from a text-file or generated record beside the model; None if neither."""
-    for name in (TEXT_RECORD, GENERATED_RECORD):
-        path = Path(model_dir) / name
-        if path.is_file():
-            items = json.loads(path.read_text(encoding="utf-8"))["items"]
-            return [it["text"] for it in items if it["split"] == split]
-    return None
-
-
-def corpus_source(model_dir: Path) -> str:
-    """Which record the splits come from, for the heads' record."""
-    for name in ("corpus.json", TEXT_RECORD, GENERATED_RECORD):
-        if (Path(model_dir) / name).is_file():
-            return name
-    return "none"
 
 
 def text_file_corpus(model_dir: Path, text_file: Path) -> Path:

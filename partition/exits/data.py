@@ -26,13 +26,34 @@ class CorpusError(ValueError):
     """The corpus record is missing or none of its files is on this machine."""
 
 
+# The records partition/exits/corpus.py writes beside a model that has no corpus.json (read here, written there)
+TEXT_RECORD = "corpus_text.json"
+GENERATED_RECORD = "corpus_generated.json"
+
+
+def record_texts(model_dir: Path, split: str) -> list[str] | None:
+    """The texts of one split from a text-file or generated record beside the model; None if neither."""
+    for name in (TEXT_RECORD, GENERATED_RECORD):
+        path = Path(model_dir) / name
+        if path.is_file():
+            items = json.loads(path.read_text(encoding="utf-8"))["items"]
+            return [it["text"] for it in items if it["split"] == split]
+    return None
+
+
+def corpus_source(model_dir: Path) -> str:
+    """Which record the splits come from, for the heads' record."""
+    for name in ("corpus.json", TEXT_RECORD, GENERATED_RECORD):
+        if (Path(model_dir) / name).is_file():
+            return name
+    return "none"
+
+
 def split_texts(model_dir: Path, split: str, max_files: int | None = None, seed: int = 0) -> list[str]:
     """Texts of the corpus files of one split that are on this machine unchanged (a seeded sample of
     at most max_files of them)."""
     record_path = Path(model_dir) / "corpus.json"
     if not record_path.is_file():
-        from partition.exits.corpus import record_texts
-
         texts = record_texts(Path(model_dir), split)
         if texts is None:
             raise CorpusError(f"{record_path}: no corpus record beside the model; run `orin-agent train-exits` "

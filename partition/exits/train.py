@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from partition.checkpoint import load_model
-from partition.exits.corpus import corpus_source
-from partition.exits.data import layer_states, split_texts, token_windows
+from partition.exits.data import corpus_source, layer_states, split_texts, token_windows
 from partition.exits.heads import ExitHeads, read_record, write_record
 from partition.model import Transformer
 from partition.tokenizer import Tokenizer

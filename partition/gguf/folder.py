@@ -20,9 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class GGUFError(ValueError):
-    """A GGUF file this runtime cannot load; the message names the file, the key or tensor, and what to do."""
+from partition.gguf.errors import GGUFError
 
 
 POINTER = "gguf.json"  # in a model folder: the GGUF file its weights come from

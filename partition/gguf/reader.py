@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
 from partition.config import ModelConfig, ModelConfigError, RopeScaling
-from partition.gguf.folder import GGUFError
+from partition.gguf.errors import GGUFError
 
 # GGUF architecture -> (the project's architecture, whether llama.cpp's converter permuted Q/K for its
 # rope: convert_hf_to_gguf.py's LlamaModel.modify_tensors permutes q_proj/k_proj; Qwen2Model does not)
