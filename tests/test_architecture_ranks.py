@@ -213,6 +213,22 @@ def test_the_allow_list_is_empty() -> None:
     assert ALLOWED == set()
 
 
+def test_docs_architecture_shows_this_table() -> None:
+    """docs/ARCHITECTURE.md's rank table is this one (a package root that shares its first layer's rank,
+    `power` say, goes without saying)."""
+    import re
+
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    shown: dict[str, int] = {}
+    for ranks, layers in re.findall(r"^\| ([\d, ]+) \| (.+?) \| .+ \|$", doc, re.M):
+        nums = [int(x) for x in ranks.split(",")]
+        for i, name in enumerate(re.findall(r"`([\w.]+)`", layers)):
+            shown[name] = nums[min(i, len(nums) - 1)]
+    implied = {k for k, v in RANKS.items()
+               if "." not in k and any(o.startswith(k + ".") and RANKS[o] == v for o in RANKS)}
+    assert shown == {k: v for k, v in RANKS.items() if k not in implied}
+
+
 # -- the checks themselves catch what they are for -----------------------------------------------------
 
 def _with(extra: dict[str, set[str]]) -> dict[str, frozenset[str]]:
