@@ -321,6 +321,12 @@ class Service:
             self._thread.join(timeout=self.cfg.shutdown_grace_s + 10)
         self.shutdown()
 
+    def _still_alive(self) -> None:
+        """A watchdog ping once the engine loop (which pings while it runs) has stopped: a stop that
+        SIGTERM began directly (not `systemctl stop`) keeps the unit's watchdog armed until the exit."""
+        if self.notifier.watchdog_interval_s is not None:
+            self.notifier.notify("WATCHDOG=1")
+
     def shutdown(self) -> None:
         """Finish or cancel what is in flight within the grace period, stop the engine, restore the board."""
         if self._stopped:
@@ -335,6 +341,7 @@ class Service:
             if self._grace_timer is not None:
                 self._grace_timer.cancel()
             self.engine.stop()
+        self._still_alive()
         if self.controller is not None:
             try:
                 self.controller.stop()  # puts its clock files back and releases the journal
