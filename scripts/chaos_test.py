@@ -29,7 +29,8 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -259,6 +260,9 @@ class Chaos:
 
         now = tree_bytes(self.root)
         keys = (set(self.pristine) | set(now))
+        # Left out: run/ (journal, state, lock), the twin model's readings (a board's move by themselves
+        # too) and its .twin-tmp files (the simulated kernel's own atomic writes of readings, which a
+        # kill mid-flush leaves and its next flush replaces; a board's kernel writes in place).
         changed = sorted(k for k in keys if not k.startswith("run/") and k not in self.readings
                          and not k.endswith(".twin-tmp") and self.pristine.get(k) != now.get(k))
         c.leaked = [k for k in changed if k in self.settable]
@@ -296,7 +300,9 @@ def failures(c: Cycle) -> list[str]:
 
 
 def run_chaos(model: Path, cycles: int, clients: tuple[int, int] = (4, 8), seed: int = 0,
-              work: Path | None = None, on_cycle=None) -> dict:
+              work: Path | None = None, on_cycle: Callable[[Cycle], None] | None = None) -> dict:
+    """``cycles`` chaos cycles and a final clean start and stop in ``work`` (a temp folder, removed
+    when nothing failed); returns the report (numbers, failures by cycle)."""
     own = work is None
     work = Path(tempfile.mkdtemp(prefix="orin-agent-chaos-")) if work is None else work
     t0 = time.monotonic()
