@@ -45,6 +45,9 @@ def generate(
                                      edge_tls_ca="", edge_tls_cert="", edge_tls_key=""),
     board: str = typer.Option("orin-nano-8gb", "--board", help="With --device-layers auto: this device's "
                               "board in the planner's cost model."),
+    activations: str = typer.Option("fp32", "--activations", help="A quantised model on the ONNX Runtime decoder "
+                                    "(the CPU default): fp32 (greedy tokens equal the dequantised model's) or int8 "
+                                    "(~25 % faster, about llama.cpp's fidelity: docs/BENCHMARKS.md)."),
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
     from agent.engine.types import Finished, SamplingParams
@@ -80,7 +83,7 @@ def generate(
             chain, split = offload_chain_for_generate(model, edge, e.device_layers, max_disagreement, opts, backend,
                                                       slices, max_seq, device, board)
         core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain, exits=exits,
-                         kv_cache=kv_cache, kv_blocks=kv_blocks, dtype=dtype)
+                         kv_cache=kv_cache, kv_blocks=kv_blocks, dtype=dtype, activations=activations)
         text = chat_text(core.tokenizer, prompt) if chat else prompt
         pieces: list[str] = []
         done: Finished | None = None
