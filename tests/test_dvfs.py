@@ -3,6 +3,8 @@ prefill GPU-high/EMC-lower), online correction, idle hold, and hypothesis proper
 the profile's caps, critical always floors, no flapping on alternating inputs."""
 from __future__ import annotations
 
+import math
+
 from hypothesis import given, settings, strategies as st
 
 from power.physics.boards import BOARDS
@@ -54,7 +56,7 @@ def test_online_correction_moves_decode_off_a_slow_point() -> None:
         sample = StepSample(PhaseEvent("decode", context=600), slow_point[0], slow_point[1], pred * 1.3)
         d, s = CTL.decide(Readings(steps=(sample,)), PhaseEvent("decode", context=600), p, s, 2.0 + i * 2)
     assert (d.gpu_max_hz, d.emc_hz) != slow_point
-    assert abs(s.ratio("decode", *slow_point) - 1.3) < 0.01
+    assert abs(math.exp(s.learned.points[("decode", 1, *slow_point)].time.mean) - 1.3) < 0.01
 
 
 def test_thermal_throttles_prefill_before_decode() -> None:

@@ -223,11 +223,15 @@ class BudgetController:
         emcs = tuple(f for f in t.emc_hz if f <= t.emc_top)
         size, batch = served_size(p), max(1, p.batch)
         tokens = size if p.kind == "prefill" else batch
+        pl = self.planner
+        surf = dstate.learned.surface(p.kind, batch)
+
+        def ratio(g: int, e: int) -> float:     # measured / model step time (power.policy.learn)
+            return math.exp(surf.at(g, e, pl.parts(p.kind, size, batch, g, e)).log_time)
         if self.budget.rail is None:
-            return [(s * dstate.ratio(p.kind, g, e), jt * tokens / s, g, e)
-                    for s, jt, g, e in self.planner.candidates(p.kind, size, batch, gpus, emcs)]
-        return [(s * dstate.ratio(p.kind, g, e), self.power_of(p.kind, size, batch, g, e), g, e)
-                for s, _, g, e in self.planner.candidates(p.kind, size, batch, gpus, emcs)]
+            return [(s * ratio(g, e), jt * tokens / s, g, e) for s, jt, g, e in pl.candidates(p.kind, size, batch, gpus, emcs)]
+        return [(s * ratio(g, e), self.power_of(p.kind, size, batch, g, e), g, e)
+                for s, _, g, e in pl.candidates(p.kind, size, batch, gpus, emcs)]
 
     def horizon(self, p: PhaseEvent, step_s: float) -> float:
         """How long a point is planned to run: its step and a recheck; decode at least a quarter window (a

@@ -3,19 +3,17 @@
 The policy (``power.runtime.applier`` does the writing). Per phase it turns the
 profile's clock policy into concrete clocks from the board's tables:
 - fixed values (fractions, frequencies) are snapped to the table and capped by the power mode;
-- ``auto`` picks the (GPU, EMC) point of least predicted joules per token whose predicted step time
-  is within the profile's latency targets (slack over the fastest allowed point, and/or an absolute
-  TTFT/TPOT), starting from the roofline cost model (``power.physics.costmodel``) and correcting it online
-  (RESEARCH.md: a GPU-clock-only latency model misses by up to 32 % on Orin, so learn per-clock-point
-  step times online). Each measured step is compared with the model's time *at the size actually
-  served* and updates an EWMA of log(measured/predicted) for its clock point; the mean over the
-  measured points of a phase is a global correction that applies to every point, the point's own
-  EWMA replaces it where the point has been measured (a per-point residual). A model that is off by
-  the same factor everywhere (the shipped model on a CPU: 20x) therefore changes no choice. Where the
-  measured points disagree (the error depends on the clocks) the controller explores, at most
-  ``EXPLORE_BUDGET`` unmeasured points per phase, then only returns to the best measured point.
-  Decode comes out GPU-low/EMC-high, prefill GPU-high/EMC-lower, because that is what the model
-  (and the board) rewards.
+- ``auto`` picks the (GPU, EMC) point of least joules per token whose step time is within the profile's
+  latency targets (slack over the fastest allowed point, and/or an absolute TTFT/TPOT), starting from the
+  roofline cost model (``power.physics.costmodel``) and correcting it online from what the board measures
+  (RESEARCH.md: a GPU-clock-only latency model misses by up to 32 % on Orin, so learn per clock point):
+  each measured step's time and, where the rails are read, its power, against the model's at the size
+  actually served (``power.policy.learn``: per point residuals; at the points not measured a roofline of
+  compute / memory / overhead multipliers and a plane over both clocks, per decode batch class). The
+  choice, the probe of the top clocks, the explorations and the verifications are
+  ``power.policy.autopoint``'s. A model off by the same factor everywhere (the shipped model on a CPU:
+  20x) changes no choice. Decode comes out GPU-low/EMC-high, prefill GPU-high/EMC-lower, because that is
+  what the model (and the board) rewards.
 - idle drops to the idle policy after ``idle_hold_s`` (< 1 s); shorter idle gaps keep the busy
   clocks (no churn between decode steps), busy phases alternating faster than ``dwell_s`` run at the
   element-wise maximum of both phases' clocks;
@@ -35,25 +33,28 @@ from typing import Mapping
 from power.physics.boards import BoardSpec, active_tpcs
 from power.physics.costmodel import CostParams, DEFAULT_PARAMS, ModelShape, OperatingPoint, decode_step, prefill_step
 from power.hw.tables import BoardTables, snap
+from power.policy.autopoint import choose, corrected
+from power.policy.learn import Learned, batch_class
 from power.policy.phase import PhaseEvent
 from power.policy.profiles import Profile, resolve_clock
 from power.policy.thermal import ThermalState, ThermalVerdict, ZoneSample, thermal_step
 
-EWMA_ALPHA = 0.3            # weight of a new step-time sample in the correction ratio
-EXPLORE_BUDGET = 4          # unmeasured points a phase may try after its first, then measured only
-AGREE_LOG = 0.05            # measured points within ~5 % of each other: the error is uniform
-HYSTERESIS_LOG = 0.02       # keep the last point unless another is > 2 % cheaper (EWMA-smoothed noise)
+# a new clock takes effect in ~1 / 5 / 8 ms (CPU / GPU / EMC; ../shared/ORIN.md, an Orin NX/Nano measurement):
+# a step that began with a switch is measured only when it lasted 25x the slowest (the settle <= 4 % of it)
+SWITCHED_MIN_S = 25 * 0.008
 RECHECK_S = 1.0             # re-decide at least this often while a phase persists (thermal, corrections)
 PREFILL_ONLY_LEVELS = 4     # thermal levels that cap prefill alone before decode's cap starts falling
 
 
 @dataclass(frozen=True)
 class StepSample:
-    """One measured step: what ran, at which clocks, and how long it took."""
+    """One measured step: what ran, at which clocks, how long it took and the board power the rails read
+    while it ran (None: not read)."""
     phase: PhaseEvent
     gpu_hz: int
     emc_hz: int
     seconds: float
+    watts: float | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class Decision:
     wake_at: float | None = None            # call again at this time even without an event
     predicted_s: float | None = None        # predicted step time at these clocks (auto)
     message: str | None = None              # for the log (critical, offline zones)
+    learning: bool = False                  # auto's probe or exploration: measure it, then decide anew
 
     def clocks(self) -> tuple[int, int, int, int]:
         return self.gpu_min_hz, self.gpu_max_hz, self.emc_hz, self.cpu_max_khz
@@ -97,19 +99,9 @@ class DvfsState:
     idle_since: float | None = None
     thermal: ThermalState = ThermalState()
     verdict: ThermalVerdict | None = None
-    # log(measured / predicted) per (phase kind, gpu, emc), EWMA; and unmeasured points tried per kind
-    point_log: Mapping[tuple[str, int, int], float] = field(default_factory=lambda: MappingProxyType({}))
-    chosen: Mapping[str, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))  # last auto point
-
-    def global_log(self, kind: str) -> float:
-        """The correction every unmeasured point of ``kind`` gets: the mean over its measured points."""
-        xs = [v for (k, _, _), v in self.point_log.items() if k == kind]
-        return sum(xs) / len(xs) if xs else 0.0
-
-    def ratio(self, kind: str, gpu_hz: int, emc_hz: int) -> float:
-        """measured / model step time at a point: its own EWMA where measured, else the global one."""
-        v = self.point_log.get((kind, gpu_hz, emc_hz))
-        return math.exp(self.global_log(kind) if v is None else v)
+    learned: Learned = Learned()            # residuals of the measured steps (power.policy.learn)
+    # the last settled auto point per (phase kind, batch class): hysteresis
+    chosen: Mapping[tuple[str, int], tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))
 
 
 # --- the cost model behind `auto` -----------------------------------------------------------------
@@ -139,7 +131,7 @@ class Planner:
     precision: str
     tpcs: int
     params: CostParams = DEFAULT_PARAMS
-    _memo: dict[tuple[object, ...], tuple[float, float]] = field(default_factory=dict, compare=False,
+    _memo: dict[tuple[object, ...], tuple[object, ...]] = field(default_factory=dict, compare=False,
                                                                  hash=False, repr=False)
     _grids: dict[tuple[object, ...], tuple[tuple[float, float, int, int], ...]] = field(
         default_factory=dict, compare=False, hash=False, repr=False)
@@ -166,6 +158,14 @@ class Planner:
 
     def predict(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int) -> tuple[float, float]:
         """(seconds, joules) of one step of ``kind``: ``size`` = prefill tokens or decode context."""
+        return self._step(kind, size, batch, gpu_hz, emc_hz)[:2]  # type: ignore[return-value]
+
+    def parts(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int) -> tuple[float, float, float]:
+        """The step's compute, memory and overhead times as fractions of its time (what the learned
+        roofline multiplies, power.policy.learn)."""
+        return self._step(kind, size, batch, gpu_hz, emc_hz)[2]  # type: ignore[return-value]
+
+    def _step(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int) -> tuple[object, ...]:
         key = (kind, size, batch, gpu_hz, emc_hz)
         hit = self._memo.get(key)
         if hit is not None:
@@ -176,7 +176,7 @@ class Planner:
             c = prefill_step(self.spec, shape, self.precision, op, size, 0, self.params)
         else:
             c = decode_step(self.spec, shape, self.precision, op, max(1, size), batch, self.params)
-        out = (c.seconds, c.energy_j)
+        out = (c.seconds, c.energy_j, (c.compute_s / c.seconds, c.memory_s / c.seconds, c.overhead_s / c.seconds))
         self._memo[key] = out
         return out
 
@@ -235,6 +235,7 @@ class DvfsController:
     # -- auto
     def _auto(self, p: PhaseEvent, b: _Bounds, gpu_cap: int, profile: Profile,
               state: DvfsState) -> tuple[int, int, float, str]:
+        """(GPU Hz, EMC Hz, corrected predicted seconds, tag) of an auto phase."""
         assert self.planner is not None
         t = self.tables
         hi = min(b.gpu_hi, gpu_cap)
@@ -244,37 +245,18 @@ class DvfsController:
         emcs = [b.emc] if b.emc is not None else [f for f in t.emc_hz if f <= t.emc_top]
         size, batch = served_size(p), max(1, p.batch)
         base = self.planner.candidates(p.kind, size, batch, tuple(gpus), tuple(emcs))
-        measured = {(g, e): v for (k, g, e), v in state.point_log.items() if k == p.kind}
-        glob = sum(measured.values()) / len(measured) if measured else 0.0
-        # measured time scales the energy too: the rails burn for as long as the step runs
-        cands = [(s * r, jt * r, g, e) for s, jt, g, e in base
-                 for r in (math.exp(measured.get((g, e), glob)),)]
-        fastest = min(cands)
+        cands = corrected(base, state.learned.surface(p.kind, batch),
+                          lambda g, e: self.planner.parts(p.kind, size, batch, g, e))
         lat = profile.latency
         slack, absolute = (lat.ttft_slack, lat.ttft_ms) if p.kind == "prefill" else (lat.tpot_slack, lat.tpot_ms)
-        limit = fastest[0] * (1 + slack)
-        if absolute > 0:
-            limit = max(fastest[0], min(limit, absolute / 1000.0))
-        ok = [c for c in cands if c[0] <= limit * (1 + 1e-9)]
-        best = min(ok, key=lambda c: (c[1], c[0]))
-        last = state.chosen.get(p.kind)
-        keep = next((c for c in ok if (c[2], c[3]) == last), None)
-        if keep is not None and keep[1] <= best[1] * math.exp(HYSTERESIS_LOG):
-            best = keep         # hysteresis: measurement noise of a few % does not move the clocks
-        tag = ""
-        if len(measured) == 1 and abs(glob) > AGREE_LOG and (fastest[2], fastest[3]) not in measured:
-            # one point measured and the model is off: is it off everywhere, or only there? The
-            # fastest point decides the latency limit, so it is the one worth a step to learn
-            best, tag = fastest, " (probe)"
-        elif measured and (best[2], best[3]) not in measured:
-            if len(measured) > EXPLORE_BUDGET:
-                # exploration spent: back to the best point measured (the fastest measured if none fits)
-                known = [c for c in cands if (c[2], c[3]) in measured]
-                fits = [c for c in known if c[0] <= limit * (1 + 1e-9)]
-                best = min(fits, key=lambda c: (c[1], c[0])) if fits else min(known)
-            else:
-                tag = " (explore)"
-        return best[2], best[3], best[0], tag
+        running = (state.last.gpu_max_hz, state.last.emc_hz) if state.last is not None else None
+        c = choose(cands, slack, absolute, state.chosen.get((p.kind, batch_class(p.kind, batch))), running)
+        if c.learning and (c.gpu_hz, c.emc_hz) != running and c.seconds < SWITCHED_MIN_S and \
+                (state.last is None or state.last.phase != p.kind):
+            # a short step after another phase's (a prefill between decode steps) starts with a switch and
+            # measures nothing; the next step of a run of them would, so those learn
+            c = c.unless_learning()
+        return c.gpu_hz, c.emc_hz, c.seconds, c.tag
 
     def _busy_decision(self, p: PhaseEvent, profile: Profile, level: int, state: DvfsState) -> Decision:
         t = self.tables
@@ -300,23 +282,26 @@ class DvfsController:
         lo = min(lo, hi)
         if steps and gpu_cap < b.gpu_hi:
             reason += f", thermal level {level}"
-        return Decision(p.kind, lo, hi, e, b.cpu_max, None, level, False, reason, predicted_s=predicted)
+        return Decision(p.kind, lo, hi, e, b.cpu_max, None, level, False, reason, predicted_s=predicted,
+                        learning=bool(tag))
 
-    def _learn(self, state: DvfsState, steps: tuple[StepSample, ...]) -> Mapping[tuple[str, int, int], float]:
+    def _learn(self, state: DvfsState, steps: tuple[StepSample, ...]) -> Learned:
+        """Each measured busy step's time and power residuals against the model at the size it served."""
+        learned = state.learned
         if not steps or self.planner is None:
-            return state.point_log
-        r = dict(state.point_log)
+            return learned
+        if not learned.gpu_top:
+            learned = Learned(learned.points, self.tables.gpu_hz[-1], self.tables.emc_hz[-1])
         for s in steps:
             if s.phase.kind not in ("prefill", "decode") or s.seconds <= 0:
                 continue
-            # compared with the model at the size actually served (the step's own tokens / context)
             size = s.phase.n_tokens if s.phase.kind == "prefill" else s.phase.context
-            pred, _ = self.planner.predict(s.phase.kind, max(1, size), max(1, s.phase.batch), s.gpu_hz, s.emc_hz)
-            x = math.log(s.seconds / pred)
-            key = (s.phase.kind, s.gpu_hz, s.emc_hz)
-            old = r.get(key)
-            r[key] = x if old is None else old + EWMA_ALPHA * (x - old)
-        return MappingProxyType(r)
+            batch = max(1, s.phase.batch)
+            pred_s, pred_j = self.planner.predict(s.phase.kind, max(1, size), batch, s.gpu_hz, s.emc_hz)
+            parts = self.planner.parts(s.phase.kind, max(1, size), batch, s.gpu_hz, s.emc_hz)
+            watts = None if s.watts is None or s.watts <= 0 else math.log(s.watts * pred_s / pred_j)
+            learned = learned.add(s.phase.kind, batch, s.gpu_hz, s.emc_hz, math.log(s.seconds / pred_s), watts, parts)
+        return learned
 
     def decide(self, readings: Readings, phase: PhaseEvent, profile: Profile, state: DvfsState,
                now: float) -> tuple[Decision, DvfsState]:
@@ -330,15 +315,16 @@ class DvfsController:
         key = (phase.kind, size_bucket(phase), phase.batch, level, critical, now < state.mix_until,
                hash(profile))
         busy_kind = phase.kind in ("prefill", "decode")
+        # a probe or an exploration is decided anew once its step is measured
         fast = (state.last is not None and key == state.last_key and now - state.decided_s < RECHECK_S
-                and readings.zones is None and (busy_kind or state.idle_since is None
-                                                or state.last.phase == "idle"))
+                and readings.zones is None and not (state.last.learning and learned is not state.learned)
+                and (busy_kind or state.idle_since is None or state.last.phase == "idle"))
         if fast:
             assert state.last is not None
-            return state.last, replace(state, point_log=learned)
+            return state.last, replace(state, learned=learned)
         fan = verdict.fan_pwm if verdict is not None else None
         msg = verdict.message if verdict is not None else None
-        new = replace(state, point_log=learned, thermal=therm, verdict=verdict, last_key=key, decided_s=now)
+        new = replace(state, learned=learned, thermal=therm, verdict=verdict, last_key=key, decided_s=now)
         if critical:
             g0, g1, e, c = self.floor()
             where = (f"{verdict.hottest} at {verdict.hottest_c:.1f} °C" if verdict is not None
@@ -358,8 +344,9 @@ class DvfsController:
                                                    f"dwell {profile.timing.dwell_s} s")
             d = replace(d, fan_pwm=fan, message=msg, wake_at=now + RECHECK_S)
             chosen = state.chosen
-            if plain.reason.startswith("auto") and plain.predicted_s is not None and "(" not in plain.reason:
-                chosen = MappingProxyType({**state.chosen, phase.kind: (plain.gpu_max_hz, plain.emc_hz)})
+            if plain.reason.startswith("auto") and plain.predicted_s is not None and not plain.learning:
+                cls = (phase.kind, batch_class(phase.kind, max(1, phase.batch)))
+                chosen = MappingProxyType({**state.chosen, cls: (plain.gpu_max_hz, plain.emc_hz)})
             return d, replace(new, last=d, busy=plain, other=other, switched_s=switched, chosen=chosen,
                               mix_until=mix_until, idle_since=None)
         # idle

@@ -3,7 +3,7 @@ applier, driven by phase events and timer ticks with the time passed in.
 
 The synchronous core of the service's :class:`power.runtime.controller.PowerController` thread and of the
 energy benchmark in virtual time: on a phase event it turns the time since the previous event into a
-measured step sample, samples the thermal zones at most once per ``sensor_period_s``, calls ``decide``
+measured step sample (with the board power the rails read as it ends, where a reader is given), samples the thermal zones at most once per ``sensor_period_s``, calls ``decide``
 and applies the decision through :class:`power.runtime.applier.ClockApplier`.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from power.policy.budget import BudgetController
-from power.policy.dvfs import Decision, DvfsController, DvfsState, Readings, StepSample
+from power.policy.dvfs import SWITCHED_MIN_S, Decision, DvfsController, DvfsState, Readings, StepSample
 from power.policy.phase import PhaseEvent
 from power.policy.profiles import Profile
 from power.policy.thermal import ZoneSample
@@ -39,10 +39,12 @@ class PowerLoop:
     def __init__(self, controller: DvfsController, profile: Profile, applier: ClockApplier | None,
                  zones: Callable[[], tuple[ZoneSample, ...]] | None, *, fan_ours: bool = False,
                  sensor_period_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 power: Callable[[], float | None] | None = None) -> None:
+                 power: Callable[[], float | None] | None = None,
+                 step_power: Callable[[], float | None] | None = None) -> None:
         self.controller, self.profile, self.applier = controller, profile, applier
         self.zones, self.fan_ours, self.sensor_period_s = zones, fan_ours, sensor_period_s
         self.power = power          # board power now (W), read at every decision when set (a budget's input)
+        self.step_power = step_power    # board power now (W), stamped on each measured step (auto learns it)
         self.state = DvfsState()
         self.decision: Decision | None = None
         self.stats = LoopStats()
@@ -68,11 +70,15 @@ class PowerLoop:
     def on_event(self, p: PhaseEvent, now: float) -> Decision:
         steps: tuple[StepSample, ...] = ()
         d = self.decision
-        # a step measures its clock point when the clocks were pinned and did not move at its start
-        # (a step that began with a switch includes the 5-8 ms the new clocks take to settle)
+        # a step measures its clock point when the clocks were pinned and did not move at its start; a step
+        # that began with a switch includes the 5-8 ms the new clocks take to settle, so it counts only when
+        # it is long enough for that to be a few % of it (a prefill chunk after decode steps: almost every
+        # prefill starts with a switch, and would otherwise never be measured)
         if self._phase.kind != "idle" and self._phase_t is not None and d is not None and \
-                d.gpu_min_hz == d.gpu_max_hz and not self._switched:
-            steps = (StepSample(self._phase, d.gpu_max_hz, d.emc_hz, now - self._phase_t),)
+                d.gpu_min_hz == d.gpu_max_hz and (not self._switched or now - self._phase_t >= SWITCHED_MIN_S):
+            # the rails read now, as the step ends: the step's power (INA3221 averages over ~ms)
+            watts = self.step_power() if self.step_power is not None else None
+            steps = (StepSample(self._phase, d.gpu_max_hz, d.emc_hz, now - self._phase_t, watts),)
         self._phase, self._phase_t = p, now
         self.stats.events += 1
         before = self.stats.switches

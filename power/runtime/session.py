@@ -137,8 +137,10 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
                    if spec is not None and plan_shape is not None else None)
         read_zones = zones if zones is not None else (lambda: read_zone_samples(applier.board))
         dvfs = DvfsController(tables, planner)
-        loop = PowerLoop(dvfs, prof, applier, read_zones, fan_ours=fan_ours)
         meter = BoardMeter(board)
+        # auto learns each step's power from the board total (the meter's last sample, or the twin's)
+        loop = PowerLoop(dvfs, prof, applier, read_zones, fan_ours=fan_ours,
+                         step_power=(power or meter).reader(None))
         if prof.budget is not None:         # the cap's one installation: the loop decides under it
             install(loop, prof.budget, (power or meter).reader(prof.budget.rail))
     except Exception:
