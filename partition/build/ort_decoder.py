@@ -114,7 +114,8 @@ def rope_inv_freq_np(config: ModelConfig) -> np.ndarray:
     high = rs.original_max_position_embeddings / rs.high_freq_factor
     wavelen = (2 * math.pi / inv).astype(np.float32)
     scaled = np.where(wavelen > low, inv / rs.factor, inv).astype(np.float32)
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
+              / (rs.high_freq_factor - rs.low_freq_factor))
     smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
     medium = (wavelen >= high) & (wavelen <= low)
     return np.where(medium, smoothed, scaled).astype(np.float32)
@@ -151,7 +152,8 @@ class _Graph:
         self.inits: list[Any] = []
         self.levels = dict(accuracy_level) if isinstance(accuracy_level, dict) else {}
         self.split_cache: dict[str, tuple[str, str]] = {}
-        self.default_level = accuracy_level if isinstance(accuracy_level, int) else self.levels.get("default", ACCURACY_INT8)
+        self.default_level = (accuracy_level if isinstance(accuracy_level, int)
+                              else self.levels.get("default", ACCURACY_INT8))
 
     def level(self, prefix: str) -> int:
         """MatMulNBits' accuracy level for a projection: by its kind (the prefix's last part: qkv, o, gate_up, down,
@@ -186,7 +188,8 @@ class _Graph:
             self.node("MatMul", [x, self.const(f"{prefix}.weightT", np.asarray(w, np.float32).T)], [out], prefix)
         else:
             if w.group not in BLOCK_SIZES:
-                raise ValueError(f"{prefix}: MatMulNBits takes groups of {BLOCK_SIZES}; this weight has groups of {w.group}")
+                raise ValueError(f"{prefix}: MatMulNBits takes groups of {BLOCK_SIZES}; this weight has groups "
+                                 f"of {w.group}")
             level = self.level(prefix)
             if level == ACCURACY_SPLIT:
                 self._split_linear(prefix, x, out, w, rank)
@@ -294,13 +297,14 @@ def _rescored_head(g: _Graph, head: QuantWeight, tied: bool, k: int) -> None:
         del g.levels["lm_head"]
     else:
         g.levels["lm_head"] = saved
-    names = ("embed.codes", "embed.scales", "embed.zero_points") if tied else ("lm_head.codes", "lm_head.rows_scales", "lm_head.rows_zero_points")
+    names = (("embed.codes", "embed.scales", "embed.zero_points") if tied else
+             ("lm_head.codes", "lm_head.rows_scales", "lm_head.rows_zero_points"))
     if not tied:
         g.const(names[0], head.codes.astype(np.uint8))
         g.const(names[1], head.scales.astype(np.float32))
         g.const(names[2], head.zeros.astype(np.uint8))  # type: ignore[union-attr]
-    g.node("TopK", ["logits_int8", g.const("rescore.k", np.array([k], np.int64))], ["top_values", "top_ids"], "rescore.topk",
-           axis=-1, largest=1, sorted=0)
+    g.node("TopK", ["logits_int8", g.const("rescore.k", np.array([k], np.int64))], ["top_values", "top_ids"],
+           "rescore.topk", axis=-1, largest=1, sorted=0)
     g.node("GatherBlockQuantized", [names[0], "top_ids", names[1], names[2]], ["top_rows"], "rescore.rows",
            domain=MS_DOMAIN, bits=8, block_size=head.group, gather_axis=0, quantize_axis=1)  # (B, 1, k, D)
     g.node("Unsqueeze", ["hn", g.const("rescore.axis", np.array([2], np.int64))], ["hn4"], "rescore.unsqueeze")
@@ -337,7 +341,8 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
             g.node("SimplifiedLayerNormalization", [x, g.const(f"{p}.attn_norm", lw.attn_norm.astype(np.float32))],
                    [f"{p}.xn"], f"{p}.attn_norm", axis=-1, epsilon=eps, stash_type=1)
         else:
-            g.node("SkipSimplifiedLayerNormalization", [x, residual, g.const(f"{p}.attn_norm", lw.attn_norm.astype(np.float32))],
+            attn_norm = g.const(f"{p}.attn_norm", lw.attn_norm.astype(np.float32))
+            g.node("SkipSimplifiedLayerNormalization", [x, residual, attn_norm],
                    [f"{p}.xn", "", "", f"{p}.res_in"], f"{p}.attn_norm", domain=MS_DOMAIN, epsilon=eps)
             residual = f"{p}.res_in"
         bias = None if lw.qkv_bias is None else np.concatenate(lw.qkv_bias)
@@ -360,7 +365,8 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
                                        "rope.cos", "rope.sin"], [f"{p}.attn", *present], f"{p}.attn", domain=MS_DOMAIN,
                num_heads=h, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0, scale=1.0 / math.sqrt(hd))
         g.linear(f"{p}.o", f"{p}.attn", f"{p}.o_out", lw.o)
-        g.node("SkipSimplifiedLayerNormalization", [f"{p}.o_out", residual, g.const(f"{p}.mlp_norm", lw.mlp_norm.astype(np.float32))],
+        mlp_norm = g.const(f"{p}.mlp_norm", lw.mlp_norm.astype(np.float32))
+        g.node("SkipSimplifiedLayerNormalization", [f"{p}.o_out", residual, mlp_norm],
                [f"{p}.mn", "", "", f"{p}.res_mid"], f"{p}.mlp_norm", domain=MS_DOMAIN, epsilon=eps)
         residual = f"{p}.res_mid"
         inter = cfg.intermediate_size

@@ -1,11 +1,12 @@
 """`OrtDecoderRunner`: the whole model as one ONNX Runtime session of contrib operators
 (partition/build/ort_decoder.py), one `run_with_iobinding` per step, the KV-cache updated in place.
 
-The cache is one numpy buffer per layer and K/V, (max_batch, KV, capacity, hd) float32 (capacity doubles
-up to max_seq as sequences grow), wrapped in OrtValues; each step binds a row range of it both as `past_*` and as `present_*`, so GroupQueryAttention
-writes the new K/V into it by position and nothing is copied (its past_present_share_buffer mode).
-Rows that are not one contiguous range (a batch of scattered slots) are gathered into a scratch
-buffer and written back after the step. Follows SliceRunner's contract for the one slice [0, n_layers).
+The cache is one numpy buffer per layer and K/V, (max_batch, KV, capacity, hd) float32 (capacity doubles up
+to max_seq as sequences grow), wrapped in OrtValues; each step binds a row range of it both as `past_*` and
+as `present_*`, so GroupQueryAttention writes the new K/V into it by position and nothing is copied (its
+past_present_share_buffer mode). Rows that are not one contiguous range (a batch of scattered slots) are
+gathered into a scratch buffer and written back after the step. Follows SliceRunner's contract for the one
+slice [0, n_layers).
 
 Threads and spinning come from `OrtOptions` (partition/runners/ort_runner.py); the defaults for the
 CPU decode path are measured (docs/BENCHMARKS.md, scripts/bench_peer.py).
