@@ -36,7 +36,7 @@ def _phase(plan: StepPlan) -> tuple[PhaseEvent, int, int, int]:
     if plan.kind == "prefill":
         tokens = sum(len(c.token_ids) for c in plan.chunks)
         context = max(c.start_pos for c in plan.chunks)
-        return PhaseEvent("prefill", n_tokens=tokens, batch=rows), tokens, rows, context
+        return PhaseEvent("prefill", n_tokens=tokens, context=plan.context, batch=rows), tokens, rows, context
     ctx = [c.start_pos + 1 for c in plan.chunks]
     return PhaseEvent("decode", context=max(ctx), batch=rows), sum(ctx) // rows, rows, 0
 

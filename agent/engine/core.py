@@ -74,7 +74,8 @@ class EngineCore:
             self.set_phase(PhaseEvent("idle", batch=0, t=now))
             return []
         if plan.kind == "prefill":
-            self.set_phase(PhaseEvent("prefill", n_tokens=plan.n_tokens, batch=len(plan.chunks), t=now))
+            self.set_phase(PhaseEvent("prefill", n_tokens=plan.n_tokens, context=plan.context, batch=len(plan.chunks),
+                                      t=now))
         else:
             self.set_phase(PhaseEvent("decode", context=plan.context, batch=len(plan.chunks), t=now))
         try:

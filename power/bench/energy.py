@@ -116,7 +116,7 @@ def simple_driver(run: PolicyRun, trace: tuple[Request, ...], cfg: "BenchConfig"
             waiting.append(pending.pop(0))
         if waiting and len(active) < cfg.max_batch:
             r = waiting.pop(0)
-            run.event(PhaseEvent("prefill", n_tokens=r.prompt, batch=1))
+            run.event(PhaseEvent("prefill", n_tokens=r.prompt, context=r.prompt, batch=1))
             run.step("prefill", r.prompt, 1)
             tally.ttft_s.append(run.t - r.arrival_s)
             tally.tokens += 1

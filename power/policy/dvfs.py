@@ -123,6 +123,18 @@ def served_size(p: PhaseEvent) -> int:
     return 32 * max(1, math.ceil(p.context / 32))
 
 
+def prior_context(p: PhaseEvent, bucket: int = 1) -> int:
+    """A prefill chunk's tokens already in the cache (the event's context is the positions in use after it;
+    a later chunk of a long prompt attends to the earlier ones), rounded down to ``bucket``; 0 otherwise."""
+    if p.kind != "prefill" or p.context <= 0:
+        return 0
+    before = max(0, p.context - p.n_tokens // max(1, p.batch))
+    return before // bucket * bucket
+
+
+PREFILL_CONTEXT_BUCKET = 256    # the planner's prefill context step (memoised grids)
+
+
 @dataclass(frozen=True)
 class Planner:
     """Predicted step time and energy per clock point, for one board, model shape and precision."""
@@ -145,35 +157,38 @@ class Planner:
         return cls(spec, shape, precision, active_tpcs(spec, m.tpc_pg_mask))
 
     def candidates(self, kind: str, size: int, batch: int, gpus: tuple[int, ...],
-                   emcs: tuple[int, ...]) -> tuple[tuple[float, float, int, int], ...]:
+                   emcs: tuple[int, ...], context: int = 0) -> tuple[tuple[float, float, int, int], ...]:
         """(seconds, joules per token, gpu, emc) for every point of the grid (memoised)."""
-        key = ("grid", kind, size, batch, gpus, emcs)
+        key = ("grid", kind, size, batch, gpus, emcs, context)
         hit = self._grids.get(key)
         if hit is None:
             tokens = size if kind == "prefill" else batch
             hit = tuple((s, j / tokens, g, e) for g in gpus for e in emcs
-                        for s, j in (self.predict(kind, size, batch, g, e),))
+                        for s, j in (self.predict(kind, size, batch, g, e, context),))
             self._grids[key] = hit
         return hit
 
-    def predict(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int) -> tuple[float, float]:
-        """(seconds, joules) of one step of ``kind``: ``size`` = prefill tokens or decode context."""
-        return self._step(kind, size, batch, gpu_hz, emc_hz)[:2]  # type: ignore[return-value]
+    def predict(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int,
+                context: int = 0) -> tuple[float, float]:
+        """(seconds, joules) of one step of ``kind``: ``size`` = prefill tokens or decode context;
+        ``context``: a prefill's tokens already cached."""
+        return self._step(kind, size, batch, gpu_hz, emc_hz, context)[:2]  # type: ignore[return-value]
 
-    def parts(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int) -> tuple[float, float, float]:
+    def parts(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int,
+              context: int = 0) -> tuple[float, float, float]:
         """The step's compute, memory and overhead times as fractions of its time (what the learned
         roofline multiplies, power.policy.learn)."""
-        return self._step(kind, size, batch, gpu_hz, emc_hz)[2]  # type: ignore[return-value]
+        return self._step(kind, size, batch, gpu_hz, emc_hz, context)[2]  # type: ignore[return-value]
 
-    def _step(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int) -> tuple[object, ...]:
-        key = (kind, size, batch, gpu_hz, emc_hz)
+    def _step(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int, context: int) -> tuple[object, ...]:
+        key = (kind, size, batch, gpu_hz, emc_hz, context)
         hit = self._memo.get(key)
         if hit is not None:
             return hit
         op = OperatingPoint(gpu_hz, emc_hz, self.tpcs)
         shape = self.shape
         if kind == "prefill":
-            c = prefill_step(self.spec, shape, self.precision, op, size, 0, self.params)
+            c = prefill_step(self.spec, shape, self.precision, op, size, context, self.params)
         else:
             c = decode_step(self.spec, shape, self.precision, op, max(1, size), batch, self.params)
         out = (c.seconds, c.energy_j, (c.compute_s / c.seconds, c.memory_s / c.seconds, c.overhead_s / c.seconds))
@@ -243,10 +258,10 @@ class DvfsController:
         if not b.gpu_auto:
             gpus = [hi]
         emcs = [b.emc] if b.emc is not None else [f for f in t.emc_hz if f <= t.emc_top]
-        size, batch = served_size(p), max(1, p.batch)
-        base = self.planner.candidates(p.kind, size, batch, tuple(gpus), tuple(emcs))
+        size, batch, ctx = served_size(p), max(1, p.batch), prior_context(p, PREFILL_CONTEXT_BUCKET)
+        base = self.planner.candidates(p.kind, size, batch, tuple(gpus), tuple(emcs), ctx)
         cands = corrected(base, state.learned.surface(p.kind, batch),
-                          lambda g, e: self.planner.parts(p.kind, size, batch, g, e))
+                          lambda g, e: self.planner.parts(p.kind, size, batch, g, e, ctx))
         lat = profile.latency
         slack, absolute = (lat.ttft_slack, lat.ttft_ms) if p.kind == "prefill" else (lat.tpot_slack, lat.tpot_ms)
         running = (state.last.gpu_max_hz, state.last.emc_hz) if state.last is not None else None
@@ -296,9 +311,9 @@ class DvfsController:
             if s.phase.kind not in ("prefill", "decode") or s.seconds <= 0:
                 continue
             size = s.phase.n_tokens if s.phase.kind == "prefill" else s.phase.context
-            batch = max(1, s.phase.batch)
-            pred_s, pred_j = self.planner.predict(s.phase.kind, max(1, size), batch, s.gpu_hz, s.emc_hz)
-            parts = self.planner.parts(s.phase.kind, max(1, size), batch, s.gpu_hz, s.emc_hz)
+            batch, ctx = max(1, s.phase.batch), prior_context(s.phase)
+            pred_s, pred_j = self.planner.predict(s.phase.kind, max(1, size), batch, s.gpu_hz, s.emc_hz, ctx)
+            parts = self.planner.parts(s.phase.kind, max(1, size), batch, s.gpu_hz, s.emc_hz, ctx)
             watts = None if s.watts is None or s.watts <= 0 else math.log(s.watts * pred_s / pred_j)
             learned = learned.add(s.phase.kind, batch, s.gpu_hz, s.emc_hz, math.log(s.seconds / pred_s), watts, parts)
         return learned

@@ -25,7 +25,8 @@ PhaseKind = Literal["prefill", "decode", "idle"]
 class PhaseEvent:
     kind: PhaseKind
     n_tokens: int = 0       # prefill: prompt tokens in this step
-    context: int = 0        # decode: the longest context (tokens in the KV-cache) of the batch
+    context: int = 0        # cache positions in use after this step, the longest row (0: not told); a
+    #                         prefill chunk of a long prompt attends to the positions before it
     batch: int = 1          # sequences in this step (the engine says 0 for idle)
     t: float = 0.0          # time.monotonic() on the engine thread (a virtual-time replay passes its own clock apart)
 
