@@ -14,7 +14,7 @@ from typing import Any
 
 from agent.engine.scheduler import Scheduler
 from agent.engine.types import INTERACTIVE, SamplingParams, SeqRequest, StepOutput, StepPlan
-from power.bench.energy import BenchConfig, PolicyResult, run_bench
+from power.bench.energy import BenchConfig, BoardRun, PolicyResult, run_bench, run_boards
 from power.bench.run import PolicyRun, Tally
 from power.policy.phase import PhaseEvent
 from power.bench.traces import Request
@@ -86,6 +86,12 @@ def scheduler_driver(run: PolicyRun, trace: tuple[Request, ...], cfg: BenchConfi
 def run_power_bench(cfg: BenchConfig) -> list[PolicyResult]:
     """``power.bench.energy.run_bench`` with the service's scheduler as the engine."""
     return run_bench(cfg, scheduler_driver)
+
+
+def run_power_boards(cfg: BenchConfig) -> list[BoardRun]:
+    """``power.bench.energy.run_boards`` (the exact model and ``cfg.boards`` sampled boards) with the service's
+    scheduler as the engine."""
+    return run_boards(cfg, scheduler_driver)
 
 
 def run_power_budget_bench(cfg: BenchConfig, watts: float, window_s: float = 10.0,

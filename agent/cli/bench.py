@@ -96,7 +96,10 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
           exit_gate: bool = typer.Option(False, "--exit-gate", help="With --exit-rates: price an ideal gate "
                                          "(exit heads computed only where a token leaves)."),
           budget_rail: Optional[str] = typer.Option(None, "--budget-rail", help="Budget this INA3221 rail "
-                                                    "(e.g. VDD_GPU_SOC) instead of module power (with --power-cap).")
+                                                    "(e.g. VDD_GPU_SOC) instead of module power (with --power-cap)."),
+          boards: int = typer.Option(0, "--boards", min=0, help="Also run every policy on N boards drawn from "
+                                     "the cited ranges of the twin's constants; report median and worst over them."),
+          board_seed: int = typer.Option(0, "--board-seed", help="Seed of the sampled boards (with --boards).")
           ) -> None:
     """Energy per token, TTFT/TPOT, peak power and temperature per policy, side by side."""
     from agent.benchmark.power_replay import run_power_bench
@@ -104,9 +107,12 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
 
     with cli_errors():
         cfg = BenchConfig(board, l4t, shape, precision, trace, ambient, duration, seed, max_batch, fan,
-                          tuple(policy), str(profile_dir), exit_rates, exit_gate)
+                          tuple(policy), str(profile_dir), exit_rates, exit_gate, boards, board_seed)
         if power_cap is not None:
             _capped(cfg, power_cap, budget_window, out or default_out_dir(), json_out, budget_rail)
+            return
+        if boards:
+            _boards(cfg, out or default_out_dir(), json_out, plot)
             return
         results = run_power_bench(cfg)
         doc = save_results(cfg, results, out or default_out_dir(), plot=plot)
@@ -131,6 +137,38 @@ def power(board: str = typer.Option("agx-orin-64gb", "--board", help="Twin board
                           "-" if r.switch_cost_us is None else f"{r.switch_cost_us:.0f} / {r.switch_cost_p95_us:.0f}")
         Console().print(table)
         typer.echo(f"wrote {written}")
+
+
+def _boards(cfg: BenchConfig, out: Path, json_out: bool, plot: bool) -> None:
+    from agent.benchmark.power_replay import run_power_boards
+    from power.bench.energy import save_board_results
+
+    doc = save_board_results(cfg, run_power_boards(cfg), out, plot=plot)
+    written = " and ".join(str(p) for p in doc.pop("written"))
+    if json_out:
+        sys.stdout.write(json.dumps(doc, default=str) + "\n")
+        typer.echo(f"wrote {written}", err=True)
+        return
+
+    def cell(x: dict[str, float] | None, sign: float) -> str:
+        return "-" if x is None else f"{sign * 100 * x['median']:+.1f} / {sign * 100 * x['worst']:+.1f} %"
+
+    def exact(x: dict[str, float], k: str, sign: float) -> str:
+        return f"{sign * 100 * x[k]:+.1f} %" if k in x else "-"
+    table = Table(title=f"{cfg.trace} trace, {cfg.duration_s:g} s, {cfg.boards} boards drawn from the constants' "
+                  f"ranges (seed {cfg.board_seed}; twin: {cfg.board}, {cfg.shape} {cfg.precision}): median / worst; "
+                  f"J/token change (negative: a saving), p95 change vs MAXN + jetson_clocks")
+    for col in ("policy", "J vs stock MAXN", "J vs MAXN+jc", "TTFT p95", "TPOT p95", "exact model: vs stock / vs jc / "
+                "TTFT / TPOT"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in doc["summary"]:
+        e = r["exact_model"]
+        table.add_row(str(r["policy"]), cell(r["saving_vs_stock_maxn"], -1), cell(r["saving_vs_maxn_jc"], -1),
+                      cell(r["ttft_p95_change"], 1), cell(r["tpot_p95_change"], 1),
+                      " / ".join(exact(e, k, s) for k, s in (("saving_vs_stock_maxn", -1), ("saving_vs_maxn_jc", -1),
+                                                              ("ttft_p95_change", 1), ("tpot_p95_change", 1))))
+    Console().print(table)
+    typer.echo(f"wrote {written}")
 
 
 def _capped(cfg: BenchConfig, watts: float, window_s: float, out: Path, json_out: bool,

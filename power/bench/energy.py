@@ -9,6 +9,12 @@ pinned, CPU idle states and GPU rail-gating off, as NVIDIA's tool does), stock M
 what most users run) and the board's boot default mode; the shipped profiles and ``auto`` run the
 controller through :class:`power.runtime.loop.PowerLoop`, writing through the journaled board layer.
 
+With ``boards`` (``--boards N``) every policy also runs on N boards drawn from the cited ranges of the
+constants (power.bench.truth: the twin is then not the planner), the same N for every policy, and the
+answer is each policy's saving against stock MAXN and against MAXN + jetson_clocks and its p95 TTFT / TPOT
+change against MAXN + jetson_clocks, as fractions, median and worst over the boards (:func:`board_summary`),
+beside the exact model's (board 0, the planner's own constants).
+
 Reported per policy: J/token (board energy of the whole trace, idle included, over output tokens),
 busy J/token (energy of prefill and decode steps over output tokens) and idle watts, TTFT and time per
 output token p50/p95, peak board power, hottest zone, time at or above the passive trip, and the
@@ -19,12 +25,14 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from power.bench.run import BASELINES, PolicyRun, Tally, pct
+from power.bench.truth import BoardTruth, exact, sample
 from power.physics.boards import board_for
 from power.physics.costmodel import PRECISIONS
 from power.physics.exitcost import parse_exit_rates
@@ -58,6 +66,8 @@ class BenchConfig:
     profile_dir: str | None = None
     exit_rates: str | None = None   # early exits credited in decode steps: "2/8:0.034,..." (power.physics.exitcost)
     exit_gate: bool = False         # price an ideal gate (an exit head computed only where a token leaves)
+    boards: int = 0                 # boards sampled from the constants' ranges (power.bench.truth), beside the exact model
+    board_seed: int = 0
 
 
 @dataclass
@@ -168,8 +178,9 @@ def all_policies(cfg: BenchConfig) -> tuple[str, ...]:
     return cfg.policies or (*BASELINES, *ProfileStore(cfg.profile_dir).names(), "auto")
 
 
-def run_bench(cfg: BenchConfig, driver: Driver = simple_driver) -> list[PolicyResult]:
-    """Every policy over the same seeded trace, each on a fresh twin tree, driven by ``driver``."""
+def run_bench(cfg: BenchConfig, driver: Driver = simple_driver, truth: BoardTruth | None = None) -> list[PolicyResult]:
+    """Every policy over the same seeded trace, each on a fresh twin tree of the board ``truth`` (the exact
+    model when None), driven by ``driver``."""
     try:
         board_for(cfg.board, cfg.l4t)
         model_shape(cfg.shape)
@@ -193,12 +204,70 @@ def run_bench(cfg: BenchConfig, driver: Driver = simple_driver) -> list[PolicyRe
         with tempfile.TemporaryDirectory(prefix="orin-bench-", dir=_tmp_base()) as d:
             run = PolicyRun(cfg.board, cfg.l4t, cfg.shape, cfg.precision, policy, Path(d),
                             ambient_c=cfg.ambient_c, fan=cfg.fan, profile=profile, exits=exits,
-                            exit_gate=cfg.exit_gate)
+                            exit_gate=cfg.exit_gate, truth=truth)
             try:
                 results.append(result(run, driver(run, trace, cfg), len(trace), cfg.duration_s))
             finally:
                 run.close()
     return results
+
+
+@dataclass(frozen=True)
+class BoardRun:
+    """Every policy on one board."""
+    truth: BoardTruth
+    results: list[PolicyResult]
+
+
+def run_boards(cfg: BenchConfig, driver: Driver = simple_driver) -> list[BoardRun]:
+    """Every policy on the exact model and on ``cfg.boards`` boards sampled from the constants' ranges (the
+    same boards for every policy, drawn from ``cfg.board_seed``)."""
+    if cfg.boards < 0:
+        raise ValueError(f"--boards {cfg.boards}: must be 0 or more")
+    try:
+        spec = board_for(cfg.board, cfg.l4t)
+    except KeyError as exc:
+        raise ValueError(str(exc.args[0])) from None
+    return [BoardRun(t, run_bench(cfg, driver, t)) for t in (exact(spec), *sample(spec, cfg.boards, cfg.board_seed))]
+
+
+OUTCOMES = ("saving_vs_stock_maxn", "saving_vs_maxn_jc", "ttft_p95_change", "tpot_p95_change")
+
+
+def outcomes(results: list[PolicyResult]) -> dict[str, dict[str, float]]:
+    """Per policy on one board, as fractions: J/token saved against stock MAXN and against MAXN +
+    jetson_clocks (positive: a saving), and the p95 TTFT and TPOT change against MAXN + jetson_clocks
+    (positive: slower). Empty without both baselines."""
+    by = {r.policy: r for r in results}
+    jc, stock = by.get("maxn+jetson_clocks"), by.get("stock-maxn")
+    if jc is None or stock is None:
+        return {}
+    return {r.policy: {"saving_vs_stock_maxn": 1 - r.joules_per_token / stock.joules_per_token,
+                       "saving_vs_maxn_jc": 1 - r.joules_per_token / jc.joules_per_token,
+                       "ttft_p95_change": r.ttft_p95_s / jc.ttft_p95_s - 1,
+                       "tpot_p95_change": r.tpot_p95_s / jc.tpot_p95_s - 1} for r in results}
+
+
+def board_summary(runs: list[BoardRun]) -> dict[str, Any]:
+    """The bench's answer over the sampled boards: per policy, each outcome's median and worst (least
+    saving, largest slow-down) over them, beside the exact model's (board 0) and one row per board."""
+    per = [(run.truth, outcomes(run.results)) for run in runs]
+    policies = [r.policy for r in runs[0].results]
+    summary = []
+    for p in policies:
+        row: dict[str, Any] = {"policy": p, "boards": len(per) - 1}
+        for k in OUTCOMES:
+            xs = [o[p][k] for t, o in per if t.index > 0 and p in o]
+            if xs:
+                row[k] = {"median": statistics.median(xs), "worst": min(xs) if k.startswith("saving") else max(xs)}
+            else:
+                row[k] = None
+        row["exact_model"] = {k: v for t, o in per if t.index == 0 and p in o for k, v in o[p].items()}
+        summary.append(row)
+    rows = [{"board": t.index, "label": t.label, "policy": p, **o[p],
+             "joules_per_token": next(r.joules_per_token for r in run.results if r.policy == p)}
+            for run, (t, o) in zip(runs, per) for p in o]
+    return {"summary": summary, "per_board": rows, "boards": [run.truth.record() for run in runs]}
 
 
 def compare(results: list[PolicyResult], baseline: str = "maxn+jetson_clocks") -> dict[str, dict[str, float]]:
@@ -221,6 +290,18 @@ def default_out_dir() -> Path:
     current folder."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "orin-agent" / "bench-power"
+
+
+def save_board_results(cfg: BenchConfig, runs: list[BoardRun], out: Path, *, plot: bool = True) -> dict[str, Any]:
+    """Write ``power-<trace>-<ambient>C-boards<N>.json`` (the summary over the boards, every board's rows and
+    what was drawn) beside the exact model's own file and plot; returns the summary document (summary
+    first) with the paths written under ``"written"``."""
+    doc = board_summary(runs) | {"config": cfg.__dict__}
+    exact_doc = save_results(cfg, runs[0].results, out, plot=plot)
+    path = out / f"power-{cfg.trace}-{cfg.ambient_c:g}C-boards{cfg.boards}.json"
+    full = doc | {"results": [{"board": run.truth.index, "results": [r.record() for r in run.results]} for run in runs]}
+    path.write_text(json.dumps(full, indent=1, default=str))
+    return doc | {"written": [path, *exact_doc["written"]]}
 
 
 def save_results(cfg: BenchConfig, results: list[PolicyResult], out: Path, *, plot: bool = True) -> dict[str, Any]:

@@ -6,9 +6,14 @@ event), ``step`` (run one prefill or decode step), ``idle_until`` and ``result``
 
 Time of a step: the step's work progresses at the rate the cost model (``power.physics.costmodel``) gives
 for the clocks in force, integrated over the clock changes within the step (a governor ramps during
-it), in chunks of at most ``CHUNK_S``. Every clock change, the controller's or a stock governor's, takes
-``SETTLE_S`` to take effect (ORIN.md: CPU ~1 ms, GPU ~5 ms, EMC ~8 ms after the write; the switch
-itself stalls < 100 µs): the first ``SETTLE_S`` after a change still run at the old clocks' rate.
+it), in chunks of at most ``CHUNK_S``. Every clock change takes ``SETTLE_S`` to take effect (ORIN.md: CPU
+~1 ms, GPU ~5 ms, EMC ~8 ms after the write): a stock governor's within a step runs the first ``SETTLE_S``
+after it at the old clocks' rate; the controller's, written at a phase event, stalls the work
+``SWITCH_STALL_S`` (< 100 µs, same source) and then runs the next step's first ``SETTLE_S - SWITCH_STALL_S``
+at the old clocks' rate.
+
+The board the twin runs on is a :class:`power.bench.truth.BoardTruth`: the step times and rails come from
+its constants (the exact model by default); the controller plans with the nominal ones.
 """
 from __future__ import annotations
 
@@ -17,12 +22,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
 
+from power.bench.truth import BoardTruth, exact
 from power.runtime.loop import PowerLoop
 from power.runtime.applier import read_zone_samples
 from power.runtime.board import open_board_at
 from power.runtime.session import open_session
 from power.physics.boards import board_for
 from power.physics.costmodel import OperatingPoint, StepCost, decode_step, prefill_step
+from power.physics.equations import Clocks
 from power.physics.exitcost import ExitRates, exit_decode_step
 from power.policy.phase import PhaseEvent
 from power.policy.powerconfig import Mix
@@ -69,10 +76,12 @@ class PolicyRun:
 
     def __init__(self, board: str, l4t: str, shape: str, precision: str, policy: str, root: Path, *,
                  ambient_c: float = 25.0, fan: str = "daemon", profile: Profile | None = None,
-                 exits: ExitRates | None = None, exit_gate: bool = False, mix: Mix | None = None) -> None:
+                 exits: ExitRates | None = None, exit_gate: bool = False, mix: Mix | None = None,
+                 truth: BoardTruth | None = None) -> None:
         self.policy, self.precision = policy, precision
         self.exits, self.exit_gate = exits, exit_gate  # decode steps priced with early exits
-        self.spec = board_for(board, l4t)
+        self.spec = board_for(board, l4t)           # what the controller plans with: the nominal constants
+        self.truth = truth if truth is not None else exact(self.spec)   # what the twin runs on
         self.shape = model_shape(shape)
         create_twin(root, board, l4t)
         run_dir = root / "run" / "orin-agent"
@@ -93,9 +102,11 @@ class PolicyRun:
                                    fan_ours=fan == "ours", spec=self.spec, zones=self._zones,
                                    allow_reboot_modes=True, mix=mix, power=self)
             self.board, self.writer, self.loop = session.board, session.writer, session.loop
-        self.twin = Twin(root, ambient_c=ambient_c, fan_daemon=fan == "daemon")
+        self.twin = Twin(root, ambient_c=ambient_c, fan_daemon=fan == "daemon", spec=self.truth.spec,
+                         emc_idle_floor_hz=self.truth.emc_idle_floor_hz)
         self.trip_c = min((p for p, _, _ in self.twin.trips), default=TRIP_C * 1000) / 1000.0
         self._costs: dict[tuple[object, ...], StepCost] = {}
+        self._settle_from: Clocks | None = None       # the clocks before a controller switch (event)
         self.t = 0.0
         self.switch_wall: list[float] = []          # decide + writes of a switch
         self.sense_wall: list[float] = []           # the same when the thermal zones were read too
@@ -164,17 +175,29 @@ class PolicyRun:
                     self.sense_wall.append(wall + (self.sensor_read_s or 0.0))
                 else:
                     self.switch_wall.append(wall)
+            old = self.twin.state.clocks
             self.twin.read_limits()
             self._run_for(SWITCH_STALL_S, None if p.kind != "idle" else IDLE, p.kind)
+            now = self.twin.state.clocks
+            # the controller's switch pays the settle a governor's pays (step): the next step's first
+            # SETTLE_S run at the old clocks' rate
+            moved = (now.gpu_hz, now.emc_hz, now.tpcs) != (old.gpu_hz, old.emc_hz, old.tpcs)
+            self._settle_from = old if moved and p.kind != "idle" else None
 
     def step(self, kind: str, size: int, batch: int = 1, context: int = 0) -> float:
         """Run one step; returns its duration. Work progresses at the rate of the clocks in force."""
         t0, done = self.t, 0.0
         prev = self.twin.state.clocks
+        if self._settle_from is not None:       # a controller switch just before the step
+            old, self._settle_from = self._settle_from, None
+            cost = self._cost(kind, old.gpu_hz, old.emc_hz, old.tpcs, size, batch, context)
+            dt = min(SETTLE_S - SWITCH_STALL_S, cost.seconds)
+            self._run_for(dt, cost.workload(self.truth.spec, OperatingPoint(old.gpu_hz, old.emc_hz, old.tpcs)), kind)
+            done += dt / cost.seconds
         while done < 1.0 - 1e-9:
             cost = self._cost(kind, prev.gpu_hz, prev.emc_hz, prev.tpcs, size, batch, context)
             dt = min(CHUNK_S, (1.0 - done) * cost.seconds)
-            self._run_for(dt, cost.workload(self.spec, OperatingPoint(prev.gpu_hz, prev.emc_hz, prev.tpcs)), kind)
+            self._run_for(dt, cost.workload(self.truth.spec, OperatingPoint(prev.gpu_hz, prev.emc_hz, prev.tpcs)), kind)
             now = self.twin.state.clocks
             if (now.gpu_hz, now.emc_hz, now.tpcs) == (prev.gpu_hz, prev.emc_hz, prev.tpcs):
                 done += dt / cost.seconds
@@ -189,6 +212,7 @@ class PolicyRun:
 
     def idle_until(self, until: float) -> None:
         """Idle until ``until``, waking the controller when it asks."""
+        self._settle_from = None
         while self.t < until - 1e-9:
             nxt = until
             if self.loop is not None and (w := self.loop.next_wake()) is not None and w > self.t:
@@ -207,7 +231,7 @@ class PolicyRun:
         if workload is None:    # a switch in a busy phase: the GPU is busy at the old clocks
             c = self.twin.state.clocks
             workload = self._cost(phase, c.gpu_hz, c.emc_hz, c.tpcs, 512, 1, 0).workload(
-                self.spec, OperatingPoint(c.gpu_hz, c.emc_hz, c.tpcs))
+                self.truth.spec, OperatingPoint(c.gpu_hz, c.emc_hz, c.tpcs))
         e0, r0 = self.twin.state.energy_j, self.twin.state.power.rails
         self.twin.advance(dt, workload, max_dt_s=0.5)
         st = self.twin.state
@@ -240,12 +264,14 @@ class PolicyRun:
         c = self._costs.get(key)
         if c is None:
             op = OperatingPoint(gpu, emc, tpcs)
+            spec, params = self.truth.spec, self.truth.params
             if kind == "prefill":
-                c = prefill_step(self.spec, self.shape, self.precision, op, size, context)
+                c = prefill_step(spec, self.shape, self.precision, op, size, context, params)
             elif self.exits is not None:
-                c = exit_decode_step(self.spec, self.shape, self.precision, op, size, batch, self.exits, self.exit_gate)
+                c = exit_decode_step(spec, self.shape, self.precision, op, size, batch, self.exits, self.exit_gate,
+                                     params)
             else:
-                c = decode_step(self.spec, self.shape, self.precision, op, size, batch)
+                c = decode_step(spec, self.shape, self.precision, op, size, batch, params)
             self._costs[key] = c
         return c
 

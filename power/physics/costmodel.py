@@ -109,16 +109,20 @@ class CostParams:
     overhead_cycles_per_layer: float = 40000.0   # kernel launches / syncs, ~1 ms per step at 1.3 GHz
     kv_bytes: float = 2.0                        # FP16 KV cache
     gemm_batch: int = 8                          # from this many rows on, decode runs on tensor cores
+    # switching activity of a step relative to the GPU stress test behind the GPU-rail fit (see below)
+    prefill_intensity: float = 0.85
+    decode_wait_intensity: float = 0.15
+    decode_core_intensity: float = 0.45
 
-
-DEFAULT_PARAMS = CostParams()
 
 # Switching activity of a step relative to the GPU stress test behind the GPU-rail fit (estimates):
 # compute-bound GEMMs run near it; a memory-bound decode step toggles ~0.15 while it waits plus its
 # CUDA-core work. Gives ~26-31 W for AGX decode of an 8B model, near EdgeReasoning's 22-27 W.
-PREFILL_INTENSITY = 0.85
-DECODE_WAIT_INTENSITY = 0.15
-DECODE_CORE_INTENSITY = 0.45
+PREFILL_INTENSITY = CostParams.prefill_intensity
+DECODE_WAIT_INTENSITY = CostParams.decode_wait_intensity
+DECODE_CORE_INTENSITY = CostParams.decode_core_intensity
+
+DEFAULT_PARAMS = CostParams()
 
 # --- operating point and result ------------------------------------------------------------------------
 
@@ -180,9 +184,9 @@ def _finish(spec: BoardSpec, op: OperatingPoint, phase: str, tokens: int, flops:
     seconds = max(compute_s, memory_s) + overhead_s
     frac = compute_s / seconds
     if phase == "prefill":
-        intensity = PREFILL_INTENSITY * frac
+        intensity = p.prefill_intensity * frac
     else:
-        intensity = DECODE_WAIT_INTENSITY + DECODE_CORE_INTENSITY * frac
+        intensity = p.decode_wait_intensity + p.decode_core_intensity * frac
     clusters = len(spec.cpu_clusters)
     clocks = Clocks(op.gpu_hz, op.emc_hz, op.tpcs, (op.cpu_khz,) * clusters, cores_per_cluster(spec, op.cores_online))
     pw = power(spec, clocks, Activity(1.0, intensity, nbytes / seconds, 1.0))

@@ -227,10 +227,12 @@ EMC_TARGET_UTIL = 0.7           # estimate: the bandwidth manager keeps DRAM bel
 EMC_IDLE_FLOOR_HZ = 2133000000  # captured: idle Orin boards report EMC at 2133 MHz in tegrastats
 
 
-def emc_governor(spec: BoardSpec, demand_bytes_per_s: float, lo: int, hi: int) -> int:
-    """Unlocked EMC: the lowest rate that serves the demand at the target utilisation."""
+def emc_governor(spec: BoardSpec, demand_bytes_per_s: float, lo: int, hi: int,
+                 idle_floor_hz: int = EMC_IDLE_FLOOR_HZ) -> int:
+    """Unlocked EMC: the lowest rate at or above the idle floor that serves the demand at the target
+    utilisation."""
     table = spec.emc_hz
-    floor = snap(table, up=False, want=EMC_IDLE_FLOOR_HZ)
+    floor = snap(table, up=False, want=idle_floor_hz)
     for f in table:
         if f >= floor and spec.dram_bytes_per_s(f) * EMC_TARGET_UTIL >= demand_bytes_per_s:
             return clamp_to_limits(table, f, lo, hi)

@@ -24,9 +24,9 @@ from pathlib import Path
 from power.physics.boards import BoardSpec, active_tpcs, board_for
 from power.hw.tables import snap
 from power.twin.layout import WORKLOAD_FILE, ZONE_KINDS, TwinPaths, read_meta, twin_paths
-from power.physics.equations import (IDLE, PHASES, Workload, FAN_POLL_S, PHASE_CPU_CORES, PHASE_INTENSITY, Activity, Clocks,
-                                Power, Temperatures, clamp_to_limits, cpu_governor, emc_governor,
-                                fan_curve, gpu_governor, power, thermal_step)
+from power.physics.equations import (IDLE, PHASES, Workload, FAN_POLL_S, PHASE_CPU_CORES, PHASE_INTENSITY,
+                                     EMC_IDLE_FLOOR_HZ, Activity, Clocks, Power, Temperatures, clamp_to_limits,
+                                     cpu_governor, emc_governor, fan_curve, gpu_governor, power, thermal_step)
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +115,16 @@ class Twin:
     """The board model on a tree made by ``create_twin``."""
 
     def __init__(self, root: Path | str, ambient_c: float = 25.0, fan_daemon: bool = True,
-                 atomic_writes: bool = False) -> None:
+                 atomic_writes: bool = False, *, spec: BoardSpec | None = None,
+                 emc_idle_floor_hz: int = EMC_IDLE_FLOOR_HZ) -> None:
+        """``spec`` replaces the board's own constants (a board sampled from their ranges,
+        power.bench.truth; its tables and modes must be the tree's board's); ``emc_idle_floor_hz``: the
+        rate the EMC bandwidth manager idles at under stock governors."""
         self.root = Path(root)
         board, l4t = read_meta(self.root)
         self.board, self.l4t = board, l4t
-        self.spec: BoardSpec = board_for(board, l4t)
+        self.spec: BoardSpec = board_for(board, l4t) if spec is None else spec
+        self.emc_idle_floor_hz = emc_idle_floor_hz
         self.paths: TwinPaths = twin_paths(self.spec, l4t)
         self.ambient_c = ambient_c
         self.fan_daemon = fan_daemon
@@ -215,7 +220,7 @@ class Twin:
             emc = clamp_to_limits(s.emc_hz, lim.emc_rate_hz, lim.emc_min_hz, lim.emc_max_hz)
         else:
             demand = w.mem_util * s.dram_bytes_per_s(prev.emc_hz)
-            emc = emc_governor(s, demand, lim.emc_min_hz, lim.emc_max_hz)
+            emc = emc_governor(s, demand, lim.emc_min_hz, lim.emc_max_hz, self.emc_idle_floor_hz)
         busy = PHASE_CPU_CORES[w.phase] if w.cpu_cores is None else w.cpu_cores
         cpu = []
         for i, n in enumerate(lim.cpu_online):
