@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from agent.cli.common import cli_errors, print_json
+from power.hw.rootlock import BoardLock
 from power.physics.boards import BOARDS, L4T_RELEASES
 from power.twin import WORKLOAD_FILE, Twin, TwinState, create_twin
 
@@ -89,12 +90,15 @@ def run(
             if not quiet and ticks[0] % every == 0:
                 typer.echo(_line(st))
 
-        try:
-            st = twin.run(period_s=period, duration_s=duration, on_tick=tick)
-        except KeyboardInterrupt:
-            st = twin.state
-        except OSError as e:
-            raise OSError(f"twin stopped: {e}") from None
+        # The model writes the clocks it settles (and the fan daemon's PWM): the board's one owner,
+        # refused beside a service, which runs its own model of the same twin.
+        with BoardLock(directory, "orin-agent twin run"):
+            try:
+                st = twin.run(period_s=period, duration_s=duration, on_tick=tick)
+            except KeyboardInterrupt:
+                st = twin.state
+            except OSError as e:
+                raise OSError(f"twin stopped: {e}") from None
     if not quiet:
         typer.echo(f"stopped: {_line(st)} energy={st.energy_j:.1f}J")
 
