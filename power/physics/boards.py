@@ -153,14 +153,17 @@ class BoardSpec:
 
 # GPU rail fit, derived from the forum measurement in ORIN.md (VDD_GPU_SOC under GPU stress: MAXN
 # 40.4 W @1300.5 MHz/8 TPC, 50W 18.4 W @828.75/8, 30W 7.6 W @624.75/4, 15W 5.2 W @420.75/3):
-# P = 4 W floor + 4.55 W/TPC x (f/1300.5 MHz)^2.06 reproduces all four within 5 % (the 2.06 sits in
-# ORIN.md's 2.0-2.3 "dynamic part" range). The 4 W floor is split below into SOC base + EMC +
-# GPU leakage (estimates that add up to it at EMC max).
+# P = 4 W floor + 4.55 W/TPC x (f/1300.5 MHz)^2.06 reproduces all four within 5 % as a fit of its own
+# (the 2.06 sits in ORIN.md's 2.0-2.3 "dynamic part" range). The 4 W floor is split below into SOC base +
+# EMC + GPU leakage, which scale with the mode's EMC cap, TPCs and clock: with that split the twin reads the
+# four points at +2.3 / +3.0 / +1.0 / -18.4 % (MAXN / 50W / 30W / 15W; docs/TWIN_VALIDATION.md rows 15-18).
 _GPU_W_PER_TPC = 36.4 / 8
 _GPU_EXP = 2.06
 # CPU rail fit, derived from VDD_CPU_CV under CPU stress (MAXN 15.2 W: 12 cores @2201.6 MHz, 50W
 # 6.0 W: 12 @1497.6, 30W 5.6 W: 8 @1728, 15W 1.6 W: 4 @1113.6): 0.6 W floor + 1.217 W/core x
-# (f/2201.6 MHz)^2.58 is within 0.2 W of each.
+# (f/2201.6 MHz)^2.58 is within 0.2 W of each as a fit of its own. The twin's floor is the captured idle
+# 0.40 W (below), scaled by the cores online, so it reads the four at -1.3 / -3.3 / -2.2 / -39.3 %
+# (TWIN_VALIDATION rows 19-22: at 15W, 4 cores at 1.1 GHz, the fit's 0.6 W floor was most of the rail).
 _CPU_W_PER_CORE = 14.6 / 12
 _CPU_EXP = 2.58
 # DRAM streaming: +3.7 W on the Orin Nano SOC rail (community measurement, ORIN.md) while streaming
@@ -178,10 +181,14 @@ _DRAM_J_PER_BYTE = 3.7 / 68e9
 # Derived from them: the rail-gated idle gives SOC base + soc_emc x 2133/3199 = 2.40 W; the pinned idle gives
 # base + soc_emc + powered-GPU leakage at the top clock = 4.94 W. How the 2.54 W left splits between the EMC
 # rate and GPU leakage is not measured: soc_emc 1.5 W (base 1.40 W, leakage 0.255 W per TPC at the top clock)
-# puts the GPU-stress fit above within 10 % at all four modes (MAXN/50W/30W/15W: +2.3/+3.0/+1.0/-8.8 %);
-# 1.0-2.5 W fit about as well (mean error 4.2-3.4 %). An idle core with its idle states disabled
-# (jetson_clocks) at 2.2 GHz: (0.988 - 0.400 - 0.06 W of background load) / 12 = 0.044 W. VIN_SYS_5V0:
-# the median of the three captures.
+# puts the GPU-stress points at +2.3 / +3.0 / +1.0 / -18.4 % (MAXN / 50W / 30W / 15W: TWIN_VALIDATION rows
+# 15-18; the 15W mode's 3 TPCs keep little leakage, and a V-f curve that flattens at its bottom would explain
+# the rest); 1.0-2.5 W fit about as well (mean error 4.2-3.4 % over the four), and nothing public splits the 2.54 W, so
+# soc_emc_w is a choice inside that range: the energy bench's sampled boards (power.bench.truth) draw it from
+# 1.0-2.5 W. An idle core with its idle states disabled (jetson_clocks) at 2.2 GHz: (0.988 - 0.400 - 0.06 W)
+# / 12 = 0.044 W, where the 0.06 W is the twin's own idle background load (equations.PHASE_CPU_CORES: 0.05
+# of a core busy at 2.2 GHz, 0.05 x 1.217 W), which the pinned capture includes. VIN_SYS_5V0: the median of
+# the three captures (4.03 / 4.44 / 4.77 W).
 _AGX_POWER = PowerConstants(
     gpu_w_per_tpc=_GPU_W_PER_TPC, gpu_ref_hz=1300500000, gpu_exp=_GPU_EXP,
     gpu_leak_w_per_tpc=0.255,       # derived from the captures above
@@ -195,8 +202,9 @@ _AGX_POWER = PowerConstants(
     dram_idle_w=0.3,                # captured: VDDQ_VDD2_1V8AO 301 mW on an idle AGX
     module_cap_w=60.0,              # published: AGX Orin 64GB module maximum (ORIN.md)
 )
-# AGX thermal: estimate (no public AGX figure). Sized so that ~50 W sustained at 45 °C ambient
-# reaches the 99 °C throttle trip with the fan at full, and ~25 W decode at 25 °C sits near 55 °C.
+# AGX thermal: no source (no public AGX Orin heatsink figure), an estimate. No energy goal depends on it:
+# the chat bench at 25 °C peaks ~48 W for seconds and never comes near a trip. Sized so that ~50 W sustained
+# at 45 °C ambient reaches the 99 °C throttle trip with the fan at full, and ~25 W decode at 25 °C sits near 55 °C.
 _AGX_THERMAL = ThermalConstants(r_fan_off=2.0, r_fan_full=0.9, c_sink=330.0, tau_die_s=3.0,
                                 r_die=0.12)
 # Orin NX/Nano devkit heatsink: fan off 6.2 °C/W, tau 6.6 min (community measurement on Nano) ->
@@ -208,7 +216,10 @@ _P3767_THERMAL = ThermalConstants(r_fan_off=6.2, r_fan_full=3.1, c_sink=64.0, ta
 
 def _p3767_power(cap_w: float) -> PowerConstants:
     # Same silicon as AGX, so the same per-TPC and per-core curves (derived). The base values are
-    # estimates fitted to a captured idle Orin Nano (VDD_IN 4.4 W, CPU_GPU_CV 1.2 W, SOC 1.3 W).
+    # estimates: no public idle Orin Nano capture was found (a test fixture's "Orin Nano" line is written from
+    # memory, it says); the nearest public capture is an idle Orin NX 16GB (DataDog/datadog-agent
+    # jetson_test.go voltageUnitSample: VDD_IN 5.30 W, VDD_CPU_GPU_CV 0.77 W, VDD_SOC 1.42 W at EMC 2133 MHz,
+    # 4 of 8 cores online), whose SOC rail these sit near; the Nano's own figures are unmeasured.
     return PowerConstants(
         gpu_w_per_tpc=_GPU_W_PER_TPC, gpu_ref_hz=1300500000, gpu_exp=_GPU_EXP,
         gpu_leak_w_per_tpc=0.1, cpu_w_per_core=_CPU_W_PER_CORE, cpu_ref_khz=2201600,

@@ -100,24 +100,33 @@ CUDA_FLOP_PER_TPC_CYCLE = 512
 
 @dataclass(frozen=True)
 class CostParams:
-    """Efficiencies (fractions of peak) a good runtime reaches. All estimates, cross-checked by the
-    anchors: 0.80 of peak DRAM bandwidth puts TensorRT-LLM INT4 at 35 tok/s (measured 35.9), 0.6 of
-    tensor peak gives 573 ms for a 1024-token prefill (measured 582 ms)."""
+    """Efficiencies (fractions of peak) a good runtime reaches, and the switching activity of its steps.
+
+    - ``bandwidth_eff`` 0.80, fitted: it puts TensorRT-LLM Llama-3-8B INT4 decode at 33.9 tok/s (measured
+      35.9, docs/TWIN_VALIDATION.md row 1); ``tensor_eff`` 0.60, fitted: 573 ms for a 1024-token prefill
+      (measured 582 ms, row 3). Each rests on one point; the sampled-board bench (power.bench.truth) draws
+      them from 0.75-0.90 and 0.45-0.70.
+    - ``cuda_eff`` 0.50 and ``overhead_cycles_per_layer`` 40000 (~1 ms per step at 1.3 GHz): no source,
+      estimates (row 2, +28 % at 128 tokens, says TensorRT-LLM has a per-request cost this term lacks); the
+      sampled boards draw 0.30-0.70 and 20000-80000.
+    - ``*_intensity``: switching activity relative to the GPU stress test behind the GPU-rail fit. No
+      source: compute-bound GEMMs run near it (0.85); a memory-bound decode step toggles ~0.15 while it
+      waits plus 0.45 x its CUDA-core share. They were chosen to land AGX decode of an 8B model near
+      EdgeReasoning's 22-27 W, an FP16 vLLM figure (row 14), while the bench runs INT4, and no public INT4
+      power point on AGX exists; the sampled boards draw 0.65-1.0, 0.05-0.30 and 0.25-0.65.
+    """
     bandwidth_eff: float = 0.80
     tensor_eff: float = 0.60
     cuda_eff: float = 0.50
     overhead_cycles_per_layer: float = 40000.0   # kernel launches / syncs, ~1 ms per step at 1.3 GHz
     kv_bytes: float = 2.0                        # FP16 KV cache
     gemm_batch: int = 8                          # from this many rows on, decode runs on tensor cores
-    # switching activity of a step relative to the GPU stress test behind the GPU-rail fit (see below)
     prefill_intensity: float = 0.85
     decode_wait_intensity: float = 0.15
     decode_core_intensity: float = 0.45
 
 
-# Switching activity of a step relative to the GPU stress test behind the GPU-rail fit (estimates):
-# compute-bound GEMMs run near it; a memory-bound decode step toggles ~0.15 while it waits plus its
-# CUDA-core work. Gives ~26-31 W for AGX decode of an 8B model, near EdgeReasoning's 22-27 W.
+# the defaults above, by their old names
 PREFILL_INTENSITY = CostParams.prefill_intensity
 DECODE_WAIT_INTENSITY = CostParams.decode_wait_intensity
 DECODE_CORE_INTENSITY = CostParams.decode_core_intensity
