@@ -98,3 +98,27 @@ def test_workload_for_the_twin() -> None:
 def test_unknown_shape_lists_the_known_ones() -> None:
     with pytest.raises(KeyError, match="llama-3-8b"):
         model_shape("gpt-5")
+
+
+def test_int4_formats_differ_by_their_lm_head() -> None:
+    """TensorRT-LLM's AWQ int4 keeps the head FP16; MLC's q4f16_1 and llama.cpp's Q4_K_M quantise it: for a
+    small model with a 128k vocabulary the head is about half the bytes of a decode step at int4."""
+    from power.physics.costmodel import PRECISIONS, _weight_bytes
+    one_b = model_shape("llama-3.2-1b")
+    head_int4 = one_b.head_params * PRECISIONS["int4"].head_bytes
+    assert 0.45 < head_int4 / _weight_bytes(one_b, PRECISIONS["int4"]) < 0.55
+    assert _weight_bytes(one_b, PRECISIONS["q4f16_1"]) < 0.7 * _weight_bytes(one_b, PRECISIONS["int4"])   # a third less
+    # llama.cpp's README: Llama-3.1-8B Q4_K_M is 4.58 GiB; a step reads all of it but the embedding (Q4_K)
+    eight = model_shape("llama-3-8b")
+    file_bytes = _weight_bytes(eight, PRECISIONS["q4_k_m"]) + eight.head_params * 4.5 / 8
+    assert within(file_bytes / 2 ** 30, 4.58, 0.02)
+
+
+def test_runtime_profiles_and_their_errors() -> None:
+    from power.physics.predict import PointQuery, predict_point
+    q = dict(board="orin-nano-8gb", l4t="r36", precision="q4f16_1", tokens=256)
+    mlc = predict_point(PointQuery(model_shape("llama-3.2-1b"), runtime="mlc", **q))
+    trt = predict_point(PointQuery(model_shape("llama-3.2-1b"), runtime="tensorrt-llm", **q))
+    assert mlc.step_ms > trt.step_ms and mlc.runtime == "mlc"      # MLC's fitted per-step overhead is larger
+    with pytest.raises(ValueError, match="unknown runtime 'vllm'; allowed: tensorrt-llm, mlc, llama.cpp"):
+        predict_point(PointQuery(model_shape("llama-3-8b"), runtime="vllm"))

@@ -108,7 +108,10 @@ def predict(
     board: str = typer.Option("agx-orin-64gb", "--board", help=f"One of: {', '.join(BOARDS)}."),
     l4t: str = typer.Option("r36", "--l4t", help="L4T release (the Orin Nano is 'Super' on r36)."),
     shape: str = typer.Option("llama-3-8b", "--model-shape", help="A model shape preset."),
-    precision: str = typer.Option("int4", "--precision", help="fp16, int8, int4 or q4f16."),
+    precision: str = typer.Option("int4", "--precision", help="fp16, int8, int4 (FP16 LM head: TensorRT-LLM AWQ), "
+                                  "q4f16_1 (MLC) or q4_k_m (llama.cpp)."),
+    runtime: str = typer.Option("tensorrt-llm", "--runtime", help="Whose efficiencies and per-step overhead: "
+                                "tensorrt-llm, mlc or llama.cpp."),
     gpu_mhz: float | None = typer.Option(None, "--gpu-mhz", help="GPU clock (default: the mode's cap)."),
     emc_mhz: float | None = typer.Option(None, "--emc-mhz", help="EMC rate (default: the mode's cap)."),
     nvpmodel: str | None = typer.Option(None, "--nvpmodel", help="Power mode name or id (default: the "
@@ -125,13 +128,13 @@ def predict(
 
     with cli_errors():
         p = predict_point(PointQuery(model_shape(shape), board, l4t, precision, phase, tokens, batch, nvpmodel,
-                                     gpu_mhz, emc_mhz))
+                                     gpu_mhz, emc_mhz, runtime))
     if json_out:
         print_json(p.__dict__)
         return
     rails = " ".join(f"{k}={v:.2f}W" for k, v in p.rails_w.items())
     typer.echo(f"{p.board} {p.mode} GPU {p.gpu_mhz:.1f} MHz x{p.tpcs} TPC, EMC {p.emc_mhz:.0f} MHz: {p.shape} "
-               f"{p.precision} {p.phase} tokens={p.tokens} batch={p.batch}: {p.step_ms:.1f} ms/step, "
+               f"{p.precision} ({p.runtime}) {p.phase} tokens={p.tokens} batch={p.batch}: {p.step_ms:.1f} ms/step, "
                f"{p.tokens_per_s:.1f} tok/s ({p.bound}-bound), board {p.board_w:.1f} W ({rails}), "
                f"{p.joules_per_token:.3f} J/token")
 

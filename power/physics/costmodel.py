@@ -80,13 +80,20 @@ PRECISIONS = {
     "fp16": Precision("fp16", 2.0, 2.0, 0.0),
     # INT8 weight-only: per-channel scales, negligible per weight.
     "int8": Precision("int8", 1.0, 2.0, 1.0),
-    # INT4 weight-only (AWQ / GPTQ, group 128, one FP16 scale per group: +2/128 byte). TensorRT-LLM
-    # leaves the LM head in FP16 by default; with it, Llama-3-8B reads 4.6 GB per token, ORIN.md's
-    # "about 4.5 GB" (derived).
+    # INT4 with an FP16 LM head: TensorRT-LLM / TensorRT Edge-LLM AWQ (W4A16, group 128, one FP16 scale per
+    # group: +2/128 byte); both leave the head in FP16 by default. With it, Llama-3-8B reads 4.6 GB per token,
+    # ORIN.md's "about 4.5 GB" (derived). For a small model with a big vocabulary the head dominates:
+    # Llama-3.2-1B's tied 128k x 2048 head is half its bytes per token.
     "int4": Precision("int4", 0.5 + 2 / 128, 2.0, 2.0),
-    # MLC's q4f16 (group 32, FP16 scale: 4.5 bits) quantises the LM head too; the runtime behind
-    # the Orin Nano anchors (jetson-generative-ai-playground benchmarks).
+    # INT4 with the LM head quantised too: MLC's q4f16_1 (group 32, one FP16 scale: 4.5 bits, head included;
+    # the runtime behind the Orin Nano rows of docs/TWIN_VALIDATION.md). "q4f16" is the same format.
+    "q4f16_1": Precision("q4f16_1", 0.5 + 2 / 32, 0.5 + 2 / 32, 2.0),
     "q4f16": Precision("q4f16", 0.5 + 2 / 32, 0.5 + 2 / 32, 2.0),
+    # llama.cpp's Q4_K_M: 4.8944 bits per weight over Llama-3.1-8B (llama.cpp tools/quantize/README.md, 4.58 GiB),
+    # with the token embedding at Q4_K (4.5 bpw) and the output head at Q6_K (6.5625 bpw); the rest, the body,
+    # is then (4.8944 x 8.03e9 - 0.525e9 x 4.5 - 0.525e9 x 6.5625) / 6.98e9 = 4.80 bpw (derived; Q6_K for half
+    # the attn_v / ffn_down tensors makes it more than Q4_K's 4.5).
+    "q4_k_m": Precision("q4_k_m", 4.80 / 8, 6.5625 / 8, 2.0),
 }
 
 # --- hardware throughput and efficiencies ------------------------------------------------------------
@@ -132,6 +139,23 @@ DECODE_WAIT_INTENSITY = CostParams.decode_wait_intensity
 DECODE_CORE_INTENSITY = CostParams.decode_core_intensity
 
 DEFAULT_PARAMS = CostParams()
+
+# What each runtime reaches on Orin (``twin predict --runtime``). The defaults are TensorRT-LLM's (fitted to
+# its AGX rows); the others are fitted to their own rows of docs/TWIN_VALIDATION.md (marked "fitted" there,
+# so the medians of held-out rows are the test), each a least-squares fit in log tok/s:
+# - mlc: bandwidth 0.92 of peak and 145000 cycles of overhead per layer per step (~3.6x TensorRT-LLM's:
+#   ~4.6 ms per step for a 32-layer model on a 1 GHz Nano Super), fitted to the four MLC Llama rows on Orin
+#   Nano (rows 8-11, q4f16_1); held out: the two Qwen2.5-7B rows.
+# - llama.cpp: bandwidth 0.545 of peak (fitted to its 8B Q4_K_M decode, row 5: 23.5 tok/s) and tensor
+#   efficiency 0.174 (its prefill, row 6: 523 tok/s at 512 tokens); no held-out llama.cpp row with a preset
+#   shape was found.
+RUNTIMES: dict[str, CostParams] = {
+    "tensorrt-llm": DEFAULT_PARAMS,
+    "mlc": CostParams(bandwidth_eff=0.92, overhead_cycles_per_layer=145000.0),
+    "llama.cpp": CostParams(bandwidth_eff=0.545, tensor_eff=0.174),
+}
+# the precision each runtime ships its 4-bit models in
+RUNTIME_INT4 = {"tensorrt-llm": "int4", "mlc": "q4f16_1", "llama.cpp": "q4_k_m"}
 
 # --- operating point and result ------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """One operating point of the twin, predicted: tok/s, step time, rail watts and J/token for a board,
-a model shape, a precision and clocks (or a power mode's caps). ``orin-agent twin predict`` prints it,
+a model shape, a precision, a runtime (its efficiencies and per-step overhead, costmodel.RUNTIMES) and
+clocks (or a power mode's caps). ``orin-agent twin predict`` prints it,
 so anyone can hold the twin against a measurement (docs/TWIN_VALIDATION.md).
 
 Pure arithmetic over ``power.physics.costmodel`` (step time) and ``power.physics.equations.power``
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from power.physics.boards import BoardSpec, active_tpcs, board_for
-from power.physics.costmodel import PRECISIONS, ModelShape, OperatingPoint, decode_step, prefill_step
+from power.physics.costmodel import PRECISIONS, RUNTIMES, ModelShape, OperatingPoint, decode_step, prefill_step
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class PointQuery:
     nvpmodel: str | None = None     # mode name or id; None = the mode without GPU/EMC caps
     gpu_mhz: float | None = None
     emc_mhz: float | None = None
+    runtime: str = "tensorrt-llm"   # whose efficiencies and per-step overhead (costmodel.RUNTIMES)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class PointPrediction:
     board_w: float
     rails_w: dict[str, float]
     joules_per_token: float
+    runtime: str = "tensorrt-llm"
 
 
 def _mode(spec: BoardSpec, name: str | None) -> int:
@@ -72,6 +75,9 @@ def predict_point(q: PointQuery) -> PointPrediction:
         raise ValueError(str(exc.args[0])) from None
     if q.precision not in PRECISIONS:
         raise ValueError(f"unknown precision {q.precision!r}; allowed: {', '.join(PRECISIONS)}")
+    if q.runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {q.runtime!r}; allowed: {', '.join(RUNTIMES)}")
+    params = RUNTIMES[q.runtime]
     if q.phase not in ("decode", "prefill"):
         raise ValueError(f"unknown phase {q.phase!r}; allowed: decode, prefill")
     if q.tokens < 1 or q.batch < 1:
@@ -82,11 +88,11 @@ def predict_point(q: PointQuery) -> PointPrediction:
     emc = top.emc_hz if q.emc_mhz is None else min(top.emc_hz, _nearest(spec.emc_hz, q.emc_mhz * 1e6))
     op = OperatingPoint(gpu, emc, active_tpcs(spec, spec.mode(mode_id).tpc_pg_mask), top.cpu_khz)
     if q.phase == "decode":
-        c = decode_step(spec, shape, q.precision, op, q.tokens, q.batch)
+        c = decode_step(spec, shape, q.precision, op, q.tokens, q.batch, params)
         produced = q.batch
     else:
-        c = prefill_step(spec, shape, q.precision, op, q.tokens)
+        c = prefill_step(spec, shape, q.precision, op, q.tokens, 0, params)
         produced = q.tokens
     return PointPrediction(spec.name, shape.name, q.precision, q.phase, spec.mode(mode_id).name, gpu / 1e6,
                            emc / 1e6, op.tpcs, q.tokens, q.batch, c.seconds * 1e3, produced / c.seconds,
-                           c.bound, c.power_w, dict(c.rails_w), c.energy_j / produced)
+                           c.bound, c.power_w, dict(c.rails_w), c.energy_j / produced, q.runtime)
