@@ -135,20 +135,22 @@ def _choose(cands: list[Candidate], slack: float, absolute_ms: float, last: tupl
 
     best = settle([c for c in cands if fits(c)])
     measured = [c for c in cands if c.measured]
+
     def at(c: Candidate, tag: str = "") -> Choice:
         return Choice(c.gpu_hz, c.emc_hz, c.seconds, tag)
 
     if not measured:
         return at(best), None
     room = len(measured) < MAX_POINTS
-    known = [c for c in measured if fits(c)]
-    fallback = best if best.measured else (settle(known) if known else min(measured, key=lambda c: c.seconds))
+    # the point to run when a step cannot learn (power.policy.dvfs: under a budget, a short step after a
+    # switch) is the corrected optimum, measured or not
     if room and not top.measured:
-        return at(fallback), at(top, " (probe)")
+        return at(best), at(top, " (probe)")
     if not best.measured:
         if room:
-            return at(fallback), at(best, " (explore)")
-        best = fallback
+            return at(best), at(best, " (explore)")
+        known = [c for c in measured if fits(c)]
+        best = settle(known) if known else min(measured, key=lambda c: c.seconds)
     elif room and (hope := _hopeful(cands, best, limit)) is not None:
         return at(best), at(hope, " (explore)")
     elif room:

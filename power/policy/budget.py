@@ -183,6 +183,7 @@ class BudgetController:
         if dvfs.planner is None:
             raise ValueError("a power budget needs the cost model (a model shape) to predict power per clock point")
         self.dvfs, self.budget = dvfs, budget
+        dvfs.explore = False        # the budget picks the points that run: the DVFS controller learns from them only
         self.tables, self.planner = dvfs.tables, dvfs.planner
         labels = [r.label for r in dvfs.planner.spec.rails if r.label != "NC"]
         if budget.rail is not None and budget.rail not in labels:

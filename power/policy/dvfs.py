@@ -210,9 +210,12 @@ class _Bounds:
 class DvfsController:
     """Holds what never changes while serving (board tables, planner); ``decide`` is pure."""
 
-    def __init__(self, tables: BoardTables, planner: Planner | None = None) -> None:
+    def __init__(self, tables: BoardTables, planner: Planner | None = None, explore: bool = True) -> None:
         self.tables = tables
         self.planner = planner
+        # probe / explore / verify (power.policy.autopoint); off under a power budget, which decides which
+        # points run (a probe of the top clocks would be capped away and never measured)
+        self.explore = explore
         self._bounds: dict[tuple[int, str], _Bounds] = {}
 
     # -- profile -> bounds per phase
@@ -266,7 +269,9 @@ class DvfsController:
         slack, absolute = (lat.ttft_slack, lat.ttft_ms) if p.kind == "prefill" else (lat.tpot_slack, lat.tpot_ms)
         running = (state.last.gpu_max_hz, state.last.emc_hz) if state.last is not None else None
         c = choose(cands, slack, absolute, state.chosen.get((p.kind, batch_class(p.kind, batch))), running)
-        if c.learning and (c.gpu_hz, c.emc_hz) != running and c.seconds < SWITCHED_MIN_S and \
+        if c.learning and not self.explore:
+            c = c.unless_learning()
+        elif c.learning and (c.gpu_hz, c.emc_hz) != running and c.seconds < SWITCHED_MIN_S and \
                 (state.last is None or state.last.phase != p.kind):
             # a short step after another phase's (a prefill between decode steps) starts with a switch and
             # measures nothing; the next step of a run of them would, so those learn
