@@ -99,23 +99,35 @@ def health() -> bool:
 
 
 def settle(kill: bool, timeout: float = 90) -> bool:
-    """Wait until the stop has settled: after a kill, waiting to restart (ExecStopPost done); after a
-    clean exit, inactive (or failed)."""
+    """Wait until the stop has settled (ExecStopPost done): after a kill, waiting to restart; after a
+    clean exit, inactive, or waiting to restart too when the exit came before READY=1 (systemd counts a
+    Type=notify service that exits during its start as a failed start, result 'protocol')."""
     if kill:
         return wait_for(lambda: show("SubState")["SubState"] == "auto-restart", timeout, 0.05)
-    return wait_for(lambda: show("ActiveState")["ActiveState"] in ("inactive", "failed"), timeout, 0.05)
+    return wait_for(lambda: show("ActiveState")["ActiveState"] in ("inactive", "failed")
+                    or show("SubState")["SubState"] == "auto-restart", timeout, 0.05)
+
+
+def catches_sigterm(pid: int) -> bool:
+    """Whether the process has a SIGTERM handler yet (SigCgt, proc(5)); before agent.boot's first line
+    the interpreter is still starting and SIGTERM's default action ends it."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            mask = next(int(ln.split()[1], 16) for ln in fh if ln.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
 
 
 def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] == "Z"
-    except OSError:
-        return True
+    """Reaped by systemd: every thread has exited, so its sockets are closed. (The thread group's leader
+    turns zombie first, while other threads may still hold the listening socket open: a connection made
+    then is accepted by the kernel and reset a moment later.)"""
+    return not os.path.exists(f"/proc/{pid}")
 
 
 def cycle(n: int, action: str, start_up: bool, rng: random.Random) -> dict:
-    rec: dict = {"n": n, "action": action, "start_up": start_up}
+    rec: dict = {"n": n, "action": action, "start_up": start_up, "t_start_us": time.time_ns() // 1000}
     state = show("ActiveState")["ActiveState"]
     if state == "failed":
         sh("systemctl", "reset-failed", UNIT)
@@ -145,6 +157,7 @@ def cycle(n: int, action: str, start_up: bool, rng: random.Random) -> dict:
     gone_at = None
     if pid:
         if action in ("SIGKILL", "SIGTERM"):
+            rec["before_first_line"] = action == "SIGTERM" and not catches_sigterm(pid)
             os.kill(pid, signal.SIGKILL if action == "SIGKILL" else signal.SIGTERM)
         else:
             os.kill(pid, signal.SIGSTOP)
@@ -154,6 +167,7 @@ def cycle(n: int, action: str, start_up: bool, rng: random.Random) -> dict:
             else:
                 os.kill(pid, signal.SIGCONT)
                 time.sleep(rng.uniform(0.0, 1.0))
+                rec["before_first_line"] = not catches_sigterm(pid)
                 os.kill(pid, signal.SIGTERM)
         wait_for(lambda: _gone(pid), 60, 0.02)
         gone_at = time.monotonic()
@@ -162,7 +176,8 @@ def cycle(n: int, action: str, start_up: bool, rng: random.Random) -> dict:
     rec["changed"] = sorted(k for k, v in digests().items() if BASELINE.get(k) != v)
     rec["gone"] = sorted(set(BASELINE) - set(digests()))
     rec["journal_left"] = Path("/run/orin-agent/journal.json").exists()
-    if action in KILLS:  # Restart= brings it back (the next cycle waits for it to serve, or hits its start-up)
+    if action in KILLS or rec["after"].get("SubState") == "auto-restart":
+        # Restart= brings it back (the next cycle waits for it to serve, or hits its start-up)
         rec["restarted"] = wait_for(lambda: show("ActiveState")["ActiveState"] in ("activating", "active")
                                     and show("MainPID")["MainPID"] not in ("", "0", str(pid)), 60, 0.05)
         rec["nrestarts"] = [int(before["NRestarts"] or 0), int(show("NRestarts")["NRestarts"] or 0)]
@@ -176,9 +191,12 @@ def cycle(n: int, action: str, start_up: bool, rng: random.Random) -> dict:
             o = "cut_at_kill"
         outcomes[o] = outcomes.get(o, 0) + 1
         if o in ("cut", "hung"):
-            rec.setdefault("bad_requests", []).append(r.get("detail", ""))
+            rec.setdefault("bad_requests", []).append(
+                f"{r.get('detail', '')} (started {r['started'] - t0:.2f} s, ended {r.get('ended', 0) - t0:.2f} s)")
     rec["outcomes"] = outcomes
     rec["seconds"] = round(time.monotonic() - t0, 2)
+    rec["t_end_us"] = time.time_ns() // 1000
+    rec["gone_at_s"] = None if gone_at is None else round(gone_at - t0, 3)
     return rec
 
 
