@@ -215,6 +215,9 @@ class Service:
                          max_in_flight=cfg.request_limit, host_names=cfg.host_names,
                          body_timeout_s=cfg.body_timeout_s)
         self.app = create_app(state)
+        # The last point a stop aborts the start: once the socket listens, connections may queue, and
+        # serve_forever's server answers them (503 while stopping) instead of a close resetting them.
+        self._check_stop()
         self.sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((cfg.host, cfg.port))
@@ -225,7 +228,6 @@ class Service:
         if self.controller is not None:
             self.controller.start()
         self._loaded = True
-        self._check_stop()
 
     def _open_controller(self, model_config: ModelConfig) -> PowerController | None:
         """The board session (power.runtime.controller): controlling the board (or twin), or metering it
