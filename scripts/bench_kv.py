@@ -1,6 +1,7 @@
 """Benchmark of the INT8 group-wise KV-cache (kernels/kv_quant.py, kernels/kv_triton.py).
 
-CPU (default): for the shipped model,
+CPU (default): for the shipped model (or `--model`: a folder, .gguf file or alias; held-out text from
+`--text FILE` or, with no corpus.json beside it, its corpus record's 'test' split),
   - cache bytes, INT8 (+ FP16 scales) vs FP16, for the shipped model's shape and a Llama-3-8B shape;
   - held-out perplexity with an FP vs an INT8 KV-cache: the test split of scripts/train_small_model.py
     (stdlib files whose sha256 starts with 0 or 1, checked against corpus.json), cut into the same
@@ -48,7 +49,16 @@ EOT = "<|endoftext|>"
 LLAMA3_8B_ATTN = {"n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "n_layers": 32}  # Meta's config.json
 
 
-def held_out_texts(model_dir: Path) -> list[str]:
+def held_out_texts(model_dir: Path, text_file: Path | None = None) -> list[str]:
+    """The shipped model's held-out stdlib files (corpus.json); for a model without one (a GGUF file), --text
+    FILE or the 'test' split of its corpus record (partition.exits.data.benchmark_texts)."""
+    if text_file is not None or not (model_dir / "corpus.json").is_file():
+        from partition.exits.data import CorpusError, benchmark_texts
+
+        try:
+            return benchmark_texts(model_dir, text_file)[0]
+        except CorpusError as exc:
+            raise SystemExit(str(exc)) from None
     corpus = json.loads((model_dir / "corpus.json").read_text())
     root = Path(sysconfig.get_paths()["stdlib"])
     texts = []
@@ -117,15 +127,16 @@ def greedy_tokens(runner: TorchRunner, prompt: list[int], n: int) -> list[int]:
 
 def cpu_bench(args: argparse.Namespace) -> dict[str, object]:
     torch.set_num_threads(args.threads)
-    model = load_model(args.model)
+    model = load_model(args.model, dequantize=True)  # a GGUF's blocks as floats (the same numbers: fast prefill)
     cfg = model.config
     tok = Tokenizer.from_dir(args.model)
-    texts = held_out_texts(args.model)
+    texts = held_out_texts(args.model, args.text)
     shipped = {"n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "n_layers": cfg.n_layers}
     res: dict[str, object] = {
         "bytes": {"shipped": [cache_bytes(shipped, cfg.max_position_embeddings, g) for g in (32, 64)],
                   "llama3_8b": [cache_bytes(LLAMA3_8B_ATTN, 8192, g) for g in (32, 64)]}}
     eos = tok.tk.token_to_id(EOT)
+    eos = eos if eos is not None else min(tok.eos_ids)  # a vocabulary without the shipped model's separator
     ids = torch.tensor([t for text in texts for t in tok.encode(text) + [eos]], dtype=torch.int64)
     ids = ids[:args.ppl_tokens + 1]
     ppl: dict[str, object] = {"tokens": int(ids.numel() - 1), "window": args.seq_len, "chunk": args.chunk,
@@ -257,10 +268,10 @@ def sharing_model_bench(args: argparse.Namespace, n_requests: int = 32, system_t
     from partition.runners.paged import PagedTorchRunner
 
     torch.set_num_threads(args.threads)
-    model = load_model(args.model)
+    model = load_model(args.model, dequantize=True)
     tok = Tokenizer.from_dir(args.model)
     n = model.config.n_layers
-    text = held_out_texts(args.model)[0]
+    text = held_out_texts(args.model, args.text)[0]
     system = tuple(tok.encode(text)[:system_tokens])
     rng = random.Random(0)
     prompts = [system + tuple(rng.randrange(1, 900) for _ in range(rng.randint(16, 64))) for _ in range(n_requests)]
@@ -295,7 +306,10 @@ def gpu_bench(args: argparse.Namespace) -> dict[str, object]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
+                   help="checkpoint folder, .gguf file or alias (default: the shipped model)")
+    p.add_argument("--text", type=Path, default=None, help="held-out text file (default: corpus.json's test split, "
+                   "or for a model without one the 'test' split of the corpus record train-exits wrote)")
     p.add_argument("--gpu", action="store_true", help="the decode-attention kernel benchmark (CUDA + Triton)")
     p.add_argument("--groups", type=int, nargs="+", default=[32, 64], help="quantisation groups to measure")
     p.add_argument("--ppl-tokens", type=int, default=32768, help="held-out tokens for the perplexity")
@@ -311,6 +325,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=max(1, torch.get_num_threads()))
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args()
+    from partition.gguf.folder import resolve_model
+
+    args.model = resolve_model(args.model)
     res: dict[str, object] = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
                                          f"{platform.processor() or platform.system()}",

@@ -1,11 +1,13 @@
-"""Quality of weight-only quantisation on the shipped model (CPU): held-out perplexity and greedy
-agreement of INT8 / INT4 checkpoints written by `orin-agent quantize`, against the floating-point model.
+"""Quality of weight-only quantisation on the shipped model or any `--model` (folder, .gguf file, alias), CPU:
+held-out perplexity and greedy agreement of INT8 / INT4 checkpoints written by `orin-agent quantize`, against
+the floating-point model.
 
     python scripts/quant_quality.py --tokens 32768 --greedy 256 --json
 
 Perplexity: the first --tokens tokens of the held-out test split (corpus.json beside the model: files
-whose sha256 starts with 0 or 1), in windows of --window tokens, every token predicted from its window
-(fp32 activations). Greedy: --greedy tokens from each prompt; agreement = share of positions where the
+whose sha256 starts with 0 or 1; without one, `--text FILE` or the 'test' split of the corpus record
+`orin-agent train-exits` writes beside the model), in windows of --window tokens, every token predicted from its
+window (fp32 activations). Greedy: --greedy tokens from each prompt; agreement = share of positions where the
 quantised model's token equals the reference's, up to the first difference and overall.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from partition.checkpoint import load_model
+from partition.gguf.folder import gguf_source, resolve_model
 from partition.model import Transformer
 from partition.paths import DEFAULT_MODEL_DIR
 from partition.quantize import default_spec, quantize_checkpoint
@@ -30,7 +33,18 @@ from partition.tokenizer import Tokenizer
 PROMPTS = ("def parse(", "import os\n", "class Error(Exception):\n")
 
 
-def held_out_ids(model_dir: Path, tok: Tokenizer, n_tokens: int) -> list[int]:
+def held_out_ids(model_dir: Path, tok: Tokenizer, n_tokens: int, text_file: Path | None = None) -> list[int]:
+    """The first n_tokens of the held-out text: the shipped model's test files (corpus.json); for a model
+    without one (a GGUF file), --text FILE or its corpus record's 'test' split (benchmark_texts)."""
+    if text_file is not None or not (model_dir / "corpus.json").is_file():
+        from partition.exits.data import CorpusError, benchmark_texts
+
+        try:
+            texts = benchmark_texts(model_dir, text_file)[0]
+        except CorpusError as exc:
+            raise SystemExit(str(exc)) from None
+        sep = [min(tok.eos_ids)] if tok.eos_ids else []
+        return [t for text in texts for t in tok.encode(text) + sep][:n_tokens]
     corpus = json.loads((model_dir / "corpus.json").read_text())
     root = Path(corpus["stdlib_dir"])
     ids: list[int] = []
@@ -70,25 +84,27 @@ def greedy(model: Transformer, prompt: list[int], steps: int) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint folder, .gguf file or alias")
+    ap.add_argument("--text", type=Path, default=None, help="held-out text file (default: corpus.json's test "
+                    "split, or for a model without one the 'test' split of the corpus record train-exits wrote)")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--greedy", type=int, default=256)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    model_dir = Path(args.model)
+    model_dir = resolve_model(args.model)
     tok = Tokenizer.from_dir(model_dir)
-    ids = held_out_ids(model_dir, tok, args.tokens)
+    ids = held_out_ids(model_dir, tok, args.tokens, args.text)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = {"fp (fp16 on disk, fp32 run)": model_dir}
+        dirs = {"fp (GGUF blocks dequantised, fp32 run)" if gguf_source(model_dir) else "fp (fp16 on disk, fp32 run)": model_dir}
         for bits in (8, 4):
             spec = default_spec(bits)
             dirs[f"int{bits} {'per channel' if spec.group_size == -1 else f'g{spec.group_size}'}"] = Path(
                 quantize_checkpoint(model_dir, Path(tmp) / f"q{bits}", spec).out_dir)
         ref_tokens: list[list[int]] = []
         for name, d in dirs.items():
-            model = load_model(d)
+            model = load_model(d, dequantize=True)  # a GGUF's blocks as floats: its numbers, fast teacher forcing
             ppl = perplexity(model, ids, args.window)
             toks = [greedy(model, tok.encode(p), args.greedy) for p in PROMPTS]
             if not ref_tokens:

@@ -56,3 +56,31 @@ def test_generated_corpus_is_seeded_and_feeds_train_exits(bare: Path) -> None:
     res = train_exits(bare, TrainOptions(layers=(1, 2), steps=2, batch=2, seq_len=16, lstsq_windows=4,
                                          eval_windows=4), progress=False)
     assert res.heads_path.is_file() and set(res.agreement) == {1, 2}
+
+
+def test_quality_benchmarks_read_the_record_or_text_of_a_model_without_corpus_json(bare: Path, tmp_path: Path) -> None:
+    """scripts/bench_kv.py and scripts/quant_quality.py on a model with no corpus.json (a GGUF file): the held-out
+    text is --text FILE's, else the record's 'test' split; with neither, one line saying what to do."""
+    from partition.exits.corpus import text_file_corpus
+    from partition.exits.data import CorpusError, benchmark_texts
+    from partition.tokenizer import Tokenizer
+    from scripts.bench_kv import held_out_texts
+    from scripts.quant_quality import held_out_ids
+
+    with pytest.raises(CorpusError, match="pass --text FILE"):
+        benchmark_texts(bare)
+    with pytest.raises(SystemExit, match="pass --text FILE"):
+        held_out_texts(bare)
+    with pytest.raises(CorpusError, match="no such file"):
+        benchmark_texts(bare, tmp_path / "missing.txt")
+    (tmp_path / "held.txt").write_text("def f(x):\n    return x + 1\n")
+    assert held_out_texts(bare, tmp_path / "held.txt") == ["def f(x):\n    return x + 1\n"]
+    paragraphs = [f"paragraph {i}: the value is {i * 3}" for i in range(16)]
+    (tmp_path / "t.txt").write_text("\n\n".join(paragraphs))
+    text_file_corpus(bare, tmp_path / "t.txt")
+    texts, source = benchmark_texts(bare)
+    assert texts == [paragraphs[7], paragraphs[15]] and "corpus_text.json" in source  # the test split, in order
+    tok = Tokenizer.from_dir(bare)
+    ids = held_out_ids(bare, tok, 10 ** 6)
+    assert ids == [t for p in texts for t in tok.encode(p) + [min(tok.eos_ids)]]
+    assert held_out_ids(bare, tok, 5) == ids[:5]

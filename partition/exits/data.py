@@ -41,6 +41,25 @@ def record_texts(model_dir: Path, split: str) -> list[str] | None:
     return None
 
 
+def benchmark_texts(model_dir: Path, text_file: Path | None = None) -> tuple[list[str], str]:
+    """Held-out text for a quality benchmark (scripts/bench_kv.py, scripts/quant_quality.py) of a model with no
+    corpus.json, and where it came from: TEXT_FILE's whole text, else the 'test' split of the record beside the
+    model (corpus_text.json / corpus_generated.json, in record order); CorpusError saying what to do if neither."""
+    if text_file is not None:
+        if not Path(text_file).is_file():
+            raise CorpusError(f"--text {text_file}: no such file")
+        text = Path(text_file).read_text(encoding="utf-8", errors="replace")
+        if not text.strip():
+            raise CorpusError(f"--text {text_file}: the file is empty")
+        return [text], str(text_file)
+    texts = record_texts(Path(model_dir), "test")
+    if not texts:
+        raise CorpusError(f"{model_dir}: no held-out text (no corpus.json, and no corpus record with a 'test' split "
+                          "beside the model); pass --text FILE, or run `orin-agent train-exits --model ...` first "
+                          "(it records the model's own generations)")
+    return texts, f"the 'test' split of {corpus_source(Path(model_dir))}"
+
+
 def corpus_source(model_dir: Path) -> str:
     """Which record the splits come from, for the heads' record."""
     for name in ("corpus.json", TEXT_RECORD, GENERATED_RECORD):
