@@ -46,8 +46,12 @@ def generate(
     board: str = typer.Option("orin-nano-8gb", "--board", help="With --device-layers auto: this device's "
                               "board in the planner's cost model."),
     activations: str = typer.Option("fp32", "--activations", help="A quantised model on the ONNX Runtime decoder "
-                                    "(the CPU default): fp32 (greedy tokens equal the dequantised model's) or int8 "
-                                    "(~25 % faster, about llama.cpp's fidelity: docs/BENCHMARKS.md)."),
+                                    "(the CPU default): fp32 (greedy tokens equal the dequantised model's), mixed "
+                                    "(int8 in the gate/up projection only: 99 % of its greedy tokens) or int8 (~25 % "
+                                    "faster than fp32, about llama.cpp's fidelity: docs/BENCHMARKS.md)."),
+    spin: Optional[bool] = typer.Option(None, "--spin/--no-spin", help="ONNX Runtime's thread pool spins between "
+                                        "ops (default: on for the decoder graph, ~1.35x decode on 2 quiet cores; "
+                                        "--no-spin on a CPU shared with other work)."),
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
     from agent.engine.types import Finished, SamplingParams
@@ -83,7 +87,8 @@ def generate(
             chain, split = offload_chain_for_generate(model, edge, e.device_layers, max_disagreement, opts, backend,
                                                       slices, max_seq, device, board)
         core = load_core(model, backend, slices, max_seq, device, cuda_graphs, chain=chain, exits=exits,
-                         kv_cache=kv_cache, kv_blocks=kv_blocks, dtype=dtype, activations=activations)
+                         kv_cache=kv_cache, kv_blocks=kv_blocks, dtype=dtype, activations=activations,
+                         spinning=spin)
         text = chat_text(core.tokenizer, prompt) if chat else prompt
         pieces: list[str] = []
         done: Finished | None = None

@@ -25,6 +25,9 @@ from partition.slices import SliceSpec
 
 
 INITIAL_CAPACITY = 256  # KV slots allocated at first; the cache doubles from there
+# The pool spins unless told not to (OrtOptions.spinning): one run per token, little Python between runs;
+# measured on 2 quiet cores with scripts/bench_peer.py's prompt (docs/BENCHMARKS.md, CPU decode vs llama.cpp).
+SPINS_BY_DEFAULT = True
 
 
 class OrtDecoderRunner(SliceRunner):
@@ -39,7 +42,7 @@ class OrtDecoderRunner(SliceRunner):
         self.spec = SliceSpec(0, n_layers, n_layers)
         self.max_seq, self.max_batch, self.options = max_seq, max_batch, options
         self.providers = resolve_providers(providers)
-        so = session_options(options)
+        so = session_options(options, spin_default=SPINS_BY_DEFAULT)
         src = model if isinstance(model, bytes) else str(model)
         self.session = ort.InferenceSession(src, so, providers=self.providers)
         inputs = {i.name: i for i in self.session.get_inputs()}

@@ -41,15 +41,19 @@ class ProviderUnavailable(ValueError):
 
 @dataclass(frozen=True)
 class OrtOptions:
-    """Session settings. threads=None: one per CPU core the process may use (2 here). Spinning off:
-    with as many threads as cores, a spinning pool competes with the Python thread between steps."""
+    """Session settings. threads=None: one per CPU core the process may use (2 here). spinning=None: the
+    runner's measured default (`spins`): off for a slice session (with as many threads as cores, a spinning
+    pool competes with the Python thread between a slice's steps), on for the one-graph decoder
+    (OrtDecoderRunner: one run per token; on 2 quiet cores SmolLM2 Q4_1 decodes 59-67 tok/s spinning against
+    45-50 not, int8 activations 77-87 against 58-60; docs/BENCHMARKS.md). Off for a CPU shared with other work:
+    there a preempted spinning thread stalls its team."""
 
     threads: int | None = None
     past_mode: str = "prefix"
     io_binding: bool = True
-    spinning: bool = False
+    spinning: bool | None = None
     graph_optimization: str = "all"  # "basic" | "extended" | "all"
-    # a quantised model's one-graph decoder (partition/build/decoder_build.py PRECISIONS): "fp32" or "int8" activations
+    # a quantised model's one-graph decoder (partition/build/decoder_build.py PRECISIONS): "fp32", "mixed" or "int8"
     activations: str = "fp32"
 
     def __post_init__(self) -> None:
@@ -57,8 +61,8 @@ class OrtOptions:
             raise ValueError(f"past_mode {self.past_mode!r} is not one of {', '.join(PAST_MODES)}")
         if self.graph_optimization not in ("basic", "extended", "all"):
             raise ValueError(f"graph_optimization {self.graph_optimization!r}: use basic, extended or all")
-        if self.activations not in ("fp32", "int8"):
-            raise ValueError(f"activations {self.activations!r}: use fp32 or int8")
+        if self.activations not in ("fp32", "mixed", "int8"):
+            raise ValueError(f"activations {self.activations!r}: use fp32, mixed or int8")
 
 
 def resolve_providers(providers: Sequence[str | tuple[str, dict[str, Any]]] | None) -> list[Any]:
@@ -82,7 +86,12 @@ def resolve_providers(providers: Sequence[str | tuple[str, dict[str, Any]]] | No
     return out
 
 
-def session_options(opts: OrtOptions) -> ort.SessionOptions:
+def spins(opts: OrtOptions, default: bool) -> bool:
+    """Whether the session's pool spins: the option when set, else the runner's default."""
+    return default if opts.spinning is None else opts.spinning
+
+
+def session_options(opts: OrtOptions, spin_default: bool = False) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.intra_op_num_threads = opts.threads or usable_cpus()
     so.inter_op_num_threads = 1
@@ -98,7 +107,7 @@ def session_options(opts: OrtOptions) -> ort.SessionOptions:
     so.enable_cpu_mem_arena = True
     so.log_severity_level = 3  # warnings about unused initialisers etc. are noise for a user
     # ORT session config keys (onnxruntime_session_options_config_keys.h).
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if opts.spinning else "0")
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spins(opts, spin_default) else "0")
     return so
 
 
