@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TextIO
 
 import uvicorn
 
@@ -67,8 +67,10 @@ class JournaldFormatter(logging.Formatter):
         return (SYSLOG_PREFIX.get(record.levelno, "<6>") if self.prefix else "") + text
 
 
-def setup_logging(level: str = "info") -> None:
-    handler = logging.StreamHandler(sys.stdout)
+def setup_logging(level: str = "info", stream: TextIO | None = None) -> None:
+    """The service's log lines on `stream` (stdout, which journald reads under systemd; stderr where stdout
+    carries a command's --json)."""
+    handler = logging.StreamHandler(stream or sys.stdout)
     # Under systemd (JOURNAL_STREAM set) use the <N> priority prefix; elsewhere plain "name: message".
     handler.setFormatter(JournaldFormatter(prefix=bool(os.environ.get("JOURNAL_STREAM"))))
     root = logging.getLogger("orin_agent")

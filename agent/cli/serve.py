@@ -79,7 +79,7 @@ def demo(
         if not (model / "config.json").is_file():
             raise ValueError(f"{model}: no model there (config.json missing); the shipped model is made by "
                              "scripts/train_small_model.py, or pass --model DIR")
-        setup_logging("warning")
+        setup_logging("warning", sys.stderr if as_json else None)  # stdout is the JSON
 
         def on_text(piece: str) -> None:
             if not as_json:
