@@ -18,7 +18,7 @@ teacher-forced positions where the greedy token equals that of the dequantised f
 for the project's decoder graph and for llama.cpp.
 
     python3 scripts/bench_peer.py [--gguf FILE|smollm2-135m-instruct] [--llama-python PY] [--rounds 3]
-        [--new 128] [--threads 2] [--agreement] [--json OUT]
+        [--new 128] [--threads 2] [--agreement] [--also '--activations mixed' ...] [--json OUT]
 """
 from __future__ import annotations
 
@@ -196,6 +196,9 @@ def teacher_forced(gguf: Path, text: str, llama_py: str | None, amx: bool) -> di
 def find_llama(arg: str | None) -> str | None:
     for cand in (arg, os.environ.get("LLAMA_PY")):
         if cand:
+            if shutil.which(cand) is None:
+                log(f"{cand}: no such interpreter")
+                continue
             ok = subprocess.run([cand, "-c", "import llama_cpp"], capture_output=True).returncode == 0
             if ok:
                 return cand
@@ -212,6 +215,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp n_threads and the project's OMP_NUM_THREADS")
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--project-args", default="", help="extra flags for orin-agent generate")
+    ap.add_argument("--also", action="append", default=[], metavar="ARGS",
+                    help="another project variant in the same rounds (its generate flags, e.g. '--activations "
+                         "mixed'); repeatable; each gets its own row and ratios")
     ap.add_argument("--llama-amx", action="store_true", help="keep llama.cpp's AMX weight repack (crashes here)")
     ap.add_argument("--agreement", type=Path, nargs="?", const=ROOT / "tests" / "data" / "teacher_forced.txt",
                     help="also measure teacher-forced greedy agreement with the dequantised float model on this text")
@@ -229,11 +235,13 @@ def main() -> None:
     oa = shutil.which("orin-agent")
     oa_cmd = [oa] if oa else [sys.executable, "-m", "agent.cli"]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    variants = {"project": a.project_args, **{f"project {x}": x for x in a.also}}
     log("warm-up: the project's first run builds and caches its decoder graph")
-    run_child(oa_cmd + ["generate", "warm up", "--model", str(gguf), "--max-tokens", "2", "--temperature", "0", "--json"]
-              + shlex.split(a.project_args), env=env)
+    for extra in variants.values():
+        run_child(oa_cmd + ["generate", "warm up", "--model", str(gguf), "--max-tokens", "2", "--temperature", "0",
+                            "--json"] + shlex.split(extra), env=env)
     copy_before = copy_rate()
-    rows: dict[str, list[dict[str, Any]]] = {"llama_cpp": [], "project": []}
+    rows: dict[str, list[dict[str, Any]]] = {"llama_cpp": [], **{k: [] for k in variants}}
     loads = [os.getloadavg()[0]]
     for r in range(a.rounds):
         if llama:
@@ -242,11 +250,12 @@ def main() -> None:
             if rc:
                 sys.exit(f"llama.cpp failed (exit {rc}): {(se.strip().splitlines() or ['?'])[-1][:200]}")
             rows["llama_cpp"].append({**json.loads(so.strip().splitlines()[-1]), "rss_mb": rss})
-        rc, so, se, rss = run_child(oa_cmd + ["generate", a.prompt, "--model", str(gguf), "--max-tokens", str(a.new),
-                                              "--temperature", "0", "--json"] + shlex.split(a.project_args), env=env)
-        if rc:
-            sys.exit(f"orin-agent generate failed (exit {rc}): {(se.strip().splitlines() or ['?'])[-1][:200]}")
-        rows["project"].append({**json.loads(so), "rss_mb": rss})
+        for name, extra in variants.items():
+            rc, so, se, rss = run_child(oa_cmd + ["generate", a.prompt, "--model", str(gguf), "--max-tokens",
+                                                  str(a.new), "--temperature", "0", "--json"] + shlex.split(extra), env=env)
+            if rc:
+                sys.exit(f"orin-agent generate {extra} failed (exit {rc}): {(se.strip().splitlines() or ['?'])[-1][:200]}")
+            rows[name].append({**json.loads(so), "rss_mb": rss})
         loads.append(os.getloadavg()[0])
         log(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]['decode_tok_s']:.1f} tok/s" for k, v in rows.items() if v))
     copy_after = copy_rate()
@@ -265,10 +274,11 @@ def main() -> None:
         if not rs:
             continue
         dec = median_range([x["decode_tok_s"] for x in rs])
-        mb = weights[name] + kv[name]
+        side = "llama_cpp" if name == "llama_cpp" else "project"
+        mb = weights[side] + kv[side]
         res[name] = {"decode_tok_s": dec, "prefill_ms": median_range([x["prefill_ms"] for x in rs]),
                      "peak_rss_mb": max(x["rss_mb"] for x in rs), "mb_per_token": mb,
-                     "weights_mb": weights[name], "kv_mb_mid": kv[name],
+                     "weights_mb": weights[side], "kv_mb_mid": kv[side],
                      "gb_s": mb * dec["median"] / 1e3, "of_copy_rate": mb * dec["median"] / 1e3 / min(copy_before, copy_after)}
     if rows["llama_cpp"]:
         ll, pr = rows["llama_cpp"][0], rows["project"][0]
@@ -283,12 +293,16 @@ def main() -> None:
         res["decode_ratio"] = res["project"]["decode_tok_s"]["median"] / res["llama_cpp"]["decode_tok_s"]["median"]
         res["prefill_ratio"] = res["llama_cpp"]["prefill_ms"]["median"] / res["project"]["prefill_ms"]["median"]
         res["rss_ratio"] = res["project"]["peak_rss_mb"] / res["llama_cpp"]["peak_rss_mb"]
+        res["also"] = {name: {"decode_ratio": res[name]["decode_tok_s"]["median"] / res["llama_cpp"]["decode_tok_s"]["median"],
+                              "prefill_ratio": res["llama_cpp"]["prefill_ms"]["median"] / res[name]["prefill_ms"]["median"],
+                              "rss_ratio": res[name]["peak_rss_mb"] / res["llama_cpp"]["peak_rss_mb"]}
+                       for name in variants if name != "project"}
     if a.agreement:
         res["teacher_forced_agreement"] = teacher_forced(gguf, a.agreement.read_text(encoding="utf-8"), llama, a.llama_amx)
     print(json.dumps(res, indent=1))
     if a.json:
         a.json.write_text(json.dumps(res, indent=1) + "\n")
-    for name in ("llama_cpp", "project"):
+    for name in ("llama_cpp", *variants):
         if name in res:
             v = res[name]
             print(f"{name:9s} decode {v['decode_tok_s']['median']:.1f} tok/s ({v['decode_tok_s']['min']:.1f}-"
@@ -299,6 +313,9 @@ def main() -> None:
         print(f"project vs llama.cpp: decode {res['decode_ratio']:.2f}x, prefill {res['prefill_ratio']:.2f}x, "
               f"peak RSS {res['rss_ratio']:.2f}x, greedy equal for {res['greedy']['equal_prefix']} of "
               f"{res['greedy']['compared']} tokens")
+        for name, r in res["also"].items():
+            print(f"{name} vs llama.cpp: decode {r['decode_ratio']:.2f}x, prefill {r['prefill_ratio']:.2f}x, "
+                  f"peak RSS {r['rss_ratio']:.2f}x")
 
 
 if __name__ == "__main__":
