@@ -296,7 +296,8 @@ class Service:
     def serve_forever(self) -> int:
         """Foreground (systemd): returns the exit status, 0 after a clean SIGTERM."""
         self.server = self._make_server()
-        if self._stop_requested:  # a signal between the end of load() and here
+        if self._stop_requested:  # a signal between the end of load() and here: what queued gets 503
+            self.begin_shutdown("signal during start-up")
             self.server.should_exit = True
         log.info("listening on %s%s", self.url, " (bearer token required)" if self.cfg.token else "")
         self.notifier.ready(f"serving on {self.url}")

@@ -135,3 +135,43 @@ def test_sigterm_right_after_the_first_board_write_still_restores(tiny_checkpoin
         if e["original_b64"] is not None:
             assert (root / e["path"].lstrip("/")).read_bytes() == base64.b64decode(e["original_b64"]), e["path"]
     assert "Traceback" not in out
+
+
+def test_requests_queued_in_the_backlog_at_a_stop_get_503_not_a_reset(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A stop after the socket listens but before the server accepts anything (SIGTERM at the end of start-up):
+    the requests already sent and waiting in the kernel's listen backlog are each answered 503 with Retry-After
+    (agent.api.server.DrainingServer takes them in), none is reset, and the board is put back."""
+    from agent.config import ServiceConfig
+    from agent.phases import RecordingListener
+    from agent.service import Service
+    from power.twin.driver import reading_files, tree_bytes
+
+    root = make_twin(tmp_path / "root")
+    before = tree_bytes(root)
+    cfg = ServiceConfig(model_dir=tiny_checkpoint, host="127.0.0.1", port=0, root=str(root),
+                        run_dir=str(tmp_path / "run"), max_batch=4, max_queue=8, max_seq=256, default_max_tokens=16,
+                        max_output_tokens=64, shutdown_grace_s=2.0)
+    cfg.validate()
+    svc = Service(cfg, listener=RecordingListener())
+    svc.load()
+    body = b'{"prompt": "a", "max_tokens": 2}'
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    clients = [socket.create_connection(("127.0.0.1", svc.port), timeout=30) for _ in range(4)]
+    for c in clients:
+        c.sendall(request)
+    svc._on_signal(signal.SIGTERM, None)  # what the handler does: the stop lands before serving began
+    assert svc.serve_forever() == 0
+    for c in clients:
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = c.recv(65536)
+            assert chunk, f"connection closed without an answer after {reply!r}"
+            reply += chunk
+        head = reply.split(b"\r\n\r\n")[0].decode().lower()
+        assert head.startswith("http/1.1 503"), head
+        assert "retry-after:" in head, head
+        c.close()
+    skip = reading_files(root)
+    assert [k for k, v in before.items() if k not in skip and not k.startswith("run/")
+            and tree_bytes(root).get(k) != v] == []
