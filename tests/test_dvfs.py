@@ -128,3 +128,21 @@ def test_thermal_no_flapping_on_alternating_temperatures(base: float, n: int) ->
                           p, s, float(i))
         levels.append(d.thermal_level)
     assert set(levels) == {0}
+
+
+def test_a_prefill_inside_answers_is_held_to_the_tpot_slack() -> None:
+    """A prefill that runs while rows are mid-answer (a decode step since the last idle) delays each of their
+    next tokens by its whole length: its limit is the tighter TPOT slack; after an idle it is TTFT's again."""
+    planner = CTL.planner
+    top = planner.predict("prefill", 512, 1, SPEC.gpu_max_hz, SPEC.emc_max_hz)[0]
+    lat = PROFILES["balanced"].latency
+    assert lat.tpot_slack < lat.ttft_slack
+    alone, = run([(PhaseEvent("prefill", 512), 0.0)])
+    inside = run([(PhaseEvent("decode", context=600), 0.0), (PhaseEvent("prefill", 512), 0.05)])[1]
+    after = run([(PhaseEvent("decode", context=600), 0.0), (PhaseEvent("idle"), 0.05),
+                 (PhaseEvent("prefill", 512), 2.0)])[2]
+    assert inside.predicted_s <= top * (1 + lat.tpot_slack) + 1e-9
+    # the cheaper, slower point TTFT's slack allows is taken alone and after an idle, not inside answers
+    assert top * (1 + lat.tpot_slack) < alone.predicted_s <= top * (1 + lat.ttft_slack) + 1e-9
+    assert (after.gpu_max_hz, after.emc_hz) == (alone.gpu_max_hz, alone.emc_hz)
+    assert (inside.gpu_max_hz, inside.emc_hz) != (alone.gpu_max_hz, alone.emc_hz)

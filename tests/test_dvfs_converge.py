@@ -193,3 +193,18 @@ def test_measured_point_corrects_every_point() -> None:
     for g, e in ((d.gpu_max_hz, d.emc_hz), (G[0], E[0]), (GTOP, ETOP)):
         got = surf.at(g, e, PLANNER.parts("decode", 608, 1, g, e)).log_time
         assert math.isclose(math.exp(got), 1.3, rel_tol=2e-3)
+
+
+def test_a_well_measured_point_is_judged_by_its_own_spread() -> None:
+    """A point measured many times with a tight spread has a small standard error even when the kind's
+    other points (other batch classes, whose residuals vary with the rows served) are noisy: the noisy pool
+    must not let the hysteresis keep it past the limit. Before OWN_NOISE_SAMPLES it takes the pool's."""
+    from power.policy.learn import OWN_NOISE_SAMPLES, Residual
+
+    r = Residual()
+    for i in range(OWN_NOISE_SAMPLES - 1):
+        r = r.add(0.02 + (1e-4 if i % 2 else -1e-4))
+    pooled = 0.03 ** 2
+    assert r.se(pooled) >= 0.03 / math.sqrt(OWN_NOISE_SAMPLES)
+    r = r.add(0.02)
+    assert r.se(pooled) < 1e-3
