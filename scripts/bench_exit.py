@@ -1,4 +1,6 @@
-"""Early exit and self-speculation on CPU or CUDA (`--device cuda`), shipped model, held-out prompts (corpus 'test' split):
+"""Early exit and self-speculation on CPU or CUDA (`--device cuda`), held-out prompts (corpus 'test' split), on the
+shipped model or any `--model` (a folder, a .gguf file or an alias such as smollm2-135m-instruct: its exit
+heads, calibrations and corpus record are the ones beside the resolved model folder):
 
 - full depth: decode tok/s (the plain one-slice chain, what `generate` runs without flags);
 - exits at each calibrated target: decode tok/s, speedup, and the disagreement actually measured on
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -34,6 +37,7 @@ from agent.engine.types import Finished, SamplingParams
 from partition.checkpoint import load_model
 from partition.exits.data import greedy_disagreement, held_out_prompts
 from partition.exits.heads import calibrations
+from partition.gguf.folder import resolve_model
 from partition.paths import DEFAULT_MODEL_DIR
 from partition.tokenizer import Tokenizer
 
@@ -55,19 +59,20 @@ def run(core: object, prompt: list[int], params: SamplingParams) -> tuple[tuple[
 
 
 @torch.no_grad()
-def step_shares(model_dir: Path, device: str = "cpu", reps: int = 200) -> dict[str, float]:
-    """Times of one full-depth one-token decode step (8 layers + head), of its norm + LM head, and of
+def step_shares(model_dir: Path, device: str = "cpu", reps: int = 200, core: object = None,
+                model: torch.nn.Module | None = None) -> dict[str, float]:
+    """Times of one full-depth one-token decode step (every layer + head), of its norm + LM head, and of
     one exit-head evaluation as the runtime does it (translator, norm, LM head, softmax max), median
     of 5 interleaved rounds; the last two as shares of the step."""
     import numpy as np
 
     from partition.exits.heads import load_heads
 
-    core = load_core(model_dir, device=device)
+    core = core or load_core(model_dir, device=device)
     chain = core.executor.chain  # type: ignore[attr-defined]
     chain.forward(np.zeros((1, 16), np.int32), np.arange(16, dtype=np.int32)[None])
     m = chain.runners[0].module
-    heads = load_heads(load_model(model_dir, device=device), model_dir)
+    heads = load_heads(model if model is not None else load_model(model_dir, device=device), model_dir)
     h = torch.randn(1, 1, m.config.hidden_size, device=device, dtype=m.lm_head.weight.dtype)
     layer = heads.layers[0]
 
@@ -112,7 +117,8 @@ def ceilings(model_dir: Path, head_share: float, exit_head_share: float) -> list
 def prompt_args(doc: str | None) -> argparse.ArgumentParser:
     """The parser of a held-out-prompt benchmark: the model, how many prompts, their length, new tokens."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
+                    help="checkpoint folder, .gguf file or alias (default: the shipped model)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -124,24 +130,39 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speculate", default="2,4")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the H200 numbers in docs/BENCHMARKS.md)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    ap.add_argument("--share-reps", type=int, default=200, help="repetitions per timing of the step / head shares")
+    ap.add_argument("--weights", choices=("as-loaded", "dequantized"), default="as-loaded",
+                    help="as-loaded: the model as `generate` runs it; dequantized: a GGUF's blocks as fp32 floats (the "
+                         "same numbers; on CPU the GGUF's INT4 kernel path runs ~0.45 tok/s, docs/BENCHMARKS.md)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    args.model = resolve_model(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = Tokenizer.from_dir(args.model)
     prompts = held_out_prompts(args.model, tok, args.prompt_len, args.prompts)
     targets = [c.target for c in calibrations(args.model)]
     ks = [int(k) for k in args.speculate.split(",") if k]
-    plain = load_core(args.model, device=args.device)
+    from agent.engine.core import EngineCore
+    from agent.engine.executor import ChainExecutor
+    from agent.engine.speculative import load_exit_executor
+    from partition.runners import load_chain
+
+    # the full model's tokens for the measured disagreement: a GGUF's blocks dequantised (the same numbers; the
+    # CPU INT4 kernel is slow on teacher-forced passes; top-1 equal to the INT4 model on held-out text,
+    # tests/test_gguf_smollm2.py); a float checkpoint is unchanged by dequantize
+    model = load_model(args.model, dequantize=True, device=args.device)
+    loaded = model if args.weights == "dequantized" else None
+    if loaded is not None:  # every variant on the one dequantised copy (the torch runner: exits need it)
+        plain = EngineCore(ChainExecutor(load_chain(args.model, device=args.device, model=loaded)), tok)
+    else:
+        plain = load_core(args.model, device=args.device)
     # on CUDA the plain chain replays its decode steps as CUDA graphs, the exit chain runs eager (its
     # slices take variable-length backlogs): "full eager" is full depth on that same footing
-    eager = load_core(args.model, device=args.device, cuda_graphs=False) if args.device.startswith("cuda") else None
-    exit_core = load_core(args.model, device=args.device, exits=True)
-    from agent.engine.core import EngineCore
-    from agent.engine.speculative import load_exit_executor
-
-    all_core = EngineCore(load_exit_executor(args.model, device=args.device, exit_heads="all"), plain.tokenizer)
-    model = load_model(args.model)
+    eager = (EngineCore(ChainExecutor(load_chain(args.model, device=args.device, cuda_graphs=False, model=loaded)), tok)
+             if args.device.startswith("cuda") else None)
+    exit_core = EngineCore(load_exit_executor(args.model, device=args.device, loaded=loaded), tok)
+    all_core = EngineCore(load_exit_executor(args.model, device=args.device, exit_heads="all", loaded=loaded), tok)
     base = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     times: dict[str, list[float]] = {"full": []}
     wrong: dict[object, list[int]] = {t: [0, 0] for t in targets}
@@ -195,11 +216,21 @@ def main(argv: list[str] | None = None) -> None:
         if name in stats:
             row.update(_summary(stats[name]))
         rows.append(row)
-    shares = step_shares(args.model, args.device)
+    shares = step_shares(args.model, args.device, reps=args.share_reps, core=plain, model=model)
     machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                else f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip())
-    result = {"machine": machine, "device": args.device,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prompts": args.prompts,
+    from agent.engine.speculative import paying_layers, step_costs
+    from partition.config import load_config
+
+    cfg = load_config(args.model)
+    layer_c, head_c, translator_c = step_costs(cfg)
+    gate = {"step_costs_by_weights_read": {"layer": round(layer_c, 4), "lm_head": round(head_c, 4),
+                                           "translator": round(translator_c, 4),
+                                           "exit_check_in_layers": round((head_c + translator_c) / layer_c, 2)},
+            "paying_layers": {str(c.target): sorted(paying_layers(c, cfg)) for c in calibrations(args.model)}}
+    result = {"machine": machine, "device": args.device, "model": str(args.model), "weights": args.weights, **gate,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()], "prompts": args.prompts,
               "new_tokens": args.new_tokens, **shares,
               "ceilings": ceilings(args.model, shares["lm_head_share_of_step"], shares["exit_head_share_of_step"]),
               "rows": rows}

@@ -351,14 +351,15 @@ class ExitExecutor(ChainExecutor):
 
 def load_exit_executor(model: Path, backend: str = "torch", slices: str | None = None,
                        max_seq: int | None = None, device: str = "cpu", max_batch: int = 1,
-                       exit_heads: str = "paying") -> ExitExecutor:
-    """A chain cut at the exit layers (and any slices asked for) with the heads beside the model."""
+                       exit_heads: str = "paying", loaded: "torch.nn.Module | None" = None) -> ExitExecutor:
+    """A chain cut at the exit layers (and any slices asked for) with the heads beside the model.
+    loaded: the model already in memory (e.g. a GGUF's blocks dequantised) for the torch backend."""
     from partition.checkpoint import load_model
     from partition.config import load_config
     from partition.exits.heads import load_heads
     from partition.runners import load_chain
 
-    heads_model = load_model(model, device=device)
+    heads_model = loaded if loaded is not None else load_model(model, device=device)
     heads = load_heads(heads_model, model)
     n = load_config(model).n_layers
     cuts = set(heads.layers)

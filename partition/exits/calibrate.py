@@ -60,11 +60,12 @@ class TokenTable:
 
 @torch.no_grad()
 def greedy_continue(model_dir: Path, prompts: torch.Tensor, new_tokens: int, batch: int,
-                    progress: bool = True) -> torch.Tensor:
+                    progress: bool = True, model: torch.nn.Module | None = None) -> torch.Tensor:
     """prompts (N, P) -> (N, P + new_tokens), continued greedily by the full chain, rows batched.
-    (Data collection only: no sampling, no stop rules; real requests go through agent.engine.)"""
+    (Data collection only: no sampling, no stop rules; real requests go through agent.engine.)
+    model: an already-loaded Transformer to run (the torch runner); None: the chain loads the checkpoint."""
     n, p = prompts.shape
-    chain = load_chain(model_dir, max_seq=p + new_tokens + 1, max_batch=batch)
+    chain = load_chain(model_dir, max_seq=p + new_tokens + 1, max_batch=batch, model=model)
     out = []
     for i in tqdm(range(0, n, batch), desc="greedy decode", unit="batch", file=sys.stderr, disable=not progress):
         rows = prompts[i:i + batch].numpy().astype(np.int32)
@@ -137,7 +138,8 @@ def collect(model_dir: Path, split: str, options: CalibrateOptions, progress: bo
     seed = options.seed + (0 if split == "val" else 1)
     prompts = token_windows(tokenizer, split_texts(model_dir, split, None, seed), options.prompt_len,
                             options.prompts, seed)
-    seqs = greedy_continue(model_dir, prompts, options.new_tokens, options.batch, progress)
+    # decoded by the same dequantised model the table reads (a GGUF's INT4 CPU kernel runs ~0.45 tok/s here)
+    seqs = greedy_continue(model_dir, prompts, options.new_tokens, options.batch, progress, model=model)
     return token_table(model, heads, seqs, options.prompt_len, options.batch)
 
 
