@@ -97,9 +97,25 @@ def sample(spec: BoardSpec, n: int, seed: int = 0) -> list[BoardTruth]:
     return [_draw(spec, i, seed) for i in range(1, n + 1)]
 
 
+def nominal(spec: BoardSpec) -> dict[str, float]:
+    """The value each drawn constant has in the planner's own model (the exact model's board)."""
+    k, p = spec.power, DEFAULT_PARAMS
+    return {"bandwidth_eff": p.bandwidth_eff, "tensor_eff": p.tensor_eff, "cuda_eff": p.cuda_eff,
+            "overhead_cycles_per_layer": p.overhead_cycles_per_layer, "prefill_intensity": p.prefill_intensity,
+            "decode_wait_intensity": p.decode_wait_intensity, "decode_core_intensity": p.decode_core_intensity,
+            "soc_emc_w": k.soc_emc_w, "gpu_exp": k.gpu_exp, "dram_pj_per_byte": k.dram_j_per_byte * 1e12,
+            "dram_share_on_soc": k.dram_share_on_soc, "sys_w": k.sys_w, "cpu_busy_scale": 1.0}
+
+
 def _draw(spec: BoardSpec, index: int, seed: int) -> BoardTruth:
     rng = random.Random(f"orin-agent-board:{seed}:{index}")
-    v = {r.name: rng.uniform(r.lo, r.hi) for r in RANGES}
+    return board(spec, {r.name: rng.uniform(r.lo, r.hi) for r in RANGES}, index, seed)
+
+
+def board(spec: BoardSpec, values: Mapping[str, float], index: int = -1, seed: int = 0) -> BoardTruth:
+    """The board whose drawn constants are ``values`` (every name of RANGES; :func:`nominal` gives the
+    planner's): a sampled board, or one constant moved alone (the sensitivity script)."""
+    v = dict(values)
     k = spec.power
     power = replace(k, gpu_exp=v["gpu_exp"], dram_j_per_byte=v["dram_pj_per_byte"] * 1e-12,
                     dram_share_on_soc=v["dram_share_on_soc"], cpu_w_per_core=k.cpu_w_per_core * v["cpu_busy_scale"])
