@@ -1,4 +1,5 @@
-"""Exits + offload against always-offload and device-only, on held-out prompts (corpus 'test' split),
+"""Exits + offload against always-offload and device-only, on held-out prompts (corpus 'test' split) of the
+shipped model or any `--model` (folder, .gguf file or alias such as smollm2-135m-instruct),
 with the deep slice on REAL Triton Inference Server on loopback (the edge venv of
 scripts/edge-venv.sh) and an injected link (default 20 ms RTT, 50 Mbit/s, slept in process per round
 trip: `partition.offload.LinkShape`):
@@ -38,6 +39,7 @@ from partition.checkpoint import load_model
 from partition.config import load_config
 from partition.exits.data import greedy_disagreement, held_out_prompts
 from partition.exits.heads import read_record
+from partition.gguf.folder import resolve_model
 from partition.offload import EdgeLink, LinkOptions, LinkShape, make_offload_chain
 from partition.offload.launch import EdgeOptions, EdgeServer
 from partition.offload.planner import idle_w
@@ -133,24 +135,49 @@ class Variant:
         return out
 
 
+def float_folder(model_dir: Path, out: Path) -> Path:
+    """model_dir's weights dequantised into a float checkpoint at out, with its tokenizer, exit heads, their
+    record and corpus record beside them: what the device chain and the edge server both load."""
+    import shutil
+
+    from partition.checkpoint import save_model
+
+    save_model(load_model(model_dir, dequantize=True), out)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix in (".json", ".safetensors") and f.name not in ("config.json", "gguf.json"):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = prompt_args(__doc__)
-    ap.add_argument("--device-layers", default="4,6", help="splits to measure, comma-separated")
+    ap.add_argument("--device-layers", default=None, help="splits to measure, comma-separated (default: the "
+                    "model's exit layers after the first: 4,6 for the shipped model, 15,22 for SmolLM2's default heads)")
     ap.add_argument("--targets", default="0.01,0.05", help="max-disagreement targets")
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--mbps", type=float, default=50.0)
     ap.add_argument("--board", default="orin-nano-8gb", help="device board of the twin cost model")
     ap.add_argument("--link-dtype", default="fp16", choices=("fp16", "int8"), help="hidden states on the link")
+    ap.add_argument("--weights", choices=("as-loaded", "dequantized"), default="as-loaded",
+                    help="dequantized: a GGUF's blocks as an fp32 float checkpoint in a temporary folder, for the device "
+                         "and the edge alike (the same numbers; the CPU INT4 kernel path runs ~0.45 tok/s here)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    args.model = resolve_model(args.model)  # a .gguf file or an alias: its model folder (heads, corpus record)
+    source = args.model
+    if args.weights == "dequantized":
+        args.model = float_folder(args.model, Path(tempfile.mkdtemp(prefix="bench-offload-fp32-")))
     tok = Tokenizer.from_dir(args.model)
     prompts = held_out_prompts(args.model, tok, args.prompt_len, args.prompts)
     targets = [float(t) for t in args.targets.split(",") if t]
-    splits = [int(n) for n in args.device_layers.split(",") if n]
     exit_layers = [int(l) for l in read_record(args.model).get("layers", [])]  # type: ignore[union-attr]
+    splits = [int(n) for n in args.device_layers.split(",") if n] if args.device_layers else exit_layers[1:]
+    if not splits:
+        raise SystemExit(f"{args.model}: no exit heads beside the model to split at; run `orin-agent train-exits "
+                         "--model ...` or pass --device-layers")
     shape = LinkShape(args.rtt_ms, args.mbps)
     energy = Energy(args.model, args.board, args.prompt_len + args.new_tokens // 2)
-    model = load_model(args.model)
+    model = load_model(args.model, dequantize=True)  # the disagreement's reference (bench_exit.py says why)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     rows: list[dict[str, object]] = []
     with EdgeServer(EdgeOptions(args.model, 1, max_seq=512, cap=8),
@@ -181,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             r["round_trips_avoided"] = round(1 - int(r["decode_round_trips"]) / max(1, int(base["decode_round_trips"])), 4)  # type: ignore[call-overload]
     result = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads", "date": time.strftime("%Y-%m-%d"),
               "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()], "model": str(args.model),
-              "link": {"rtt_ms": args.rtt_ms, "mbps": args.mbps, "dtype": args.link_dtype}, "board": args.board,
+              "weights": args.weights, "source": str(source), "link": {"rtt_ms": args.rtt_ms, "mbps": args.mbps, "dtype": args.link_dtype}, "board": args.board,
               "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "exit_layers": exit_layers, "rows": rows}
     if args.json:
