@@ -204,7 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)
-        row: dict[str, object] = {"variant": name, "decode_tok_s": round(1 / med, 1), "speedup": round(full / med, 3)}
+        row: dict[str, object] = {"variant": name, "decode_tok_s": round(1 / med, 1),
+                                  "decode_tok_s_range": [round(1 / max(ts), 1), round(1 / min(ts), 1)],
+                                  "speedup": round(full / med, 3)}
         if "full eager" in times:
             row["speedup_vs_full_eager"] = round(statistics.median(times["full eager"]) / med, 3)
         if name.startswith("exit"):
