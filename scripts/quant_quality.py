@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from partition.checkpoint import load_model
+from partition.config import load_config
 from partition.gguf.folder import gguf_source, resolve_model
 from partition.model import Transformer
 from partition.paths import DEFAULT_MODEL_DIR
@@ -98,8 +99,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {"fp (GGUF blocks dequantised, fp32 run)" if gguf_source(model_dir) else "fp (fp16 on disk, fp32 run)": model_dir}
+        cfg = load_config(model_dir)
         for bits in (8, 4):
-            spec = default_spec(bits)
+            # INT4's default group of 128 where it divides every projection's input (the shipped model), else 64
+            # (SmolLM2: 576 = 9 x 64), as `orin-agent quantize --group` would be told
+            g4 = next(g for g in (128, 64, 32) if cfg.hidden_size % g == 0 and cfg.intermediate_size % g == 0)
+            spec = default_spec(bits, None if bits == 8 else g4)
             dirs[f"int{bits} {'per channel' if spec.group_size == -1 else f'g{spec.group_size}'}"] = Path(
                 quantize_checkpoint(model_dir, Path(tmp) / f"q{bits}", spec).out_dir)
         ref_tokens: list[list[int]] = []
