@@ -50,7 +50,7 @@ def generate(
                                     "(int8 in the gate/up projection only: 99 % of its greedy tokens) or int8 (~25 % "
                                     "faster than fp32, about llama.cpp's fidelity: docs/BENCHMARKS.md)."),
     spin: Optional[bool] = typer.Option(None, "--spin/--no-spin", help="ONNX Runtime's thread pool spins between "
-                                        "ops (default: on for the decoder graph, ~1.35x decode on 2 quiet cores; "
+                                        "ops (default: on for the decoder graph, 1.3-1.4x decode on 2 quiet cores; "
                                         "--no-spin on a CPU shared with other work)."),
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
