@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
+from smollm2_helpers import full_logits
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "models" / "stdlib-llama-8l"
@@ -54,18 +55,10 @@ def checkpoint():
     return load_model(SHIPPED)
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    cfg = model.config
-    s = model.slice(0, cfg.n_layers, all_logits=True)
-    past = [torch.zeros(1, cfg.n_kv_heads, 0, cfg.head_dim) for _ in range(2 * cfg.n_layers)]
-    with torch.no_grad():
-        return s(torch.tensor([ids], dtype=torch.int32), torch.arange(len(ids), dtype=torch.int32)[None], *past)[0][0]
-
-
 def _greedy(model, ids: list[int], n: int) -> list[int]:
     ids = list(ids)
     for _ in range(n):
-        ids.append(int(_logits(model, ids)[-1].argmax()))
+        ids.append(int(full_logits(model, ids)[-1].argmax()))
     return ids[-n:]
 
 
@@ -122,14 +115,14 @@ def test_gguf_export_logits_and_greedy_tokens(exported, checkpoint) -> None:
     from partition.tokenizer import Tokenizer
 
     ids = Tokenizer.from_dir(SHIPPED).encode(PROMPT)
-    want = _logits(checkpoint, ids)
+    want = full_logits(checkpoint, ids)
     want_tokens = _greedy(checkpoint, ids, 16)
     errs, agree = {}, {}
     for kind, path in exported.items():
         model = load_gguf_model(path, dequantize=True)
-        errs[kind] = (_logits(model, ids) - want).abs().max().item()
+        errs[kind] = (full_logits(model, ids) - want).abs().max().item()
         # greedy decoding gives the checkpoint's tokens iff, teacher-forced on them, every argmax is the next one
-        top = _logits(model, ids + want_tokens)[len(ids) - 1:-1].argmax(-1).tolist()
+        top = full_logits(model, ids + want_tokens)[len(ids) - 1:-1].argmax(-1).tolist()
         agree[kind] = sum(a == b for a, b in zip(top, want_tokens))
         if kind in ("f16", "q8_0"):
             assert top == want_tokens, kind
@@ -138,7 +131,7 @@ def test_gguf_export_logits_and_greedy_tokens(exported, checkpoint) -> None:
     assert agree["q4_0"] >= 14, agree  # INT4 may flip a near tie; measured 16 of 16
     # a GGUF without the permutation read back (undo_permutation=False) is far off: the rows really moved
     wrong = load_gguf_model(exported["f16"], dequantize=True, undo_permutation=False)
-    assert (_logits(wrong, ids) - want).abs().max().item() > 1.0
+    assert (full_logits(wrong, ids) - want).abs().max().item() > 1.0
 
 
 def test_gguf_export_cli_bad_out(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from partition.config import ModelConfig
+from smollm2_helpers import full_logits
 
 LLAMA_TYPES = {"attn_q": QT.Q4_0, "attn_k": QT.Q4_1, "attn_v": QT.Q8_0, "attn_output": QT.Q4_K,
                "ffn_gate": QT.Q5_0, "ffn_up": QT.F16, "ffn_down": QT.BF16}
@@ -118,14 +119,6 @@ def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return path, _config(arch, tied)
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    cfg = model.config
-    s = model.slice(0, cfg.n_layers, all_logits=True)
-    past = [torch.zeros(1, cfg.n_kv_heads, 0, cfg.head_dim) for _ in range(2 * cfg.n_layers)]
-    with torch.no_grad():
-        return s(torch.tensor([ids], dtype=torch.int32), torch.arange(len(ids), dtype=torch.int32)[None], *past)[0][0]
-
-
 def test_gguf_synthetic_config_and_weights_match_transformers(written, caplog: pytest.LogCaptureFixture) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -146,8 +139,8 @@ def test_gguf_synthetic_config_and_weights_match_transformers(written, caplog: p
     assert len(notes) == 1 and "2 Q5_0 tensors dequantised" in notes[0]  # one line, naming the type
     with torch.no_grad():
         hf = theirs(torch.tensor([ids])).logits[0]
-    assert (_logits(load_gguf_model(path, dequantize=True), ids) - hf).abs().max().item() < 1e-4
-    assert (_logits(quant, ids) - hf).abs().max().item() < 1e-3
+    assert (full_logits(load_gguf_model(path, dequantize=True), ids) - hf).abs().max().item() < 1e-4
+    assert (full_logits(quant, ids) - hf).abs().max().item() < 1e-3
 
 
 def test_gguf_synthetic_blocks_load_as_their_layout(written) -> None:
