@@ -139,7 +139,7 @@ def median_range(xs: list[float]) -> dict[str, float]:
 
 def weight_bytes(gguf: Path) -> dict[str, float]:
     """MB one decode step reads: the project's decoder graph as built (its MatMulNBits codes, fp32 scales and
-    the Q4_1 minimum terms; the int8 head), and llama.cpp's (the GGUF's blocks: layers + the Q8_0 head)."""
+    the Q4_1 minimum terms; the head's 4-bit candidates and its rescored rows), and llama.cpp's (the GGUF's blocks: layers + the Q8_0 head)."""
     from gguf import GGUFReader
 
     from partition.build.decoder_build import weight_bytes as ours

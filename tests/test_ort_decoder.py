@@ -114,12 +114,16 @@ def test_decoder_graph_matches_torch_runner(form: str) -> None:
         nxt = np.array([[7], [9]], np.int32)
         steps += [(nxt, np.full((2, 1), 5 + i, np.int32), None) for i in range(3)]
         steps += [(nxt[:1], np.array([[8]], np.int32), [1])]  # one row, not row 0: the gather / scatter path
+        steps += [(nxt, np.array([[8], [9]], np.int32), None)]  # both rows again: the binding goes back to them
+        kept = []
         for x, p, slots in steps:
             got, want = runner.run(x, p, slots), ref.run(x, p, slots).numpy()
             assert got.shape == want.shape
             assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()), (form, level)
             if level == 0:
                 assert (got.argmax(-1) == want.argmax(-1)).all()
+            kept.append((got, got.copy()))
+        assert all(np.array_equal(a, b) for a, b in kept)  # a later step never writes into an earlier result
 
 
 def test_cache_row_writes_and_masking() -> None:
@@ -275,8 +279,9 @@ print(json.dumps({{"tokens": len(done[0].token_ids), "runner": type(core.executo
 
 
 def test_rescored_int8_head_is_exact_on_its_top_logits() -> None:
-    """An 8-bit (Q8_0-like) tied head: run with int8 activations, its top 32 logits recomputed in fp32 from the
-    codes equal the exact head's (fp32 activations through the nibble split) to fp32 rounding."""
+    """An 8-bit (Q8_0-like) tied head: candidates from its 4-bit copy with int8 activations, the top 32 logits
+    recomputed in fp32 from the 8-bit codes equal the exact head's (fp32 activations through the nibble split)
+    to fp32 rounding."""
     model = random_model(TINY, seed=7).eval()
     w = weights_from_model(model)
     emb = w.embed
@@ -293,7 +298,7 @@ def test_rescored_int8_head_is_exact_on_its_top_logits() -> None:
     top = np.argsort(-a)[:16]  # well inside the rescored 32
     np.testing.assert_allclose(b[top], a[top], atol=1e-4)
     assert int(a.argmax()) == int(b.argmax())
-    assert np.abs(a - b).max() > 1e-4  # the rest are the int8-activation logits: the rescoring did the work
+    assert np.abs(a - b).max() > 1e-4  # the rest are the 4-bit copy's logits: the rescoring did the work
 
 
 def test_decoder_pool_spins_by_default_and_not_when_told() -> None:

@@ -21,7 +21,7 @@ from typing import Callable
 from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, DecoderWeights, QuantWeight, build_decoder, \
     weights_from_gguf
 
-FORMAT = 1  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
+FORMAT = 2  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
 GRAPH = "decoder.onnx"
 MAX_ROPE = 1 << 17  # rotary cache rows are cheap (64 floats each for head_dim 128): cover any context
 
@@ -131,19 +131,19 @@ def _checkpoint_weights(model_dir: Path) -> DecoderWeights:
     return DecoderWeights(cfg, embed, layers, vec("model.norm.weight"), head, str(model_dir))  # type: ignore[arg-type]
 
 
-# Activation precision of the decoder graph's weight-only matmuls (MatMulNBits accuracy_level per projection):
-#   "fp32": fp32 activations (level 0) in every layer; an 8-bit head runs with int8 activations and its 32 highest
-#           logits are recomputed exactly (ort_decoder._rescored_head). Greedy tokens equal the dequantised float
-#           model's on 100 % of 517 teacher-forced positions (SmolLM2-135M Q4_1, tests/data/teacher_forced.txt).
-#   "mixed": int8 activations in the fused gate/up projection only (half of a layer's weights), fp32 elsewhere, the
-#           head as in "fp32": 99.0 % of those positions (5 of 517 differ). Each projection kind alone at fp32 with
-#           the rest int8 stays at 96.7-97.1 %, the first or last four layers at fp32 at 96.9 / 97.7 %: the gate/up
-#           inputs (post-norm activations) quantise well, the rest do not (docs/BENCHMARKS.md).
-#   "int8": int8 activations everywhere (level 4, MLAS's VNNI kernels), ~25 % less CPU per token here, 96.9 % of
-#           those positions (llama.cpp, which also quantises activations to 8 bits: 97.1 %). docs/BENCHMARKS.md.
+# Activation precision of the decoder graph's weight-only matmuls (MatMulNBits accuracy_level per projection).
+# Every precision runs an 8-bit head as candidates from a 4-bit copy (int8 activations) with its 32 highest logits
+# recomputed exactly (ort_decoder._rescored_head). Agreement = greedy tokens equal to the dequantised float model's
+# at every teacher-forced position of four texts, 2137 positions (SmolLM2-135M Q4_1: tests/data/teacher_forced.txt
+# and three held-out ones, scripts/greedy_agreement.py; docs/BENCHMARKS.md):
+#   "fp32": fp32 activations (level 0) in every layer: 100 % on every text.
+#   "mixed": int8 activations in the fused gate/up projection only (half of a layer's weights), fp32 elsewhere:
+#           99.0 % on teacher_forced.txt, but 97.8 % on code and 98.6 % over all four.
+#   "int8": int8 activations everywhere (level 4, MLAS's VNNI kernels), ~25 % less CPU per token here, ~97 %
+#           (llama.cpp, which also quantises activations to 8 bits: 97.1 % on teacher_forced.txt).
 PRECISIONS: dict[str, tuple[int | dict[str, int], int]] = {
     "fp32": (ACCURACY_FP32, 32), "mixed": ({"default": ACCURACY_FP32, "gate_up": ACCURACY_INT8}, 32),
-    "int8": (ACCURACY_INT8, 0)}
+    "int8": (ACCURACY_INT8, 32)}
 DEFAULT_PRECISION = "fp32"
 
 
@@ -184,13 +184,23 @@ def ensure_decoder(model: str | Path, precision: str = DEFAULT_PRECISION, cache_
     return folder / GRAPH
 
 
-def weight_bytes(weights: DecoderWeights) -> dict[str, int]:
-    """Bytes one decode step streams, by part (codes + scales + minimums / zero points as stored)."""
+def weight_bytes(weights: DecoderWeights, precision: str = DEFAULT_PRECISION) -> dict[str, int]:
+    """Bytes one decode step streams, by part (codes + scales + minimums / zero points as stored). A rescored
+    8-bit head (the precision's rescore count, ort_decoder._rescored_head) reads its 4-bit candidate copy and
+    that many of its own rows."""
+    from partition.build.ort_decoder import _gatherable, candidate_head
+
     def nbytes(w: object) -> int:
         if isinstance(w, QuantWeight):
             return w.codes.size * w.bits // 8 + sum(a.nbytes for a in (w.scales, w.zeros, w.mins) if a is not None)
         return int(getattr(w, "nbytes", 0))
 
     layers = sum(nbytes(getattr(lw, n)) for lw in weights.layers for n in ("q", "k", "v", "o", "gate", "up", "down"))
-    head = nbytes(weights.head if weights.head is not None else weights.embed)
+    head_w = weights.head if weights.head is not None else weights.embed
+    rescore = PRECISIONS[precision][1]
+    if rescore and _gatherable(head_w):
+        assert isinstance(head_w, QuantWeight)
+        head = nbytes(candidate_head(head_w)) + rescore * nbytes(head_w) // head_w.shape[0]
+    else:
+        head = nbytes(head_w)
     return {"layers": layers, "head": head, "total": layers + head}

@@ -4,7 +4,8 @@
 The cache is one numpy buffer per layer and K/V, (max_batch, KV, capacity, hd) float32 (capacity doubles up
 to max_seq as sequences grow), wrapped in OrtValues; each step binds a row range of it both as `past_*` and
 as `present_*`, so GroupQueryAttention writes the new K/V into it by position and nothing is copied (its
-past_present_share_buffer mode). Rows that are not one contiguous range (a batch of scattered slots) are
+past_present_share_buffer mode). The binding stays in place from step to step (the step's inputs and logits are
+buffers of the runner's own, written in place), so a decode step makes no binding calls. Rows that are not one contiguous range (a batch of scattered slots) are
 gathered into a scratch buffer and written back after the step. Follows SliceRunner's contract for the one
 slice [0, n_layers).
 
@@ -61,6 +62,9 @@ class OrtDecoderRunner(SliceRunner):
         self.cache = [np.zeros((max_batch, n_kv, self.capacity, head_dim), np.float32) for _ in self.past_names]
         self._binding = self.session.io_binding()
         self._views: dict[tuple[int, int], list[Any]] = {}  # (first row, rows) -> OrtValues over the cache rows
+        self.vocab = int({o.name: o for o in self.session.get_outputs()}["logits"].shape[-1])
+        self._io: tuple[tuple[int, int], tuple[np.ndarray, ...], list[Any]] | None = None
+        self._bound: tuple[int, int, int] | None = None  # (first row, rows, capacity) the binding points at
         self.warm_up()
 
     def warm_up(self) -> None:
@@ -95,34 +99,52 @@ class OrtDecoderRunner(SliceRunner):
             self._views[key] = [ort.OrtValue.ortvalue_from_numpy(c[first:first + n]) for c in self.cache]
         return self._views[key]
 
-    def run(self, x: Any, positions: np.ndarray, slots: Sequence[int] | None = None) -> np.ndarray:
-        positions = np.ascontiguousarray(positions, dtype=np.int32)
-        rows = self.check_room(positions, slots)
-        ids = np.ascontiguousarray(x, dtype=np.int32)
-        seqlens = np.ascontiguousarray(positions[:, -1], dtype=np.int32)
-        total = np.array(int(seqlens.max()) + 1, dtype=np.int32)
-        if int(total) > self.capacity:
-            self._grow(int(total))
-        span = row_range(rows)
-        scratch = None if span is not None else [np.ascontiguousarray(c[rows]) for c in self.cache]
-        values = self._cache_values(rows[0], len(rows), scratch)
+    def _step_io(self, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The step's own input and output buffers for an ids shape (B, T), kept while the shape repeats (every
+        decode step of a batch): ids, seqlens_k, total_sequence_length and the logits, each wrapped once."""
+        if self._io is None or self._io[0] != shape:
+            b = shape[0]
+            arrays = (np.zeros(shape, np.int32), np.zeros(b, np.int32), np.zeros((), np.int32),
+                      np.zeros((b, 1, self.vocab), np.float32))
+            self._io = (shape, arrays, [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
+            self._bound = None
+        return self._io[1]
+
+    def _bind(self, values: list[Any]) -> None:
+        assert self._io is not None
         b = self._binding
         b.clear_binding_inputs()
         b.clear_binding_outputs()
-        b.bind_cpu_input("input_ids", ids)
-        b.bind_cpu_input("seqlens_k", seqlens)
-        b.bind_cpu_input("total_sequence_length", total)
+        for name, v in zip(("input_ids", "seqlens_k", "total_sequence_length"), self._io[2]):
+            b.bind_ortvalue_input(name, v)
         for name, v in zip(self.past_names, values):
             b.bind_ortvalue_input(name, v)
-        b.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in binding order
+        b.bind_ortvalue_output("logits", self._io[2][3])
         for name, v in zip(self.present_names, values):
             b.bind_ortvalue_output(name, v)  # the same buffer: GQA writes the new K/V in place
-        self.session.run_with_iobinding(b)
-        logits = b.get_outputs()[0].numpy()
+
+    def run(self, x: Any, positions: np.ndarray, slots: Sequence[int] | None = None) -> np.ndarray:
+        positions = np.ascontiguousarray(positions, dtype=np.int32)
+        rows = self.check_room(positions, slots)
+        total = int(positions[:, -1].max()) + 1
+        if total > self.capacity:
+            self._grow(total)
+        ids, seqlens, total_len, logits = self._step_io(np.shape(x))  # type: ignore[arg-type]
+        ids[...] = x
+        seqlens[...] = positions[:, -1]
+        total_len[...] = total
+        span = row_range(rows)
+        scratch = None if span is not None else [np.ascontiguousarray(c[rows]) for c in self.cache]
+        # the binding is redone only when what it points at changes: the ids' shape, the rows, the cache's buffers
+        key = None if scratch is not None else (rows[0], len(rows), self.capacity)
+        if key is None or key != self._bound:
+            self._bind(self._cache_values(rows[0], len(rows), scratch))
+            self._bound = key
+        self.session.run_with_iobinding(self._binding)
         if scratch is not None:
             for c, s in zip(self.cache, scratch):
                 c[rows] = s
-        return logits[:, -1]
+        return logits[:, -1].copy()
 
 
 def load_decoder_runner(model: str | Path, n_layers: int, max_seq: int, max_batch: int = 1,

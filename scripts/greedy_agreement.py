@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Teacher-forced greedy agreement of the project's CPU decoder graph with the dequantised float model, per
+text and over all of them: at every position of each text, the decoder graph's argmax (one token per step,
+its own KV-cache) against torch's fp32 argmax over the same prefix, for each activation precision
+(partition/build/decoder_build.PRECISIONS). The texts default to tests/data/teacher_forced.txt and the three
+held-out ones beside it (tests/data/agreement/README.md says where they come from).
+
+    python3 scripts/greedy_agreement.py [--gguf FILE_OR_ALIAS] [--activations fp32,mixed,int8]
+        [--texts A.txt,B.txt] [--max-tokens 1000] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DATA = ROOT / "tests" / "data"
+TEXTS = [DATA / "teacher_forced.txt", *sorted((DATA / "agreement").glob("*.txt"))]
+
+
+def reference_top1(gguf: Path, tokens: Sequence[int]) -> Any:
+    """The dequantised float model's argmax after every prefix of `tokens` (positions 0 .. len-2), in fp32."""
+    import numpy as np
+    import torch
+
+    from partition.gguf.tensors import load_gguf_model
+    from partition.runners.torch_runner import TorchRunner
+    from partition.slices import SliceSpec
+
+    model = load_gguf_model(gguf, dequantize=True)
+    n = model.config.n_layers
+    with torch.no_grad():
+        logits = TorchRunner(model, SliceSpec(0, n, n), len(tokens) + 8).run(
+            np.asarray(tokens, np.int32)[None], np.arange(len(tokens), dtype=np.int32)[None], all_logits=True)
+    return logits[0, :-1].argmax(-1).numpy()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", default="smollm2-135m-instruct", help="GGUF file or alias")
+    ap.add_argument("--activations", default="fp32,mixed,int8", help="comma-separated decoder precisions")
+    ap.add_argument("--texts", default=",".join(str(t) for t in TEXTS), help="comma-separated text files")
+    ap.add_argument("--max-tokens", type=int, default=1000, help="positions per text at most")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+
+    from partition.build.decoder_build import PRECISIONS, ensure_decoder, gguf_file
+    from partition.gguf.reader import read_model
+    from partition.runners.ort_decoder_runner import OrtDecoderRunner, teacher_forced_top1
+    from partition.tokenizer import Tokenizer
+
+    gguf = gguf_file(a.gguf)
+    if gguf is None:
+        sys.exit(f"--gguf {a.gguf}: not a GGUF file or alias")
+    precisions = [p.strip() for p in a.activations.split(",") if p.strip()]
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad:
+        sys.exit(f"--activations {','.join(bad)}: use {', '.join(PRECISIONS)}")
+    texts = [Path(t) for t in a.texts.split(",") if t]
+    missing = [str(t) for t in texts if not t.is_file()]
+    if missing:
+        sys.exit(f"--texts: no such file: {', '.join(missing)}")
+    tok = Tokenizer.from_dir(gguf)
+    n_layers = read_model(gguf).config.n_layers
+    per_text: dict[str, dict[str, Any]] = {}
+    totals = {p: [0, 0] for p in precisions}
+    for t in texts:
+        ids = tok.encode(t.read_text(encoding="utf-8"))[:a.max_tokens]
+        want = reference_top1(gguf, ids)
+        per_text[t.name] = {"positions": int(len(want))}
+        for p in precisions:
+            runner = OrtDecoderRunner(ensure_decoder(gguf, p), n_layers, len(ids) + 8)
+            differ = int((teacher_forced_top1(runner, ids) != want).sum())
+            per_text[t.name][p] = {"differ": differ, "agreement": 1 - differ / len(want)}
+            totals[p][0] += differ
+            totals[p][1] += len(want)
+            print(f"{t.name:24s} {p:6s} {100 * (1 - differ / len(want)):6.2f} % ({differ} of {len(want)} differ)",
+                  flush=True)
+    total = {p: {"differ": d, "positions": n, "agreement": 1 - d / n} for p, (d, n) in totals.items()}
+    for p, r in total.items():
+        print(f"{'all texts':24s} {p:6s} {100 * r['agreement']:6.2f} % ({r['differ']} of {r['positions']} differ)")
+    if a.json:
+        a.json.write_text(json.dumps({"gguf": str(gguf), "texts": per_text, "total": total}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
