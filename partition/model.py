@@ -151,9 +151,13 @@ class Attention(nn.Module):
         """slot: None for the export formulation (past is the history, concatenated with the new K/V);
         else the (B, KV, T, hd) int64 write index of in-place cache mode (past is the cache view)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        if hasattr(self, "qkv_proj"):  # fuse_projections: one weight read for the three
+            qx, kx, vx = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            qx, kx, vx = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = qx.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = kx.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        v = vx.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         group = self.n_heads // self.n_kv_heads
@@ -197,7 +201,35 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if hasattr(self, "gate_up_proj"):  # fuse_projections
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _cat_linear(parts: list[nn.Linear]) -> nn.Linear:
+    w = torch.cat([p.weight.data for p in parts], 0)
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device=w.device, dtype=w.dtype)
+    fused.weight.data.copy_(w)
+    if fused.bias is not None:
+        fused.bias.data.copy_(torch.cat([p.bias.data for p in parts], 0))
+    return fused
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Each layer's q/k/v projections into one `qkv_proj` and gate/up into one `gate_up_proj` (their weights'
+    rows concatenated: the same function), in place, before any quantisation (a group-wise quantiser treats rows
+    alike, so the fused codes are the separate ones stacked). A batch-1 decode step then reads those weights in
+    two calls a layer instead of five. The fused model is for running: its state dict is not a checkpoint's."""
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        if not isinstance(a.q_proj, nn.Linear) or not isinstance(m.gate_proj, nn.Linear):
+            raise TypeError("fuse_projections works on float nn.Linear layers: fuse before quantising")
+        a.qkv_sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
+        a.qkv_proj = _cat_linear([a.q_proj, a.k_proj, a.v_proj])
+        m.gate_up_proj = _cat_linear([m.gate_proj, m.up_proj])
+        del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
+    return model
 
 
 class DecoderLayer(nn.Module):

