@@ -136,6 +136,29 @@ def cache_mask(positions: Tensor, length: int, dtype: torch.dtype) -> Tensor:
     return torch.where(ok, zero, neg)[:, None]
 
 
+# How the dense in-place decode step computes probs @ V, (B, KV, G, L) x (B, KV, L, hd): "matmul" (torch.matmul:
+# cuBLAS picks a batched small-N GEMV, 22.5 us a layer for Llama-3-8B at L = 641 on an H200, 70 % of that
+# layer's attention), "transposed" (the same product as (V^T P^T)^T, another cuBLAS kernel), or "reduce"
+# (a broadcast multiply and a sum over L, which inductor fuses into one reduction kernel under torch.compile).
+# Measured per formulation by scripts/bench_cuda_decode.py --attention-sweep (docs/BENCHMARKS.md).
+DECODE_PV = "matmul"
+DECODE_PV_CHOICES = ("matmul", "transposed", "reduce")
+
+
+def decode_attention_dense(q: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor, pv: str | None = None) -> Tensor:
+    """One decode step's attention over a dense cache: q (B, KV, G, hd) (each KV head's G query heads as rows),
+    past_k / past_v (B, KV, L, hd), mask (B, 1, 1, L) additive; scores and softmax in fp32, the products at the
+    cache's dtype. Returns (B, KV, G, hd)."""
+    pv = DECODE_PV if pv is None else pv
+    scores = torch.matmul(q, past_k.transpose(2, 3)).float() / math.sqrt(q.shape[-1])
+    probs = torch.softmax(scores + mask, dim=-1).to(past_v.dtype)  # (B, KV, G, L)
+    if pv == "transposed":
+        return torch.matmul(past_v.transpose(2, 3), probs.transpose(2, 3)).transpose(2, 3)
+    if pv == "reduce":
+        return (probs.unsqueeze(-1).float() * past_v.unsqueeze(2).float()).sum(3).to(past_v.dtype)
+    return torch.matmul(probs, past_v)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -168,9 +191,7 @@ class Attention(nn.Module):
             if t == 1:  # decode: two batched GEMMs over the cache at model dtype; only the (B, KV, G, L)
                 # scores are fp32. SDPA's kernels run one block per KV head for G query rows here (8 blocks
                 # for Llama-3-8B: 31 us a layer on an H200 against ~1 us of K/V traffic).
-                scores = torch.matmul(q, past_k.transpose(2, 3)).float() / math.sqrt(self.head_dim)
-                probs = torch.softmax(scores + mask, dim=-1).to(past_v.dtype)  # (B, KV, G, L)
-                out = torch.matmul(probs, past_v)  # ~12 us a layer at L = 641 on an H200 (docs/BENCHMARKS.md)
+                out = decode_attention_dense(q, past_k, past_v, mask)
             else:
                 with sdpa_kernel(SDPA_BACKENDS):
                     out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)

@@ -234,7 +234,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     shared: Transformer | None = None
     for v in variants:
         try:
-            if v.quant:
+            if v.quant or v.fused:  # a model of its own (the shared one is the plain bf16 model)
                 shared = None
                 torch.cuda.empty_cache()
                 model = make_model(name, dtype, v)
@@ -291,6 +291,42 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     return res
 
 
+def attention_sweep(name: str, dtype: torch.dtype, context: int, reps: int = 200) -> list[dict]:
+    """One layer's dense decode attention (partition.model.decode_attention_dense) alone, per probs @ V
+    formulation, compiled and captured in a CUDA graph of `reps` calls over one cache: microseconds a call
+    (the cache is 2 * KV * context * hd values, L2-resident at these sizes, as in the decode step)."""
+    from partition import model as pm
+
+    cfg = config(name)
+    kv, grp, hd = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, kv, grp, hd, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(1, kv, context, hd, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    mask = torch.zeros(1, 1, 1, context, device="cuda")
+    want = pm.decode_attention_dense(q, k, v, mask, "matmul").float()
+    rows = []
+    for pv in pm.DECODE_PV_CHOICES:
+        fn = torch.compile(lambda a, b, c, m, pv=pv: pm.decode_attention_dense(a, b, c, m, pv), fullgraph=True)
+        out = fn(q, k, v, mask)
+        err = float((out.float() - want).abs().max())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn(q, k, v, mask)
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / reps)
+        rows.append({"pv": pv, "us_per_call": round(sorted(times)[2], 2), "max_abs_err_vs_matmul": err})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="qwen2.5-0.5b,llama-3.2-1b,llama-3-8b")
@@ -306,6 +342,10 @@ def main() -> None:
     ap.add_argument("--gpt-fast-variants", default="bf16", help="of bf16, int8, int4")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel profile of the last variant's decode step, graphed (compiled if it is)")
+    ap.add_argument("--attention-sweep", action="store_true",
+                    help="first time one layer's decode attention per probs @ V formulation (partition.model.DECODE_PV)")
+    ap.add_argument("--decode-pv", default="matmul",
+                    help="partition.model.DECODE_PV for the run, or 'best': the sweep's fastest (needs --attention-sweep)")
     ap.add_argument("--out", help="write the JSON here too, after every variant")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -323,6 +363,23 @@ def main() -> None:
     bw = copy_bandwidth()
     meta["copy_bandwidth_GB_s"] = round(bw / 1e9, 1)
     results: list[dict] = []
+    from partition import model as pm
+
+    if args.attention_sweep:
+        first = args.presets.split(",")[0]
+        meta["attention_sweep"] = {"preset": first, "context": args.prompt_len + args.decode_steps // 2,
+                                   "rows": attention_sweep(first, getattr(torch, args.dtype),
+                                                           args.prompt_len + args.decode_steps // 2)}
+        print(json.dumps(meta["attention_sweep"]), flush=True)
+    if args.decode_pv == "best":
+        if not args.attention_sweep:
+            sys.exit("error: --decode-pv best needs --attention-sweep")
+        pm.DECODE_PV = min(meta["attention_sweep"]["rows"], key=lambda r: r["us_per_call"])["pv"]
+    elif args.decode_pv in pm.DECODE_PV_CHOICES:
+        pm.DECODE_PV = args.decode_pv
+    else:
+        sys.exit(f"error: --decode-pv {args.decode_pv}: use best or one of {', '.join(pm.DECODE_PV_CHOICES)}")
+    meta["decode_pv"] = pm.DECODE_PV
 
     def save(partial: dict) -> None:
         if args.out:

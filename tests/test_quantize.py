@@ -157,3 +157,23 @@ def test_fused_projections_compute_the_same_model_float_and_quantised(qkv_bias: 
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     with pytest.raises(TypeError, match="before quantising"):
         fuse_projections(plain)
+
+
+def test_decode_attention_formulations_agree() -> None:
+    """The dense decode step's three probs @ V formulations (partition.model.DECODE_PV_CHOICES) compute the same
+    attention, masked slots included, in fp32 and bf16."""
+    from partition.model import DECODE_PV_CHOICES, MASK_VALUE, decode_attention_dense
+
+    g = torch.Generator().manual_seed(0)
+    b, kv, grp, length, hd = 2, 3, 4, 37, 16
+    q, k, v = (torch.randn(b, kv, n, hd, generator=g) for n in (grp, length, length))
+    mask = torch.zeros(b, 1, 1, length)
+    mask[1, ..., 30:] = MASK_VALUE  # row 1 is shorter
+    want = decode_attention_dense(q, k, v, mask, "matmul")
+    assert want.abs().sum() > 0
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for pv in DECODE_PV_CHOICES:
+            got = decode_attention_dense(q.to(dtype), k.to(dtype), v.to(dtype), mask, pv)
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    short = decode_attention_dense(q[1:], k[1:, :, :30], v[1:, :, :30], mask[1:, ..., :30], "reduce")
+    torch.testing.assert_close(decode_attention_dense(q, k, v, mask, "reduce")[1:], short, rtol=1e-5, atol=1e-5)
