@@ -152,7 +152,10 @@ if triton is not None:
     def _decode_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
                              sq_b, sq_h, sk_b, sk_h, sk_s, so_b, so_h, so_sp, sm_b, sm_h, sm_scale, split_len,
                              HPK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-        """FP16 cache: one (row, KV head, split) per program, its HPK query heads as the rows of tl.dot."""
+        """FP16 / BF16 cache: one (row, KV head, split) per program, its HPK query heads as the rows of tl.dot.
+        The dots take fp16 operands with fp32 accumulation: a bf16 value within fp16's range (|x| < 65504, the
+        normal range from 6e-5) converts exactly (8 significant bits into 11), the probabilities keep 3 bits
+        more than bf16 would; Triton's interpreter also runs only this form (its bf16 tl.dot returns garbage)."""
         b, kvh, sp, lo, hi = _split_bounds(len_ptr, split_len)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HD)
@@ -384,6 +387,20 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
                             kn.stride(0), kn.stride(1), H=h, HPK=hpk, HD=hd,
                             BLOCK_S=max(2, triton.next_power_of_2(n_splits)), HAS_NEW=has_new)
     return out
+
+
+@torch.library.custom_op("orin_agent::dense_decode_attention", mutates_args=())
+def dense_decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
+    """decode_attention over a dense FP16 / BF16 cache as one opaque op, so that a compiled, CUDA-graphed decode
+    step (partition.model's DECODE_PV = "triton") calls it whole: q (B, H, hd) in the cache's dtype, k / v
+    (B, KV, S, hd), lengths (B,) int32 -> (B, H, hd) float32. The sequence is split over enough programs to
+    fill the GPU at batch 1 (flash-decoding), where torch.matmul's batched GEMV runs one block per KV head."""
+    return decode_attention(q, k, v, lengths)
+
+
+@dense_decode_attention.register_fake
+def _dense_decode_attention_fake(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
+    return q.new_empty(q.shape, dtype=torch.float32)
 
 
 @dataclass(frozen=True)

@@ -136,13 +136,15 @@ def cache_mask(positions: Tensor, length: int, dtype: torch.dtype) -> Tensor:
     return torch.where(ok, zero, neg)[:, None]
 
 
-# How the dense in-place decode step computes probs @ V, (B, KV, G, L) x (B, KV, L, hd): "matmul" (torch.matmul:
-# cuBLAS picks a batched small-N GEMV, 22.5 us a layer for Llama-3-8B at L = 641 on an H200, 70 % of that
-# layer's attention), "transposed" (the same product as (V^T P^T)^T, another cuBLAS kernel), or "reduce"
-# (a broadcast multiply and a sum over L, which inductor fuses into one reduction kernel under torch.compile).
-# Measured per formulation by scripts/bench_cuda_decode.py --attention-sweep (docs/BENCHMARKS.md).
+# How the dense in-place decode step attends, (B, KV, G, hd) queries over a (B, KV, L, hd) cache: "matmul"
+# (torch.matmul: cuBLAS picks a batched small-N GEMV for probs @ V, 22.5 us a layer for Llama-3-8B at L = 641 in
+# the compiled step on an H200 while the weights stream through L2, 6.9 us for the whole attention with the
+# cache L2-resident), "transposed" (probs @ V as (V^T P^T)^T), "reduce" (a broadcast multiply and a sum over L,
+# one inductor reduction kernel), or "triton" (kernels.kv_triton.dense_decode_attention: the sequence split over
+# enough programs to fill the GPU, flash-decoding; CUDA only, the others elsewhere). Measured by
+# scripts/bench_cuda_decode.py --attention-sweep and at model level (docs/BENCHMARKS.md).
 DECODE_PV = "matmul"
-DECODE_PV_CHOICES = ("matmul", "transposed", "reduce")
+DECODE_PV_CHOICES = ("matmul", "transposed", "reduce", "triton")
 
 
 def decode_attention_dense(q: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor, pv: str | None = None) -> Tensor:
@@ -150,6 +152,12 @@ def decode_attention_dense(q: Tensor, past_k: Tensor, past_v: Tensor, mask: Tens
     past_k / past_v (B, KV, L, hd), mask (B, 1, 1, L) additive; scores and softmax in fp32, the products at the
     cache's dtype. Returns (B, KV, G, hd)."""
     pv = DECODE_PV if pv is None else pv
+    if pv == "triton" and q.is_cuda:
+        from kernels.kv_triton import dense_decode_attention
+
+        b, kv, grp, hd = q.shape
+        visible = (mask[:, 0, 0] == 0).sum(-1).to(torch.int32)  # a prefix of slots per row, as cache_mask makes
+        return dense_decode_attention(q.reshape(b, kv * grp, hd), past_k, past_v, visible).to(q.dtype).reshape(q.shape)
     scores = torch.matmul(q, past_k.transpose(2, 3)).float() / math.sqrt(q.shape[-1])
     probs = torch.softmax(scores + mask, dim=-1).to(past_v.dtype)  # (B, KV, G, L)
     if pv == "transposed":

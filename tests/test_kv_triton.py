@@ -104,6 +104,11 @@ def check_decode_attention(device: str) -> None:
     want = torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv)
     got = decode_attention(q.half(), k.half(), v.half(), lengths, n_splits=3)
     assert torch.allclose(got, want, atol=3e-3), float((got - want).abs().max())
+    # BF16 cache through the custom op the compiled decode step calls (partition.model DECODE_PV = "triton")
+    from kernels.kv_triton import dense_decode_attention
+
+    got = dense_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), lengths.to(torch.int32))
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=3e-2), float((got - want).abs().max())
 
 
 @pytest.mark.cuda
