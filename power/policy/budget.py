@@ -3,8 +3,8 @@ every sliding window of ``window_s`` stays at or below ``watts``.
 
 Composes with the phase-aware DVFS controller (``power.policy.dvfs``): :class:`BudgetController` wraps a
 :class:`DvfsController`, lets it decide (latency targets, thermal levels, critical floor, idle policy), then,
-where its busy clocks would overrun the budget, replaces them with the fastest point that keeps the window
-average predicted within it. Pure like
+where the budget binds, replaces its busy clocks with the point the ceiling's price picks that keeps the
+window average predicted within it. Pure like
 ``decide`` is: the board power measured by the rails comes in with the readings (``Readings.power_w``, the
 power of the interval that just ended), ``now`` is passed in, no I/O.
 
@@ -12,21 +12,27 @@ power of the interval that just ended), ``now`` is passed in, no I/O.
   rail (``Budget.rail``: its reading comes in as ``power_w``, and every prediction is the cost model's power
   of that rail).
 - Accounting (:func:`account`): each reading's power times the time since the previous one is binned into
-  ``window_s / BINS`` slots; the slots older than a window are dropped.
+  ``window_s / BINS`` slots; the slots older than a window are dropped; a slot partly inside a window counts pro
+  rata over the part of it measured (:func:`window_energy`).
 - Prediction: the cost model's board power at each (GPU, EMC) point for the phase at hand (the planner's
-  step energy over its time), times a per-phase correction learned from the rails: an EWMA of
-  log(measured / predicted) power of the intervals that ran a busy phase at a known point.
+  step energy over its time, less the CPU floor of the cores the budget took offline), times a per-phase
+  correction learned from the rails: an EWMA of log(measured / predicted) power of the intervals that ran a busy phase at a known point.
 - The cap (:func:`allowed_power`): for every window that will end within one window from now, the energy
   already in it, plus the candidate's power over the decision's horizon, plus a *reserve* (what a large prefill
   chunk or a full decode batch draws at its least-power point) for the rest of that window, must stay
   <= ``watts x window_s``. The reserve keeps
   the plan feasible later: once admitted, a burst can always be followed by the floor. Energy that idle time
   left unused in the window is what prefill borrows: after an idle stretch the allowed power is high.
-- The choice: the DVFS decision's own point when its corrected power fits (the budget does not bind), else
-  the fastest point (predicted step time, corrected like dvfs corrects it) whose corrected power fits, and at
-  or below ``peak_watts``; any EMC rate the power mode allows, the GPU at or below the thermal cap when a
-  thermal level is in force. Thermal levels and the critical floor still override; idle passes through (a short idle-hold keeps
-  the capped clocks).
+- The choice (power.policy.price): every point is priced at ``seconds x (1 + lam x (corrected W - budget))``,
+  ``lam`` the price at which the equal-power ceiling's two hull ways around the budget tie
+  (``power.policy.powerconfig``: the mode's grid, the cores the budget keeps online, the served mix), moved by
+  the trailing window's headroom; the cheapest point that fits the window over its step and a recheck runs
+  (the window only vetoes). So the points are the ceiling's own (prefill at a low GPU clock and the EMC floor,
+  decode at the EMC top), not the fastest that fits. The DVFS decision's own point runs instead when it draws
+  no more than the priced point and fits over its horizon (decode: a quarter window): the budget does not
+  bind. Any EMC rate the power mode allows, the GPU at or below the thermal cap when a thermal level is in
+  force, at or below ``peak_watts``. Thermal levels and the critical floor still override; idle passes
+  through (a short idle-hold keeps the capped clocks).
 - When even the least-power point does not fit, the floor is served and the verdict says the budget cannot
   be met (``unmet``; the decision carries a message for the log).
 - Admission (:meth:`BudgetController.max_rows`): a last resort. While the last plan was unmet *and* the measured
@@ -40,15 +46,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping, TypeVar
+from typing import Mapping
 
 from power.physics.costmodel import OperatingPoint, decode_step, prefill_step
 from power.policy.dvfs import Decision, DvfsController, DvfsState, Readings, served_size
 from power.policy.phase import PhaseEvent
+from power.policy.powerconfig import Mix, grid_points, ways_of
+from power.policy.price import hull_price, pareto_front, price_at, price_cost
 from power.policy.profiles import Budget, Profile
 from power.policy.thermal import ThermalState, ThermalVerdict
-
-T = TypeVar("T")
 
 __all__ = ["Budget", "BudgetController", "BudgetState", "BudgetStatus", "account", "allowed_power"]
 
@@ -60,6 +66,8 @@ DECODE_AHEAD = 0.25         # decode is planned over at least this fraction of t
 # the reserve is the least-power point of a large step of each kind (power at the floor grows with the work's
 # intensity, so a big prefill chunk and a full decode batch bound what a phase draws at the floor)
 RESERVE_PREFILL, RESERVE_CONTEXT, RESERVE_BATCH = 2048, 2048, 8
+MIN_PRICE = 0.01            # x 1/W: the price where the budget does not bind (every point costs its time)
+TIE = 1e-6                  # the price a hair above the hull's tie: of the two ways, the one within the budget
 
 
 @dataclass(frozen=True)
@@ -129,14 +137,16 @@ def account(budget: Budget, state: BudgetState, now: float, power_w: float | Non
 
 
 def window_energy(budget: Budget, state: BudgetState, start: float, end: float) -> float:
-    """Joules measured in [start, end] (slots partly inside count pro rata)."""
+    """Joules measured in [start, end] (slots partly inside count pro rata, over the part of the slot measured:
+    the slot being filled holds its joules up to the last reading, not over its whole width)."""
     w = slot_s(budget)
+    last = state.last_t if state.last_t is not None else math.inf
     e = 0.0
     for i, j in state.bins:
-        a, b = i * w, (i + 1) * w
+        a, b = i * w, min((i + 1) * w, last)
         lo, hi = max(a, start), min(b, end)
         if hi > lo:
-            e += j * (hi - lo) / w
+            e += j * (hi - lo) / (b - a)
     return e
 
 
@@ -161,15 +171,6 @@ def window_average(budget: Budget, state: BudgetState, now: float) -> float:
     return window_energy(budget, state, now - budget.window_s, now) / max(span, 1e-9)
 
 
-def pareto_front(items: Iterable[T], power: Callable[[T], float], speed: Callable[[T], float]) -> list[T]:
-    """The items no other item beats on both power and speed, by rising power (each faster than the last)."""
-    out: list[T] = []
-    for c in sorted(items, key=lambda c: (power(c), -speed(c))):
-        if not out or speed(c) > speed(out[-1]):
-            out.append(c)
-    return out
-
-
 def pareto(points: list[tuple[float, float, int, int]]) -> list[tuple[float, float, int, int]]:
     """The (seconds, watts, GPU Hz, EMC Hz) points no other point beats on both time and power, fastest first."""
     return pareto_front(points, power=lambda c: c[1], speed=lambda c: -c[0])[::-1]
@@ -179,7 +180,8 @@ class BudgetController:
     """A :class:`DvfsController` whose busy clocks are capped to a power budget. ``decide`` is pure; the
     state is a :class:`BudgetState` (it carries the DVFS state)."""
 
-    def __init__(self, dvfs: DvfsController, budget: Budget) -> None:
+    def __init__(self, dvfs: DvfsController, budget: Budget, mix: Mix | None = None,
+                 cores_online: int | None = None) -> None:
         if dvfs.planner is None:
             raise ValueError("a power budget needs the cost model (a model shape) to predict power per clock point")
         self.dvfs, self.budget = dvfs, budget
@@ -190,6 +192,26 @@ class BudgetController:
             raise ValueError(f"budget rail {budget.rail!r}: {dvfs.planner.spec.name} has {', '.join(labels)} "
                              f"(leave rail out to budget module power)")
         self._rail_memo: dict[tuple[object, ...], float] = {}
+        self.mix, self.cores_online = mix or Mix(), cores_online
+        spec = dvfs.planner.spec
+        # the planner models every core online; the cores the budget took offline draw none of the CPU floor
+        # (power.physics.equations.power: cpu_floor_w x online / cpu_count, its only term in the online count)
+        self._cores_off_w = (0.0 if cores_online is None else
+                             spec.power.cpu_floor_w * (spec.cpu_count - min(spec.cpu_count, cores_online)) / spec.cpu_count)
+        self.hull_price = self._hull_price()
+
+    def _hull_price(self) -> float:
+        """The price at which the equal-power ceiling's two hull ways around the budget tie
+        (power.policy.price.hull_price) on this controller's own grid (the mode's caps, the planner's model),
+        for ``self.mix`` and the CPU cores the budget keeps online; a small positive price where the fastest way fits (the budget does not bind)."""
+        assert self.planner is not None
+        pl, t = self.planner, self.tables
+        gpus = [f for f in t.gpu_hz if f <= t.gpu_top]
+        emcs = [f for f in t.emc_hz if f <= t.emc_top]
+        pre, dec = grid_points(pl.spec, pl.shape, pl.precision, pl.tpcs, gpus, emcs, self.cores_online, self.mix, 1.0,
+                               self.budget.rail)
+        lam = hull_price(ways_of(pre, dec, self.mix), self.budget.watts) * (1.0 + TIE)
+        return max(lam, MIN_PRICE / self.budget.watts)
 
     def power_of(self, kind: str, size: int, batch: int, gpu_hz: int, emc_hz: int) -> float:
         """The cost model's power of one step at a point: board power, or the budget's rail's."""
@@ -197,11 +219,11 @@ class BudgetController:
         pl = self.planner
         if self.budget.rail is None:
             sec, j = pl.predict(kind, size, batch, gpu_hz, emc_hz)
-            return j / sec
+            return j / sec - self._cores_off_w
         key = (kind, size, batch, gpu_hz, emc_hz)
         w = self._rail_memo.get(key)
         if w is None:
-            op = OperatingPoint(gpu_hz, emc_hz, pl.tpcs)
+            op = OperatingPoint(gpu_hz, emc_hz, pl.tpcs, cores_online=self.cores_online)
             c = (prefill_step(pl.spec, pl.shape, pl.precision, op, size, 0, pl.params) if kind == "prefill"
                  else decode_step(pl.spec, pl.shape, pl.precision, op, max(1, size), batch, pl.params))
             w = self._rail_memo[key] = dict(c.rails_w)[self.budget.rail]
@@ -230,7 +252,8 @@ class BudgetController:
         def ratio(g: int, e: int) -> float:     # measured / model step time (power.policy.learn)
             return math.exp(surf.at(g, e, pl.parts(p.kind, size, batch, g, e)).log_time)
         if self.budget.rail is None:
-            return [(s * ratio(g, e), jt * tokens / s, g, e) for s, jt, g, e in pl.candidates(p.kind, size, batch, gpus, emcs)]
+            return [(s * ratio(g, e), jt * tokens / s - self._cores_off_w, g, e)
+                    for s, jt, g, e in pl.candidates(p.kind, size, batch, gpus, emcs)]
         return [(s * ratio(g, e), self.power_of(p.kind, size, batch, g, e), g, e)
                 for s, _, g, e in pl.candidates(p.kind, size, batch, gpus, emcs)]
 
@@ -274,6 +297,21 @@ class BudgetController:
             return st.out, replace(st, running=(phase.kind, self.step_power(phase, st.out)))
         return self._plan(d, phase, st, now)
 
+    def ranked(self, pts: list[tuple[float, float, int, int]], corr: float,
+               lam: float) -> list[tuple[float, float, int, int]]:
+        """``pts`` cheapest first at price ``lam`` (corrected power; ties: the faster)."""
+        w = self.budget.watts
+        return sorted(pts, key=lambda c: (price_cost(c[0], c[1] * corr, w, lam), c[0]))
+
+    def headroom(self, st: BudgetState, now: float) -> float:
+        """Joules the trailing window has left under the budget (its average over the part seen so far)."""
+        b = self.budget
+        return (b.watts - window_average(b, st, now)) * b.window_s if st.bins else 0.0
+
+    def price(self, st: BudgetState, now: float) -> float:
+        """The price of power now (1/W): the hull's, moved by the window's headroom (power.policy.price)."""
+        return price_at(self.hull_price, self.headroom(st, now), self.budget.watts, self.budget.window_s)
+
     def _plan(self, d: Decision, phase: PhaseEvent, st: BudgetState, now: float) -> tuple[Decision, BudgetState]:
         b = self.budget
         pts = self.points(phase, st.dvfs)
@@ -283,11 +321,16 @@ class BudgetController:
         gpu_cap = d.gpu_max_hz if d.thermal_level > 0 else self.tables.gpu_top
         mine = [c for c in pts if c[2] <= gpu_cap] or [min(pts, key=lambda c: c[1])]
         pasts = window_pasts(b, st, now)
+        lam = self.price(st, now)
+
+        def room(c: tuple[float, float, int, int], horizon: float) -> float:
+            a = allowed_power(b, pasts, horizon, reserve)
+            return a if b.peak_watts is None else min(a, b.peak_watts)
+        # every point that fits the window over its step and a recheck, cheapest at the price first: the price
+        # picks the ceiling's point (power.policy.price); the window only vetoes
         allowed, fits = b.watts, []
-        for c in pareto(mine):                  # fastest first: the first that fits is the choice
-            allowed = allowed_power(b, pasts, self.horizon(phase, c[0]), reserve)
-            if b.peak_watts is not None:
-                allowed = min(allowed, b.peak_watts)
+        for c in self.ranked(mine, corr, lam):
+            allowed = room(c, RECHECK_S + c[0])
             if c[1] * corr <= allowed:
                 fits = [c]
                 break
@@ -295,9 +338,8 @@ class BudgetController:
         cur = next((c for c in mine if (c[2], c[3]) == (d.gpu_max_hz, d.emc_hz)), None)
         if unmet:
             best = min(pts, key=lambda c: (c[1], c[0]))          # the least-power point of the whole board
-        elif cur is not None and cur[1] * corr <= min(allowed_power(b, pasts, self.horizon(phase, cur[0]), reserve),
-                                                       b.peak_watts or math.inf):
-            best = cur
+        elif cur is not None and cur[1] <= fits[0][1] and cur[1] * corr <= room(cur, self.horizon(phase, cur[0])):
+            best = cur          # the profile's own point draws no more than the price allows: the budget does not bind
         else:
             best = fits[0]
         capped = cur is None or best != cur

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from power.physics.boards import BoardSpec, ModeSpec, active_tpcs
 from power.physics.costmodel import ModelShape, OperatingPoint, decode_step, prefill_step
-from power.policy.budget import pareto_front
+from power.policy.price import pareto_front
 
 PREFILL_CHUNK = 512         # the scheduler's max_prefill_chunk: prefill runs in chunks of this size
 
@@ -83,9 +83,16 @@ def _points(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec, 
             power_scale: float, rail: str | None = None) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """(W, seconds per token) of prefill and of decode at every (GPU, EMC) point of ``mode``; W of the board,
     or of ``rail``."""
-    tpcs = active_tpcs(spec, mode.tpc_pg_mask)
     gpus = [g for g in spec.gpu_hz if g <= (mode.gpu_max_hz or spec.gpu_max_hz)]
     emcs = [e for e in spec.emc_hz if e <= (mode.emc_cap_hz or spec.emc_max_hz)]
+    return grid_points(spec, shape, precision, active_tpcs(spec, mode.tpc_pg_mask), gpus, emcs, cores, mix,
+                       power_scale, rail)
+
+
+def grid_points(spec: BoardSpec, shape: ModelShape, precision: str, tpcs: int, gpus: list[int], emcs: list[int],
+                cores: int | None, mix: Mix, power_scale: float = 1.0,
+                rail: str | None = None) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(W, seconds per token) of the mix's prefill chunk and decode step at every (GPU, EMC) point of the grid."""
     chunk = min(PREFILL_CHUNK, mix.prompt)
     ctx = mix.prompt + mix.output // 2
     pre, dec = [], []
@@ -100,10 +107,8 @@ def _points(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec, 
     return pre, dec
 
 
-def mode_ways(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec, cores: int | None,
-              mix: Mix, power_scale: float = 1.0, rail: str | None = None) -> list[tuple[float, float]]:
-    """(average W, output tokens/s) of every (prefill point, decode point) pair in ``mode``, Pareto only."""
-    pre, dec = _points(spec, shape, precision, mode, cores, mix, power_scale, rail)
+def ways_of(pre: list[tuple[float, float]], dec: list[tuple[float, float]], mix: Mix) -> list[tuple[float, float]]:
+    """(average W, output tokens/s) of every (prefill point, decode point) pair, Pareto only."""
     per_out = mix.prompt / mix.output           # prefill tokens per output token
     ways = []
     for pp, tp in _frontier([(w, -s) for w, s in pre]):
@@ -111,6 +116,12 @@ def mode_ways(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec
             t = per_out * -tp + -td
             ways.append(((per_out * -tp * pp + -td * pd) / t, 1.0 / t))
     return _frontier(ways)
+
+
+def mode_ways(spec: BoardSpec, shape: ModelShape, precision: str, mode: ModeSpec, cores: int | None,
+              mix: Mix, power_scale: float = 1.0, rail: str | None = None) -> list[tuple[float, float]]:
+    """(average W, output tokens/s) of every (prefill point, decode point) pair in ``mode``, Pareto only."""
+    return ways_of(*_points(spec, shape, precision, mode, cores, mix, power_scale, rail), mix)
 
 
 def choose_config(spec: BoardSpec, shape: ModelShape, precision: str, watts: float, mix: Mix = Mix(),

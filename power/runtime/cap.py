@@ -42,9 +42,11 @@ def with_cap(profile: Profile, power_cap_w: float | None) -> Profile:
     return dataclasses.replace(profile, budget=budget_for(profile, power_cap_w))
 
 
-def install(loop: PowerLoop, budget: Budget, power: Callable[[], float | None]) -> BudgetController:
-    """Cap ``loop``'s DVFS controller to ``budget``; ``power`` reads the module power at each decision."""
-    ctl = BudgetController(loop.controller, budget)
+def install(loop: PowerLoop, budget: Budget, power: Callable[[], float | None],
+            mix: Mix | None = None, cores_online: int | None = None) -> BudgetController:
+    """Cap ``loop``'s DVFS controller to ``budget``; ``power`` reads the module power at each decision; ``mix``:
+    the requests the budget's price is set for (power.policy.price), with ``cores_online`` (None: every core)."""
+    ctl = BudgetController(loop.controller, budget, mix, cores_online)
     loop.power = power                                  # type: ignore[assignment]
     loop.controller = ctl                               # type: ignore[assignment]
     loop.state = BudgetState(dvfs=loop.state)           # type: ignore[assignment]

@@ -142,7 +142,7 @@ def open_session(root: str | os.PathLike[str], run_dir: str | os.PathLike[str], 
         loop = PowerLoop(dvfs, prof, applier, read_zones, fan_ours=fan_ours,
                          step_power=(power or meter).reader(None))
         if prof.budget is not None:         # the cap's one installation: the loop decides under it
-            install(loop, prof.budget, (power or meter).reader(prof.budget.rail))
+            install(loop, prof.budget, (power or meter).reader(prof.budget.rail), mix, cores)
     except Exception:
         applier.restore()
         if writer.journal is not None:
