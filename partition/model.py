@@ -24,6 +24,7 @@ CUDA) runs a decode step's attention over itself plus the fresh K/V in GPU kerne
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Protocol, Union
 
@@ -141,9 +142,12 @@ def cache_mask(positions: Tensor, length: int, dtype: torch.dtype) -> Tensor:
 # the compiled step on an H200 while the weights stream through L2, 6.9 us for the whole attention with the
 # cache L2-resident), "transposed" (probs @ V as (V^T P^T)^T), "reduce" (a broadcast multiply and a sum over L,
 # one inductor reduction kernel), or "triton" (kernels.kv_triton.dense_decode_attention: the sequence split over
-# enough programs to fill the GPU, flash-decoding; CUDA only, the others elsewhere). Measured by
-# scripts/bench_cuda_decode.py --attention-sweep and at model level (docs/BENCHMARKS.md).
-DECODE_PV = "matmul"
+# enough programs to fill the GPU, flash-decoding; CUDA only, "matmul" elsewhere). The default is "triton" where
+# Triton is installed: the compiled, graphed Llama-3-8B INT4 step went from 4.22 to 3.82 ms with it on an H200,
+# although alone, with its cache read from HBM, it is the slower (11.3 against 7.7 us a layer): in the step, the
+# cuBLAS GEMV behind probs @ V took 22.5 us a layer (scripts/bench_cuda_decode.py --profile / --attention-sweep,
+# docs/BENCHMARKS.md).
+DECODE_PV = "triton" if importlib.util.find_spec("triton") is not None else "matmul"
 DECODE_PV_CHOICES = ("matmul", "transposed", "reduce", "triton")
 
 
@@ -152,10 +156,10 @@ def decode_attention_dense(q: Tensor, past_k: Tensor, past_v: Tensor, mask: Tens
     past_k / past_v (B, KV, L, hd), mask (B, 1, 1, L) additive; scores and softmax in fp32, the products at the
     cache's dtype. Returns (B, KV, G, hd)."""
     pv = DECODE_PV if pv is None else pv
-    if pv == "triton" and q.is_cuda:
+    b, kv, grp, hd = q.shape
+    if pv == "triton" and q.is_cuda and hd & (hd - 1) == 0 and grp <= 16:  # the kernel's shapes (kv_triton.BLOCK_H)
         from kernels.kv_triton import dense_decode_attention
 
-        b, kv, grp, hd = q.shape
         visible = (mask[:, 0, 0] == 0).sum(-1).to(torch.int32)  # a prefix of slots per row, as cache_mask makes
         return dense_decode_attention(q.reshape(b, kv * grp, hd), past_k, past_v, visible).to(q.dtype).reshape(q.shape)
     scores = torch.matmul(q, past_k.transpose(2, 3)).float() / math.sqrt(q.shape[-1])
