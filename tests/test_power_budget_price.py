@@ -1,13 +1,18 @@
 """The power budget prices power the way the equal-power ceiling does (power.policy.price): the hull's tie price,
 the controller's points at that price against choose_config's own hull ways on the twin's grid, the time-share
-and the 10 s windows in a closed loop over the ceiling's own mix, and a budget that does not bind leaving the
-profile's points alone."""
+and the 10 s windows in a closed loop over the ceiling's own mix (and over decode stretches of random length, on
+every board), the guard's window bound exact over the measured segments, and a budget that does not bind leaving
+the profile's points alone."""
 from __future__ import annotations
+
+import random
+from dataclasses import replace
 
 import pytest
 
 from power.physics.boards import BOARDS, board_for
-from power.policy.budget import Budget, BudgetController, BudgetState, account, window_energy
+from power.policy.budget import (Budget, BudgetController, BudgetState, account, allowed_power, window_energy,
+                                 window_pasts)
 from power.policy.dvfs import DvfsController, Planner, Readings, tables_for
 from power.policy.phase import PhaseEvent
 from power.policy.powerconfig import Mix, choose_config, hull_rate, mode_ways
@@ -132,11 +137,15 @@ def test_closed_loop_on_the_mix_time_shares_to_the_ceiling_and_holds_the_windows
     # the ceiling's time-share is not reachable under 10 s windows even on its own mix: one decode stretch of
     # 0.6 s at 18 W per 2.9 s cycle does not divide the window, so windows holding one cycle more of decode
     # than the average go over (measured: 10.8 W at the ceiling's own points); the guard vetoes those steps
-    # (docs/BENCHMARKS.md, the power budget); 91 % of the ceiling measured here
-    assert tokens / t >= 0.90 * choice.tokens_per_s
-    assert energy / t <= watts * 1.005 and max_window_average(log, 10.0) <= watts * 1.01
+    # (docs/BENCHMARKS.md, the power budget); 90.4 % of the ceiling measured here
+    assert tokens / t >= 0.89 * choice.tokens_per_s
+    # the rails read the model's power, so the guard's bound is exact: no 10 s window over the budget (with
+    # slots counted pro rata and windows checked every 0.25 s only: 10.56 W)
+    assert energy / t <= watts and max_window_average(log, 10.0) <= watts * (1 + 1e-9)
     total = sum(pre_s.values())
-    assert pre_s["other"] <= 0.05 * total         # prefill runs at the hull's two prefill points
+    # prefill runs at the hull's two prefill points; the rest (8.7 % measured) at their neighbours, where the
+    # window's headroom moved the price or the guard vetoed the priced point
+    assert pre_s["other"] <= 0.10 * total
 
 
 def test_a_budget_that_does_not_bind_keeps_the_profiles_points() -> None:
@@ -152,11 +161,70 @@ def test_a_budget_that_does_not_bind_keeps_the_profiles_points() -> None:
         t += 0.5
 
 
-def test_window_energy_counts_the_slot_being_filled_whole() -> None:
-    """The slot the last reading fell in holds its joules up to that reading: spread over the slot's whole width
-    (as before) the trailing window read up to one slot short, and the guard let windows run ~1 % over."""
+def test_window_energy_counts_what_was_measured_up_to_the_last_reading() -> None:
+    """The joules up to the last reading are all in the window (spread over a slot's whole width, as slots
+    once did, the trailing window read up to one slot short, and the guard let windows run ~1 % over)."""
     b = Budget(10.0, 10.0)                                  # slots of 0.25 s
     s = account(b, account(b, BudgetState(), 0.0, 20.0), 0.1, 20.0)
     assert window_energy(b, s, -9.9, 0.1) == pytest.approx(2.0)      # 0.1 s at 20 W, all inside the window
     s = account(b, s, 0.5, 20.0)
     assert window_energy(b, s, 0.25, 0.5) == pytest.approx(5.0) and window_energy(b, s, 0.0, 0.5) == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_guards_bound_is_exact_over_every_window_ahead(seed: int) -> None:
+    """At the power allowed_power returns, no window ending within a window from now goes over the budget
+    (checked on a 1 ms grid of window ends and at every segment boundary), and a hair more power puts one over:
+    the bound is neither loose nor short. Slots counted pro rata with window ends checked every 0.25 s missed
+    windows ending between those ends, and the oldest slot's joules (Orin Nano 5.4 W: 10 s windows at 5.43 W)."""
+    b, rng = Budget(5.4, 10.0), random.Random(seed)
+    st, t = BudgetState(), 0.0
+    while t < 30.0:                 # readings at irregular times, powers around the budget
+        t += rng.uniform(0.02, 0.6)
+        st = account(b, st, t, rng.choice([3.4, 4.2, 5.0, 7.0, 7.8]))
+    now = t
+    scale = min(1.0, 0.98 * b.watts * b.window_s / window_energy(b, st, now - b.window_s, now))
+    st = replace(st, segments=tuple((t0, t1, w * scale) for t0, t1, w in st.segments))   # the window ending now fits
+    ends = sorted({k * 1e-3 for k in range(1, 10_001)} | {a for a, _ in window_pasts(b, st, now) if a > 0})
+    for horizon, reserve in ((0.1, 3.0), (0.7, 3.0), (2.5, 4.5)):
+        allowed = allowed_power(b, window_pasts(b, st, now), horizon, reserve)
+
+        def worst(p: float) -> float:
+            return max(window_energy(b, st, now + a - b.window_s, now) + p * min(a, horizon)
+                       + reserve * max(0.0, a - horizon) for a in ends + [horizon])
+        assert worst(allowed) <= b.watts * b.window_s + 1e-9
+        assert worst(allowed + 1e-3) > b.watts * b.window_s
+
+
+def _loop(board: str, l4t: str, watts: float, seconds: float, seed: int) -> tuple[float, float, float]:
+    """One 512-token prefill chunk, then a decode stretch of 2-48 steps of 8 rows (random), against rails that read
+    the model's power: (share of choose_config's tok/s, mean W, largest 10 s window average W)."""
+    from power.bench.budget import max_window_average
+
+    choice = choose_config(board_for(board, l4t), SHAPE, "int4", watts)
+    c = _ctl(board, l4t, choice.mode, watts, choice.cores_online)
+    rng = random.Random(seed)
+    st, t, power, energy, tokens, log = BudgetState(), 0.0, None, 0.0, 0, [(0.0, 0.0)]
+    while t < seconds:
+        for p in [PhaseEvent("prefill", n_tokens=512)] + [PhaseEvent("decode", context=CTX, batch=8)] * rng.choice(
+                [2, 4, 8, 16, 32, 48]):
+            d, st = c.decide(Readings(power_w=power), p, BALANCED, st, t)
+            sec, _ = c.planner.predict(p.kind, p.n_tokens or p.context, p.batch, d.gpu_max_hz, d.emc_hz)
+            power = c.power_of(p.kind, p.n_tokens or p.context, p.batch, d.gpu_max_hz, d.emc_hz)
+            tokens += p.batch if p.kind == "decode" else 0
+            t += sec
+            energy += power * sec
+            log.append((t, energy))
+    return tokens / t / choice.tokens_per_s, energy / t, max_window_average(log, 10.0)
+
+
+@pytest.mark.parametrize("board,l4t,watts,share", [("agx-orin-64gb", "r36", 10.5, 0.90),
+                                                   ("agx-orin-64gb", "r36", 14.1, 0.97),
+                                                   ("orin-nano-8gb", "r35", 5.4, 0.82)])
+def test_closed_loop_holds_every_10s_window_on_every_board(board: str, l4t: str, watts: float, share: float) -> None:
+    """Decode stretches of random length between prefill chunks (the trace's, not the ceiling's even mix): with
+    the model's power on the rails no 10 s window goes over the budget on any of the three rows. Before the
+    exact accounting: 10.54 / 14.14 / 5.41 W (+0.4 / +0.3 / +0.1 %). Measured shares 0.919 / 0.991 / 0.845."""
+    got, mean, worst = _loop(board, l4t, watts, 240.0, 1)
+    assert worst <= watts * (1 + 1e-9) and mean <= watts
+    assert got >= share
