@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 from power.physics.boards import BOARDS, board_for
-from power.policy.budget import (Budget, BudgetController, BudgetState, account, allowed_power, window_energy,
-                                 window_pasts)
+from power.policy.budget import (Budget, BudgetController, BudgetState, account, allowed_power, correction,
+                                 window_energy, window_pasts)
 from power.policy.dvfs import DvfsController, Planner, Readings, tables_for
 from power.policy.phase import PhaseEvent
 from power.policy.powerconfig import Mix, choose_config, hull_rate, mode_ways
@@ -143,9 +143,10 @@ def test_closed_loop_on_the_mix_time_shares_to_the_ceiling_and_holds_the_windows
     # slots counted pro rata and windows checked every 0.25 s only: 10.56 W)
     assert energy / t <= watts and max_window_average(log, 10.0) <= watts * (1 + 1e-9)
     total = sum(pre_s.values())
-    # prefill runs at the hull's two prefill points; the rest (8.7 % measured) at their neighbours, where the
-    # window's headroom moved the price or the guard vetoed the priced point
-    assert pre_s["other"] <= 0.10 * total
+    # prefill runs at the hull's two prefill points; the rest (10.9 % measured; 2.3 % while the guard missed
+    # windows) at their neighbours, where the guard vetoed the priced decode point and the window's headroom then
+    # lowered the price
+    assert pre_s["other"] <= 0.15 * total
 
 
 def test_a_budget_that_does_not_bind_keeps_the_profiles_points() -> None:
@@ -228,3 +229,22 @@ def test_closed_loop_holds_every_10s_window_on_every_board(board: str, l4t: str,
     got, mean, worst = _loop(board, l4t, watts, 240.0, 1)
     assert worst <= watts * (1 + 1e-9) and mean <= watts
     assert got >= share
+
+
+def test_the_power_correction_is_each_points_own_where_it_ran() -> None:
+    """Rails that read the model's power at one decode point and 3 % over it at another: each point's correction
+    is its own, a point never run gets the kind's (between the two). One EWMA per kind, learned mostly at the
+    low point, put the high one 2.4-2.8 % under the rails on Orin Nano at 5.4 W, in the last step of every 10 s
+    window that went over."""
+    b, st, t = Budget(5.4, 10.0), BudgetState(), 0.0
+    lo, hi = (300_000_000, 2_133_000_000), (600_000_000, 3_199_000_000)
+    for k in range(60):
+        g, e = hi if k % 4 == 3 else lo
+        factor = 1.03 if (g, e) == hi else 1.0
+        st = account(b, replace(st, running=("decode", 5.0, g, e)), t, 5.0 * factor)
+        t += 0.3
+    st = account(b, replace(st, running=("decode", 5.0, *lo)), t, 5.0)
+    assert correction(st, "decode", *lo) == pytest.approx(1.0, abs=1e-9)
+    assert correction(st, "decode", *hi) == pytest.approx(1.03, rel=1e-6)
+    assert 1.0 < correction(st, "decode", 400_000_000, 3_199_000_000) < 1.03
+    assert correction(st, "prefill", *lo) == 1.0                  # nothing learned for the kind yet

@@ -20,7 +20,11 @@ power of the interval that just ended), ``now`` is passed in, no I/O.
   0.25 s: on Orin Nano at 5.4 W 10 s windows read up to 5.43 W (docs/BENCHMARKS.md, the power budget).
 - Prediction: the cost model's board power at each (GPU, EMC) point for the phase at hand (the planner's
   step energy over its time, less the CPU floor of the cores the budget took offline), times a per-phase
-  correction learned from the rails: an EWMA of log(measured / predicted) power of the intervals that ran a busy phase at a known point.
+  correction learned from the rails: an EWMA of log(measured / predicted) power of the intervals that ran a
+  busy phase, per point that ran (:func:`correction`), the kind's over every point where a point has not run.
+  One EWMA per kind missed a point-dependent error: on Orin Nano at 5.4 W it was learned on the low decode point,
+  where it was exact, and put the high decode point 2.4-2.8 % under the rails in the last step of every 10 s
+  window that went over (docs/BENCHMARKS.md, the power budget).
 - The cap (:func:`allowed_power`): for every window that will end within one window from now, the energy
   already in it, plus the candidate's power over the decision's horizon, plus a *reserve* (what a large prefill
   chunk or a full decode batch draws at its least-power point) for the rest of that window, must stay
@@ -92,8 +96,9 @@ class BudgetState:
     dvfs: DvfsState = DvfsState()
     segments: tuple[tuple[float, float, float], ...] = ()   # (t0, t1, W) measured, oldest first
     last_t: float | None = None
-    running: tuple[str, float] | None = None         # (phase kind, predicted W) of the point in force
-    power_log: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    running: tuple[str, float, int, int] | None = None   # (phase kind, predicted W, GPU Hz, EMC Hz) in force
+    # log(measured / predicted) power, EWMA: per phase kind, and per (kind, GPU Hz, EMC Hz) that ran
+    power_log: Mapping[str | tuple[str, int, int], float] = field(default_factory=lambda: MappingProxyType({}))
     planned_t: float = float("-inf")
     plain: Decision | None = None                    # the DVFS decision the last plan capped
     out: Decision | None = None                      # what the last plan returned
@@ -124,14 +129,23 @@ def account(budget: Budget, state: BudgetState, now: float, power_w: float | Non
     first = next((k for k, sg in enumerate(segs) if sg[1] > now - budget.window_s), len(segs))
     log = state.power_log
     if state.running is not None and state.running[0] in BUSY and state.running[1] > 0 and power_w > 0:
-        kind, pred = state.running
+        kind, pred, g, e = state.running
         x = math.log(power_w / pred)
-        old = log.get(kind)
-        log = MappingProxyType({**log, kind: x if old is None else old + POWER_ALPHA * (x - old)})
+        new = dict(log)
+        for key in (kind, (kind, g, e)):
+            old = log.get(key)
+            new[key] = x if old is None else old + POWER_ALPHA * (x - old)
+        log = MappingProxyType(new)
     kept = segs[first:]
     if kept and kept[0][0] < now - budget.window_s:        # the part older than a window is never read again
         kept[0] = (now - budget.window_s, *kept[0][1:])
     return replace(state, segments=tuple(kept), last_t=now, power_log=log)
+
+
+def correction(state: BudgetState, kind: str, gpu_hz: int, emc_hz: int) -> float:
+    """measured / predicted power at a point: its own EWMA where it ran, else the kind's (1 before any)."""
+    log = state.power_log
+    return math.exp(log.get((kind, gpu_hz, emc_hz), log.get(kind, 0.0)))
 
 
 def window_energy(budget: Budget, state: BudgetState, start: float, end: float) -> float:
@@ -283,8 +297,8 @@ class BudgetController:
         out = 0.0
         for p in (PhaseEvent("prefill", n_tokens=RESERVE_PREFILL), PhaseEvent("decode", context=RESERVE_CONTEXT,
                                                                           batch=RESERVE_BATCH)):
-            floor = min(w for _, w, _, _ in self.points(p, st.dvfs))
-            out = max(out, floor * math.exp(max(0.0, st.power_log.get(p.kind, 0.0))))
+            floor = min(w * max(1.0, correction(st, p.kind, g, e)) for _, w, g, e in self.points(p, st.dvfs))
+            out = max(out, floor)
         return out
 
     def decide(self, readings: Readings, phase: PhaseEvent, profile: Profile, state: BudgetState,
@@ -295,16 +309,20 @@ class BudgetController:
         st = replace(st, dvfs=dstate)
         if d.critical or d.phase not in (*BUSY, "idle-hold"):
             status = self._status(st, now, st.status.allowed_w if st.status else b.watts, False, 0)
-            return d, replace(st, running=(d.phase, 0.0), plain=None, out=d, status=status)
+            return d, replace(st, running=(d.phase, 0.0, 0, 0), plain=None, out=d, status=status)
         if d.phase == "idle-hold":          # busy clocks held through a short gap: the capped ones
             out = st.out if st.out is not None and st.out.phase in BUSY else d
             held = replace(d, gpu_min_hz=min(d.gpu_min_hz, out.gpu_max_hz), gpu_max_hz=min(d.gpu_max_hz, out.gpu_max_hz),
                            emc_hz=min(d.emc_hz, out.emc_hz))
-            return held, replace(st, running=("idle", 0.0))
+            return held, replace(st, running=("idle", 0.0, 0, 0))
         if st.plain == d and st.out is not None and now - st.planned_t < RECHECK_S:
             # the plan holds; what the rails will be compared with is this step's power at those clocks
-            return st.out, replace(st, running=(phase.kind, self.step_power(phase, st.out)))
+            return st.out, replace(st, running=self._running(phase, st.out))
         return self._plan(d, phase, st, now)
+
+    def _running(self, p: PhaseEvent, d: Decision) -> tuple[str, float, int, int]:
+        """What the next reading's interval ran: the step's kind, its model power at the clocks, the clocks."""
+        return (p.kind, self.step_power(p, d), d.gpu_max_hz, d.emc_hz)
 
     def ranked(self, pts: list[tuple[float, float, int, int]], corr: float,
                lam: float) -> list[tuple[float, float, int, int]]:
@@ -323,8 +341,8 @@ class BudgetController:
 
     def _plan(self, d: Decision, phase: PhaseEvent, st: BudgetState, now: float) -> tuple[Decision, BudgetState]:
         b = self.budget
-        pts = self.points(phase, st.dvfs)
-        corr = math.exp(st.power_log.get(phase.kind, 0.0))
+        # every point at its corrected power (measured / predicted: the point's own where it ran)
+        pts = [(s, w * correction(st, phase.kind, g, e), g, e) for s, w, g, e in self.points(phase, st.dvfs)]
         reserve = self.reserve(st)
         # any EMC rate the mode allows; the GPU under the thermal cap when one is in force (thermal overrides)
         gpu_cap = d.gpu_max_hz if d.thermal_level > 0 else self.tables.gpu_top
@@ -338,16 +356,16 @@ class BudgetController:
         # every point that fits the window over its step and a recheck, cheapest at the price first: the price
         # picks the ceiling's point (power.policy.price); the window only vetoes
         allowed, fits = b.watts, []
-        for c in self.ranked(mine, corr, lam):
+        for c in self.ranked(mine, 1.0, lam):
             allowed = room(c, RECHECK_S + c[0])
-            if c[1] * corr <= allowed:
+            if c[1] <= allowed:
                 fits = [c]
                 break
         unmet = not fits
         cur = next((c for c in mine if (c[2], c[3]) == (d.gpu_max_hz, d.emc_hz)), None)
         if unmet:
             best = min(pts, key=lambda c: (c[1], c[0]))          # the least-power point of the whole board
-        elif cur is not None and cur[1] <= fits[0][1] and cur[1] * corr <= room(cur, self.horizon(phase, cur[0])):
+        elif cur is not None and cur[1] <= fits[0][1] and cur[1] <= room(cur, self.horizon(phase, cur[0])):
             best = cur          # the profile's own point draws no more than the price allows: the budget does not bind
         else:
             best = fits[0]
@@ -359,19 +377,18 @@ class BudgetController:
                           reason=f"{d.reason}; budget {b.watts:g} W: {allowed:.1f} W allowed")
         if unmet:
             out = replace(out, message=f"power budget {b.watts:g} W over {b.window_s:g} s cannot be met even at "
-                          f"the floor ({best[1] * corr:.1f} W predicted, {allowed:.1f} W allowed): serving at the floor")
+                          f"the floor ({best[1]:.1f} W predicted, {allowed:.1f} W allowed): serving at the floor")
         over = unmet and window_average(b, st, now) > b.watts      # the floor is not holding the window
         status = replace(self._status(st, now, allowed, unmet, int(capped)),
                          max_rows=self._rows(st, allowed) if over else None)
-        return out, replace(st, running=(phase.kind, self.step_power(phase, out)), plain=d, out=out, planned_t=now,
+        return out, replace(st, running=self._running(phase, out), plain=d, out=out, planned_t=now,
                             status=status)
 
     def _rows(self, st: BudgetState, allowed: float) -> int:
         """The most decode rows whose least-power step fits ``allowed`` (corrected), at least one."""
-        corr = math.exp(st.power_log.get("decode", 0.0))
         for rows in range(RESERVE_BATCH, 0, -1):
             p = PhaseEvent("decode", context=RESERVE_CONTEXT, batch=rows)
-            if min(w for _, w, _, _ in self.points(p, st.dvfs)) * corr <= allowed:
+            if min(w * correction(st, "decode", g, e) for _, w, g, e in self.points(p, st.dvfs)) <= allowed:
                 return rows
         return 1
 
