@@ -90,6 +90,7 @@ class Cycle:
     outcomes: dict[str, int] = field(default_factory=dict)
     journaled_at_kill: int = 0         # board files a kill left changed (the journal's entries): recovery's work
     before_first_line: bool = False    # SIGTERM came while the interpreter was still starting (no handler yet)
+    bad_requests: list[str] = field(default_factory=list)  # each cut / hung request: what it saw, when (s after spawn)
 
 
 def _client(url: str, stop: threading.Event, out: list[Req], rng: random.Random) -> None:
@@ -244,6 +245,9 @@ class Chaos:
             if r.outcome == "cut" and gone_at is not None and r.started <= gone_at:
                 r.outcome = "cut_at_kill"  # in flight when the process was killed: nothing could answer
             c.outcomes[r.outcome or "hung"] = c.outcomes.get(r.outcome or "hung", 0) + 1
+            if (r.outcome or "hung") in ("cut", "hung"):
+                c.bad_requests.append(f"{r.outcome or 'hung'}: {r.detail or '?'}, {r.started - t0:.3f}-"
+                                      f"{(r.ended or time.monotonic()) - t0:.3f} s")
         self._recover(c)
         self._compare(c)
         return c
@@ -316,7 +320,8 @@ def failures(c: Cycle) -> list[str]:
             bad.append(f"{what}: {getattr(c, what)[:4]}")
     for k in ("cut", "hung"):
         if c.outcomes.get(k):
-            bad.append(f"{c.outcomes[k]} request(s) {k}")
+            seen = [b for b in c.bad_requests if b.startswith(k)][:4]
+            bad.append(f"{c.outcomes[k]} request(s) {k} ({'; '.join(seen)})")
     return [f"cycle {c.n} ({c.action}{' in start-up' if c.during_start_up else ''} at {c.signal_at_s} s): {b}"
             for b in bad]
 
