@@ -200,9 +200,9 @@ class Attention(nn.Module):
             past_k.scatter_(2, slot, k)
             past_v.scatter_(2, slot, v)
             q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)  # same GQA fold as below
-            if t == 1:  # decode: two batched GEMMs over the cache at model dtype; only the (B, KV, G, L)
-                # scores are fp32. SDPA's kernels run one block per KV head for G query rows here (8 blocks
-                # for Llama-3-8B: 31 us a layer on an H200 against ~1 us of K/V traffic).
+            if t == 1:  # decode: decode_attention_dense (DECODE_PV). SDPA's kernels run one block per KV
+                # head for G query rows here (8 blocks for Llama-3-8B: 31 us a layer on an H200 against ~1 us
+                # of K/V traffic).
                 out = decode_attention_dense(q, past_k, past_v, mask)
             else:
                 with sdpa_kernel(SDPA_BACKENDS):

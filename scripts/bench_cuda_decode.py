@@ -364,9 +364,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel profile of the last variant's decode step, graphed (compiled if it is)")
     ap.add_argument("--attention-sweep", action="store_true",
-                    help="first time one layer's decode attention per probs @ V formulation (partition.model.DECODE_PV)")
-    ap.add_argument("--decode-pv", default="matmul",
-                    help="partition.model.DECODE_PV for the run, or 'best': the sweep's fastest (needs --attention-sweep)")
+                    help="first time one layer's decode attention per formulation (partition.model.DECODE_PV)")
+    ap.add_argument("--decode-pv", default=None,
+                    help="partition.model.DECODE_PV for the run (default: the model's own default), or 'best': "
+                         "the sweep's fastest (needs --attention-sweep)")
     ap.add_argument("--out", help="write the JSON here too, after every variant")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -397,8 +398,8 @@ def main() -> None:
             sys.exit("error: --decode-pv best needs --attention-sweep")
         ok = [r for r in meta["attention_sweep"]["rows"] if "error" not in r and r["max_abs_err_vs_matmul"] < 0.05]
         pm.DECODE_PV = min(ok, key=lambda r: r["us_per_call"])["pv"] if ok else "matmul"
-    elif args.decode_pv in pm.DECODE_PV_CHOICES:
-        pm.DECODE_PV = args.decode_pv
+    elif args.decode_pv is None or args.decode_pv in pm.DECODE_PV_CHOICES:
+        pm.DECODE_PV = args.decode_pv or pm.DECODE_PV
     else:
         sys.exit(f"error: --decode-pv {args.decode_pv}: use best or one of {', '.join(pm.DECODE_PV_CHOICES)}")
     meta["decode_pv"] = pm.DECODE_PV

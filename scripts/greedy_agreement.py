@@ -41,7 +41,8 @@ def reference_top1(gguf: Path, tokens: Sequence[int]) -> Any:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default="smollm2-135m-instruct", help="GGUF file or alias")
     ap.add_argument("--activations", default="fp32,mixed,int8", help="comma-separated decoder precisions")
     ap.add_argument("--texts", default=",".join(str(t) for t in TEXTS), help="comma-separated text files")

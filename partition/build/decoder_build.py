@@ -139,7 +139,8 @@ def _checkpoint_weights(model_dir: Path) -> DecoderWeights:
 #   "fp32": fp32 activations (level 0) in every layer: 100 % on every text.
 #   "mixed": int8 activations in the fused gate/up projection only (half of a layer's weights), fp32 elsewhere:
 #           99.0 % on teacher_forced.txt, but 97.8 % on code and 98.7 % over all four.
-#   "int8": int8 activations everywhere (level 4, MLAS's VNNI kernels), ~25 % less CPU per token here, 96.8 % over all four
+#   "int8": int8 activations everywhere (level 4, MLAS's VNNI kernels), ~25 % less CPU per token here, 96.8 %
+#           over all four
 #           (llama.cpp, which also quantises activations to 8 bits: 97.1 % on teacher_forced.txt).
 PRECISIONS: dict[str, tuple[int | dict[str, int], int]] = {
     "fp32": (ACCURACY_FP32, 32), "mixed": ({"default": ACCURACY_FP32, "gate_up": ACCURACY_INT8}, 32),

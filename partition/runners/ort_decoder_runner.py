@@ -5,8 +5,8 @@ The cache is one numpy buffer per layer and K/V, (max_batch, KV, capacity, hd) f
 to max_seq as sequences grow), wrapped in OrtValues; each step binds a row range of it both as `past_*` and
 as `present_*`, so GroupQueryAttention writes the new K/V into it by position and nothing is copied (its
 past_present_share_buffer mode). The binding stays in place from step to step (the step's inputs and logits are
-buffers of the runner's own, written in place), so a decode step makes no binding calls. Rows that are not one contiguous range (a batch of scattered slots) are
-gathered into a scratch buffer and written back after the step. Follows SliceRunner's contract for the one
+buffers of the runner's own, written in place), so a decode step makes no binding calls. Rows that are not one
+contiguous range (a batch of scattered slots) are gathered into a scratch buffer and written back after the step. Follows SliceRunner's contract for the one
 slice [0, n_layers).
 
 Threads and spinning come from `OrtOptions` (partition/runners/ort_runner.py); the defaults for the
