@@ -104,8 +104,10 @@ def test_decoder_graph_matches_torch_runner(form: str) -> None:
         _mins_model(model)
     weights = weights_from_model(model)
     for level, tol in ((0, 2e-5), (4, 5e-2), (ACCURACY_SPLIT, 2e-3)):
-        if level == ACCURACY_SPLIT and form in ("float", "int8"):
-            continue  # the split mode is for 4-bit codes
+        if level == ACCURACY_SPLIT and form == "float":
+            continue  # the split mode is for codes
+        if level == 0 and form == "int8":
+            tol = 2e-3  # 8-bit codes with fp32 activations run the split input (_Graph.linear)
         runner = OrtDecoderRunner(build_decoder(weights, 64, level).SerializeToString(), 3, 64, max_batch=2)
         ref = TorchRunner(model, SliceSpec(0, 3, 3), 64, max_batch=2)
         ids = np.random.default_rng(0).integers(0, 512, (2, 5)).astype(np.int32)

@@ -21,7 +21,7 @@ from typing import Callable
 from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, DecoderWeights, QuantWeight, build_decoder, \
     weights_from_gguf
 
-FORMAT = 3  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
+FORMAT = 4  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
 GRAPH = "decoder.onnx"
 MAX_ROPE = 1 << 17  # rotary cache rows are cheap (64 floats each for head_dim 128): cover any context
 
