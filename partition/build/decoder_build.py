@@ -136,7 +136,8 @@ def _checkpoint_weights(model_dir: Path) -> DecoderWeights:
 # recomputed exactly (ort_decoder._rescored_head). Agreement = greedy tokens equal to the dequantised float model's
 # at every teacher-forced position of four texts, 2137 positions (SmolLM2-135M Q4_1: tests/data/teacher_forced.txt
 # and three held-out ones, scripts/greedy_agreement.py; docs/BENCHMARKS.md):
-#   "fp32": fp32 activations (level 0) in every layer: 100 % on every text.
+#   "fp32": fp32 activations (level 0) in every layer (8-bit codes: the split input x = x_hi + x_lo through the
+#           int8 kernel, ort_decoder._Graph.linear): 100 % on every text.
 #   "mixed": int8 activations in the fused gate/up projection only (half of a layer's weights), fp32 elsewhere:
 #           99.0 % on teacher_forced.txt, but 97.8 % on code and 98.7 % over all four.
 #   "int8": int8 activations everywhere (level 4, MLAS's VNNI kernels), ~25 % less CPU per token here, 96.8 %
