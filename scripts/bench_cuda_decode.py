@@ -324,28 +324,12 @@ def attention_sweep(name: str, dtype: torch.dtype, context: int, l2_bytes: int =
 
 def _time_attention(pv: str, q: Tensor, caches: list, mask: Tensor, want: Tensor) -> dict:
     from partition import model as pm
+    from scripts.bench_kv_gpu import graph_time_us
 
     fn = torch.compile(lambda a, b, c, m, pv=pv: pm.decode_attention_dense(a, b, c, m, pv), fullgraph=True)
     err = float((fn(q, *caches[0], mask).float() - want).abs().max())
-    for k, v in caches[:2]:
-        fn(q, k, v, mask)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for k, v in caches:
-            fn(q, k, v, mask)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(caches))
-    return {"pv": pv, "us_per_call": round(sorted(times)[2], 2), "max_abs_err_vs_matmul": err,
-            "cache_copies": len(caches)}
+    us = graph_time_us([lambda k=k, v=v: fn(q, k, v, mask) for k, v in caches], replays=5)
+    return {"pv": pv, "us_per_call": round(us, 2), "max_abs_err_vs_matmul": err, "cache_copies": len(caches)}
 
 
 def main() -> None:

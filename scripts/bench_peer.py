@@ -163,23 +163,16 @@ def kv_bytes_per_token(gguf: Path, context: int, bytes_per_value: int) -> float:
 def teacher_forced(gguf: Path, text: str, llama_py: str | None, amx: bool) -> dict[str, Any]:
     """Greedy agreement with the dequantised float model on every position of `text` (teacher forcing)."""
     import numpy as np
-    import torch
 
     from partition.build.decoder_build import ensure_decoder
-    from partition.gguf.tensors import load_gguf_model
+    from partition.gguf.reader import read_model
     from partition.runners.ort_decoder_runner import OrtDecoderRunner, teacher_forced_top1
-    from partition.runners.torch_runner import TorchRunner
-    from partition.slices import SliceSpec
     from partition.tokenizer import Tokenizer
+    from scripts.greedy_agreement import reference_top1
 
     tokens = Tokenizer.from_dir(gguf).encode(text)
-    model = load_gguf_model(gguf, dequantize=True)
-    n = model.config.n_layers
-    with torch.no_grad():
-        logits = TorchRunner(model, SliceSpec(0, n, n), len(tokens) + 8).run(
-            np.asarray(tokens, np.int32)[None], np.arange(len(tokens), dtype=np.int32)[None], all_logits=True)
-    want = logits[0, :-1].argmax(-1).numpy()
-    del model
+    want = reference_top1(gguf, tokens)
+    n = read_model(gguf).config.n_layers
     runner = OrtDecoderRunner(ensure_decoder(gguf, log=log), n, len(tokens) + 8)
     got = teacher_forced_top1(runner, tokens)
     out: dict[str, Any] = {"positions": int(len(want)), "project": float((got == want).mean())}
