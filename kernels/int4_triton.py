@@ -138,14 +138,10 @@ if triton is not None:
             return v.to(tl.float32, bitcast=True) - 2.0 ** (35 - 4 * I)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, sb_ptr, out_ptr, M, N, KS, STEPS_SPLIT, stride_xm,
-                     GROUP: tl.constexpr, TN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
-        """out[split, m, rows] = partial sums of x[m] . w[rows] over this split's steps (layout: the module
-        docstring). Grid: (M, tiles, split); M fastest, so the programs of one weight tile run together
-        and a second row's read of it hits L2. EVEN: N a multiple of TN (no store mask)."""
-        pid_m = tl.program_id(0)
-        pid_t = tl.program_id(1)
-        pid_s = tl.program_id(2)
+    def _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s,
+                   GROUP: tl.constexpr, TN: tl.constexpr, STAGES: tl.constexpr):
+        """(TN,) fp32: x[pid_m] . w[rows of tile pid_t] over the steps of split pid_s (layout: the module
+        docstring)."""
         r = tl.arange(0, TN)
         bi = tl.arange(0, 2)
         ji = tl.arange(0, 4)
@@ -175,12 +171,63 @@ if triton is not None:
             dot = tl.sum(t, axis=2)  # (TN, 2): sum over each block of q * x, times 2^-100
             xsum = tl.sum(xs, axis=1)  # (2,): sum of x over each block
             acc += dot * (sv.to(tl.float32) * 2.0 ** 100) + bv.to(tl.float32) * xsum[None, :]
-        out = tl.sum(acc, axis=1)
-        rows = pid_t * TN + r
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, sb_ptr, out_ptr, M, N, KS, STEPS_SPLIT, stride_xm,
+                     GROUP: tl.constexpr, TN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
+        """out[split, m, rows] = partial sums of x[m] . w[rows] over this split's steps. Grid: (M, tiles,
+        split); M fastest, so the programs of one weight tile run together and a second row's read of it
+        hits L2. EVEN: N a multiple of TN (no store mask)."""
+        pid_m = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN, STAGES)
+        rows = pid_t * TN + tl.arange(0, TN)
         if EVEN:
             tl.store(out_ptr + (pid_s * M + pid_m) * N + rows, out)
         else:
             tl.store(out_ptr + (pid_s * M + pid_m) * N + rows, out, mask=rows < N)
+
+    @triton.jit
+    def _gemv_reduced_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NT, KS, STEPS_SPLIT, stride_xm,
+                             GROUP: tl.constexpr, TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
+                             CH: tl.constexpr, STAGES: tl.constexpr):
+        """y[m, rows] = x[m] . w[rows] in y's dtype, the split-K sum done in this kernel (REDUCE_MODES):
+        every program of a (row, tile) adds its partial into the fp32 scratch (MODE 1: atomically into
+        ws (M, N), which the last program zeroes again; MODE 2: its own slice of ws (SPLIT, M, N), which the
+        last program sums in split order, CH splits per load), then counts itself in cnt (M, NT); the
+        program that counts last writes y and resets its counter to 0, so the scratch is as it was found
+        after every call (what lets the op declare no mutation, and CUDA graphs replay it)."""
+        pid_m = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN, STAGES)
+        rows = pid_t * TN + tl.arange(0, TN)
+        ok = rows < N
+        y_row = y_ptr + pid_m * N + rows
+        if SPLIT == 1:
+            tl.store(y_row, out.to(y_ptr.dtype.element_ty), mask=ok)
+        else:
+            if MODE == 1:
+                tl.atomic_add(ws_ptr + pid_m * N + rows, out, mask=ok, sem="relaxed")
+            else:
+                tl.store(ws_ptr + (pid_s * M + pid_m) * N + rows, out, mask=ok)
+            tl.debug_barrier()  # every thread's partial issued before the count is released (CUTLASS's split-K semaphore)
+            done = tl.atomic_add(cnt_ptr + pid_m * NT + pid_t, 1, sem="acq_rel")
+            if done == SPLIT - 1:
+                if MODE == 1:
+                    tot = tl.load(ws_ptr + pid_m * N + rows, mask=ok, cache_modifier=".cg")
+                    tl.store(ws_ptr + pid_m * N + rows, tl.zeros((TN,), tl.float32), mask=ok)
+                else:
+                    tot = tl.zeros((TN,), tl.float32)
+                    for s0 in tl.static_range(0, SPLIT, CH):
+                        sp = s0 + tl.arange(0, CH)
+                        part = tl.load(ws_ptr + (sp[:, None] * M + pid_m) * N + rows[None, :],
+                                       mask=(sp[:, None] < SPLIT) & ok[None, :], other=0.0, cache_modifier=".cg")
+                        tot += tl.sum(part, axis=0)
+                tl.store(y_row, tot.to(y_ptr.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(cnt_ptr + pid_m * NT + pid_t, 0, sem="relaxed")
 
     @triton.jit
     def _dequant_kernel(w_ptr, sb_ptr, out_ptr, N, KS, GROUP: tl.constexpr, TN: tl.constexpr, RB: tl.constexpr):
@@ -276,11 +323,58 @@ def gemv_split(n: int, k: int, device: torch.device) -> int:
     return gemv_config(n, k, sms)[1]
 
 
-def linear(x2: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, split: int) -> Tensor:
-    """x2 (M, K) @ W^T -> (M, N) in x2's dtype: the GEMV for M <= GEMV_MAX_M (split-K partials summed
-    here, where inductor fuses the sum and the cast into the next kernel), else dequantise once and
-    F.linear (cuBLAS / inductor's mm)."""
+# Where the GEMV's split-K partial sums are added up: "partials" (the op returns (split, M, N) fp32 and
+# `linear` sums them in torch, where inductor may fuse the sum into the next kernel: in the compiled Llama-3-8B
+# INT4 step on an H200 three of the four sums a layer stayed kernels of their own, 232 us of a 3.74 ms step,
+# docs/BENCHMARKS.md), "atomic" (fp32 atomic adds into a scratch row that the last program of a tile reads,
+# casts and zeroes: one kernel, but the order of the adds, hence the last bit of a sum, varies from run to
+# run) or "last" (each program stores its partial, the last one of a tile sums them in split order:
+# one kernel, deterministic). Only layers built with a scratch (`scratch`) take the two in-kernel modes.
+REDUCE_MODES = {"partials": 0, "atomic": 1, "last": 2}
+REDUCE = "partials"
+REDUCE_CHUNK = 8  # splits per load in "last" mode's sum (8 x 512 fp32 = 32 registers a thread at 4 warps)
+
+
+def scratch(n: int, codes: Tensor) -> tuple[Tensor, Tensor]:
+    """The zeroed fp32 row scratch (GEMV_MAX_M, N) and int32 tile counters (GEMV_MAX_M, tiles) that the
+    in-kernel split-K modes use and leave zeroed; one pair per layer (kernels on one stream run one after
+    another, and a layer's calls never overlap)."""
+    return (torch.zeros((GEMV_MAX_M, n), device=codes.device, dtype=torch.float32),
+            torch.zeros((GEMV_MAX_M, codes.shape[0]), device=codes.device, dtype=torch.int32))
+
+
+@torch.library.custom_op("orin_agent::int4_gemv_reduced", mutates_args=())
+def int4_gemv_reduced(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, group_size: int,
+                      split: int, mode: int) -> Tensor:
+    """x (M, K) @ W^T -> (M, N) in x's dtype, the split-K sum inside the kernel (mode: REDUCE_MODES' 1 or 2).
+    ws and cnt (`scratch`) are written during the call and left zeroed: no mutation is visible after it."""
+    m, k = x.shape
+    nt, ks, tn, _ = codes.shape
+    if m > ws.shape[0] or mode not in (1, 2):
+        raise ValueError(f"int4_gemv_reduced takes up to {ws.shape[0]} rows and mode 1 or 2, got {m} rows, mode {mode}")
+    warps, _, stages = gemv_config(n, k, 132, tn)
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    part = ws if mode == 1 or split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    _gemv_reduced_kernel[(m, nt, split)](x, codes, sb, y, part, cnt, m, n, nt, ks, -(-ks // split), x.stride(0),
+                                         GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
+                                         CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
+                                         num_warps=warps)
+    return y
+
+
+@int4_gemv_reduced.register_fake
+def _(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, group_size: int, split: int,
+      mode: int) -> Tensor:
+    return x.new_empty((x.shape[0], n))
+
+
+def linear(x2: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, split: int,
+           ws: Tensor | None = None, cnt: Tensor | None = None) -> Tensor:
+    """x2 (M, K) @ W^T -> (M, N) in x2's dtype: the GEMV for M <= GEMV_MAX_M (split-K summed as REDUCE
+    says; "partials" where no scratch is given), else dequantise once and F.linear (cuBLAS / inductor's mm)."""
     if x2.shape[0] > GEMV_MAX_M:
         return torch.nn.functional.linear(x2, int4_dequant(codes, sb, n, group_size, x2.dtype))
+    if REDUCE != "partials" and ws is not None and cnt is not None:
+        return int4_gemv_reduced(x2.contiguous(), codes, sb, ws, cnt, n, group_size, split, REDUCE_MODES[REDUCE])
     partial = int4_gemv(x2.contiguous(), codes, sb, n, group_size, split)
     return (partial[0] if split == 1 else partial.sum(0)).to(x2.dtype)

@@ -103,6 +103,9 @@ class QuantLinear(nn.Module):
             self.register_buffer("weight", codes)  # int32 (N / T, K / 64, T, 8): kernels.int4_triton's row tiles
             self.register_buffer("sb", sb)  # fp16 (N / T, G, T, 2): scale and offset per row and group
             self.split = int4_triton.gemv_split(self.out_features, self.in_features, device)  # GEMV split-K
+            ws, cnt = int4_triton.scratch(self.out_features, codes)  # the in-kernel split-K sum's, left zeroed
+            self.register_buffer("gemv_ws", ws, persistent=False)
+            self.register_buffer("gemv_cnt", cnt, persistent=False)
         else:
             self.register_buffer("weight", q.to(torch.uint8).contiguous())
             self.register_buffer("scales", scales.to(dtype).contiguous())
@@ -141,7 +144,8 @@ class QuantLinear(nn.Module):
 
     def _fast(self, x2: Tensor) -> Tensor:
         if self.kernel == "int4_triton":
-            return int4_triton.linear(x2, self.weight, self.sb, self.out_features, self.group_size, self.split)
+            return int4_triton.linear(x2, self.weight, self.sb, self.out_features, self.group_size, self.split,
+                                      self.gemv_ws, self.gemv_cnt)
         if self.kernel == "int8dq":
             return F.linear(x2, self.weight.to(x2.dtype)) * self.scales
         if self.kernel == "int8pack":

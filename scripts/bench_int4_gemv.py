@@ -128,6 +128,12 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
         if m <= it.GEMV_MAX_M:
             sec = graph_time([lambda c=c, b=b: it.linear(x, c, b, n, group, split) for c, b in mine], 4 * nc)
             row("triton gemv", m, sec, int4_bytes, rel(it.linear(x, codes, sb, n, group, split)), split=split)
+            scr = [it.scratch(n, c) for c, _ in mine]  # the split-K sum inside the kernel (it.REDUCE_MODES)
+            for mode, code in ((md, cd) for md, cd in it.REDUCE_MODES.items() if cd):
+                call = lambda c, b, w: it.int4_gemv_reduced(x, c, b, w[0], w[1], n, group, split, code)  # noqa: E731
+                sec = graph_time([lambda c=c, b=b, w=w: call(c, b, w) for (c, b), w in zip(mine, scr)], 4 * nc)
+                row(f"triton gemv, sum {mode}", m, sec, int4_bytes, rel(call(codes, sb, it.scratch(n, codes))),
+                    split=split)
         else:
             sec = graph_time([lambda c=c, b=b: it.linear(x, c, b, n, group, split) for c, b in mine], 2 * nc)
             row("triton dequant+F.linear", m, sec, int4_bytes, rel(it.linear(x, codes, sb, n, group, split)))

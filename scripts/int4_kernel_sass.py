@@ -50,6 +50,19 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
                                                      if o in ("LOP3", "SHF", "IMAD", "IADD3", "LEA", "PRMT",
                                                               "SGXT", "ISETP", "MOV")) / weights, 2),
                      "top_opcodes": dict(ops.most_common(10))})
+    for mode, name in ((1, "atomic"), (2, "last")):  # the split-K sum inside the kernel (it.REDUCE_MODES)
+        ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+                "cnt_ptr": "*i32"}
+        kern = compile_kernel(it._gemv_reduced_kernel, ptrs,
+                              {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": mode,
+                               "CH": min(it.REDUCE_CHUNK, split), "STAGES": stages}, arch, warps, stages)
+        usage = cuobjdump(kern, "--dump-resource-usage")
+        sass = cuobjdump(kern, "-sass")
+        rows.append({"kernel": f"gemv bf16, split-K sum in the kernel ({name})", "arch": f"sm_{arch}", "tile_n": tn,
+                     "warps": warps, "split": split, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+                     "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+                     "atomics": dict(Counter(re.findall(r"((?:REDG|RED|ATOMG|ATOM)\.[.A-Z0-9]*)", sass))),
+                     "fences_barriers": dict(Counter(re.findall(r"((?:MEMBAR|FENCE|BAR)\.[.A-Z0-9]*)", sass)))})
     for act in ("bf16", "fp16"):
         ptrs = {"w_ptr": "*i32", "sb_ptr": "*fp16", "out_ptr": f"*{act}"}
         kern = compile_kernel(it._dequant_kernel, ptrs, {"GROUP": group, "TN": tn, "RB": min(tn, 256)}, arch, 4, 1)

@@ -84,9 +84,15 @@ def test_cuda_int4_float_mins_match_reference() -> None:
         assert (got - want).abs().max() <= 0.02 * want.abs().max(), (cuda_int4, (got - want).abs().max())
 
 
-def test_cuda_int4_compiled_graph_step_matches_eager(tiny_checkpoint: Path) -> None:
-    """The INT4 Triton ops inside the compiled, graphed decode step (custom ops with fake impls)."""
+@pytest.mark.parametrize("reduce", ["partials", "atomic", "last"])
+def test_cuda_int4_compiled_graph_step_matches_eager(tiny_checkpoint: Path, reduce: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The INT4 Triton ops inside the compiled, graphed decode step (custom ops with fake impls), with each
+    place for the split-K sum (kernels.int4_triton.REDUCE): the in-kernel ones replayed by the graph step after
+    step must leave their scratch zeroed, or the second step's sums would be off."""
     torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(int4_triton, "REDUCE", reduce)
+    torch._dynamo.reset()
     model = load_model(tiny_checkpoint, device="cuda")
     quantize_model(model, default_spec(4, 32))
     kernels = {m.kernel for m in model.modules() if isinstance(m, QuantLinear)}

@@ -96,6 +96,28 @@ def check_kernels(device: str) -> None:
             got = it.int4_gemv(x, codes, sb, n, group, split).sum(0)
             err = float((got.double() - want).norm() / want.norm())
             assert err < 1e-6, (n, k, group, m, dtype, split, err)  # fp32 rounding: products are exact
+    # the split-K sum inside the kernel, both modes: same numbers, scratch left zeroed (so a second call and a
+    # graph replay see it as the first did), and the "last" mode's sum in split order repeats bit for bit
+    for seed, (n, k, group, mins, tile_n) in enumerate(cases):
+        w = _weights(n, k, group, mins, seed)
+        codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w.get("zeros"), mins=w.get("mins"),
+                                                   tile_n=tile_n))
+        ws, cnt = it.scratch(n, codes)
+        ref = _reference(w).to(device)
+        for mode in (1, 2):
+            for m, dtype, split in ((1, torch.float32, 1), (3, torch.float32, 4), (2, torch.bfloat16, 2), (1, torch.float32, 16)):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
+                want = x.double() @ ref.double().T
+                got = it.int4_gemv_reduced(x, codes, sb, ws, cnt, n, group, split, mode)
+                assert got.shape == (m, n) and got.dtype == dtype
+                err = float((got.double() - want).norm() / want.norm())
+                assert err < (1e-6 if dtype == torch.float32 else 2 ** -8), (n, k, mode, m, dtype, split, err)
+                assert int(cnt.abs().sum()) == 0 and float(ws.abs().sum()) == 0, (mode, split)
+                again = it.int4_gemv_reduced(x, codes, sb, ws, cnt, n, group, split, mode)
+                if mode == 2 or device == "cpu":  # the interpreter runs programs in order: atomics too
+                    assert torch.equal(again, got), (mode, split)
+    with pytest.raises(ValueError, match="rows and mode"):
+        it.int4_gemv_reduced(torch.zeros(it.GEMV_MAX_M + 1, 256, device=device), codes, sb, ws, cnt, n, 128, 1, 1)
     # activations over ~40 orders of magnitude of 2 (an outlier channel, tiny values): still fp32-exact products
     w = _weights(64, 256, 32, False, 9)
     codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=32))
@@ -106,12 +128,16 @@ def check_kernels(device: str) -> None:
     got = it.int4_gemv(x, codes, sb, 64, 32, 2).sum(0)
     assert float((got.double() - want).norm() / want.norm()) < 1e-6
     # through the public entry: GEMV rows and the dequantise + F.linear path (more than GEMV_MAX_M rows)
-    for m in (1, it.GEMV_MAX_M + 3):
-        x = torch.randn(m, 256, device=device)
-        got = it.linear(x, codes, sb, 64, 32, 2)
-        want = x @ _reference(w).to(device).T
-        assert got.shape == (m, 64) and got.dtype == x.dtype
-        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (m, float((got - want).abs().max()))
+    ws, cnt = it.scratch(64, codes)
+    for mode in it.REDUCE_MODES:
+        it.REDUCE = mode
+        for m in (1, it.GEMV_MAX_M + 3):
+            x = torch.randn(m, 256, device=device)
+            got = it.linear(x, codes, sb, 64, 32, 2, ws, cnt)
+            want = x @ _reference(w).to(device).T
+            assert got.shape == (m, 64) and got.dtype == x.dtype
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (mode, m, float((got - want).abs().max()))
+    it.REDUCE = "partials"
 
 
 def check_compile(device: str) -> None:
@@ -126,6 +152,19 @@ def check_compile(device: str) -> None:
     for m in (1, 6):
         x = torch.randn(m, 256, device=device)
         assert torch.allclose(compiled(x), f(x), atol=1e-5), m
+    ws, cnt = it.scratch(64, codes)  # the in-kernel split-K sum traces whole too, and repeats under the compiled call
+
+    def g(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(it.linear(x, codes, sb, 64, 32, 2, ws, cnt)) * 2
+
+    for mode in ("atomic", "last"):
+        it.REDUCE = mode
+        torch._dynamo.reset()
+        compiled = torch.compile(g, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+        x = torch.randn(1, 256, device=device)
+        for _ in range(2):
+            assert torch.allclose(compiled(x), f(x), atol=1e-5), mode
+    it.REDUCE = "partials"
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
