@@ -5,17 +5,24 @@ a fresh connection that never sends a byte would otherwise stay open. The reques
 uvicorn's `limit_concurrency` (it counts open connections, idle ones included, and answers plain
 text): `agent.api.guard` counts requests in flight and answers JSON 503 with Retry-After.
 
-At shutdown no accepted request meets a closed socket (`DrainingServer`): the connections the kernel
-has already accepted (its listen backlog) are taken in before the listening socket closes, and a
-connection with no request in progress is kept `DRAIN_S` for one already on its way; the guard answers
-each such request 503 with Retry-After (the service is stopping). uvicorn alone closes both.
+At shutdown no accepted request meets a closed socket (`DrainingServer`): first the listening socket
+stops answering new handshakes (`refuse_new_connections`, Linux), then the connections the kernel has
+already accepted (its listen backlog, and handshakes under way for `HANDSHAKE_S`) are taken in, and
+only then does the listening socket close; a connection with no request in progress is kept `DRAIN_S`
+for one already on its way; the guard answers each such request 503 with Retry-After (the service is
+stopping). uvicorn alone closes both. Closing a listening socket resets every connection still in its
+queue, which its client sees as a reset after its request was sent: without the first step, one whose
+handshake completed between the last accept and the close was cut (a rare 'cut' in the chaos test).
+A client whose handshake is refused retries its SYN (1 s) and then meets the closed port: refused.
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import socket
+import sys
 from typing import Any
 
 import h11
@@ -25,6 +32,45 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 DRAIN_S = 1.0  # at shutdown: how long a connection with no request yet is kept for one already sent
+HANDSHAKE_S = 0.25  # at shutdown, new SYNs dropped: how long a handshake under way gets to complete (a round trip)
+
+# A classic BPF socket filter that drops a segment with SYN set and ACK clear (a new connection's first
+# segment) and keeps every other. On a listening TCP socket the kernel runs it on each segment, from the
+# TCP header on (tcp_filter() in net/ipv4/tcp_ipv4.c, tcp_v6_rcv likewise), so a handshake under way
+# still completes (its last ACK passes) and a new one gets no SYN-ACK. Accepted connections inherit
+# the filter (sk_clone_lock); they never get a bare SYN. Opcodes: include/uapi/linux/bpf_common.h,
+# filter.h (BPF_LD|BPF_B|BPF_ABS 0x30, BPF_ALU|BPF_AND|BPF_K 0x54, BPF_JMP|BPF_JEQ|BPF_K 0x15,
+# BPF_RET|BPF_K 0x06).
+_DROP_NEW_SYN = ((0x30, 0, 0, 13),          # A = the TCP flags byte
+                 (0x54, 0, 0, 0x12),        # A &= SYN | ACK
+                 (0x15, 0, 1, 0x02),        # A == SYN (a new handshake): drop; else keep
+                 (0x06, 0, 0, 0),           # drop
+                 (0x06, 0, 0, 0xFFFFFFFF))  # keep the whole segment
+SO_ATTACH_FILTER = 26  # include/uapi/asm-generic/socket.h (x86, arm64 and the other asm-generic ABIs)
+
+
+class _SockFilter(ctypes.Structure):  # struct sock_filter (include/uapi/linux/filter.h)
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):  # struct sock_fprog
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def refuse_new_connections(sock: socket.socket) -> bool:
+    """Make the listening socket `sock` drop new connections' SYNs (Linux); a handshake already under
+    way still completes into the listen queue. False where that cannot be done (another OS): new
+    connections then keep queueing until the close, which resets them."""
+    if not sys.platform.startswith("linux"):
+        return False
+    prog = (_SockFilter * len(_DROP_NEW_SYN))(*(_SockFilter(*ins) for ins in _DROP_NEW_SYN))
+    fprog = _SockFprog(len(_DROP_NEW_SYN), ctypes.cast(prog, ctypes.POINTER(_SockFilter)))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, bytes(fprog))  # the kernel copies `prog` now
+    except OSError as exc:
+        log.warning("at shutdown, new connections could not be refused before the listener closes: %s", exc)
+        return False
+    return True
 
 log = logging.getLogger("orin_agent.api")
 
@@ -96,35 +142,53 @@ class TimedH11Protocol(H11Protocol):
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, whose shutdown first takes in the connections the kernel already accepted (in
-    the listen backlog), so that each is answered (503 from the guard) rather than reset."""
+    """uvicorn's server, whose shutdown first stops new handshakes on the listening socket, then takes in
+    the connections the kernel already accepted (its listen backlog), so that each is answered (503
+    from the guard) rather than reset by the listener's close."""
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        loop = asyncio.get_running_loop()
         # A second descriptor of each listening socket keeps it open past asyncio's close, long enough
         # to accept what is queued; once it closes, new connections are refused.
         held = [socket.socket(fileno=os.dup(s.fileno())) for server in self.servers for s in server.sockets]
+        refusing = [refuse_new_connections(listener) for listener in held]
         for server in self.servers:
             server.close()
-        taken = 0
-        for listener in held:
-            try:
-                listener.setblocking(False)
-                while True:
-                    try:
-                        conn, _ = listener.accept()
-                    except (BlockingIOError, InterruptedError):
-                        break
-                    conn.setblocking(False)
-                    await loop.connect_accepted_socket(self._protocol, conn)
-                    taken += 1
-            except OSError as exc:  # the listening socket is gone: nothing queued to take
-                log.warning("at shutdown, the listen backlog could not be taken in: %s", exc)
-            finally:
+        try:
+            # Without the filter the queue never stays empty: a handshake that completes after the last
+            # accept is reset by the close (nothing to wait for then; the race is only narrowed).
+            taken = await self._take_backlog(held, HANDSHAKE_S if held and all(refusing) else 0.0)
+        finally:
+            for listener in held:
                 listener.close()
         if taken:
             log.info("at shutdown: %d connection(s) from the listen backlog taken in to be answered", taken)
         await super().shutdown(sockets)
+
+    async def _take_backlog(self, held: list[socket.socket], settle_s: float) -> int:
+        """Accept what is queued on each listening socket in `held`, and what arrives in the next
+        `settle_s` (handshakes under way when new SYNs began to be dropped), each handed to our protocol;
+        returns how many."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + settle_s
+        live, taken = list(held), 0
+        while True:
+            for listener in list(live):
+                try:
+                    listener.setblocking(False)
+                    while True:
+                        try:
+                            conn, _ = listener.accept()
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        conn.setblocking(False)
+                        await loop.connect_accepted_socket(self._protocol, conn)
+                        taken += 1
+                except OSError as exc:  # the listening socket is gone: nothing queued to take
+                    log.warning("at shutdown, the listen backlog could not be taken in: %s", exc)
+                    live.remove(listener)
+            if not live or loop.time() >= end:
+                return taken
+            await asyncio.sleep(0.01)
 
     def _protocol(self) -> asyncio.Protocol:
         """What uvicorn's startup makes per connection (uvicorn.Server.startup's create_protocol)."""
