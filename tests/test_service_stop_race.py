@@ -17,7 +17,7 @@ import pytest
 
 from agent.api import server
 from agent.api.server import DrainingServer, refuse_new_connections
-from tests.service_helpers import running_service
+from service_helpers import running_service
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the SYN filter is Linux's (SO_ATTACH_FILTER)")
