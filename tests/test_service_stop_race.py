@@ -9,6 +9,7 @@ import errno
 import json
 import select
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -139,3 +140,43 @@ def test_without_the_filter_a_handshake_there_is_reset(tiny_checkpoint: Path, tm
     with late[0] as s:
         seen = _answer(s)
     assert not seen.startswith("HTTP/1.1 "), seen  # no answer: the close reset it
+
+
+SIGTERM_INSIDE_SUBMIT = r'''
+import signal, sys, types
+sys.path.insert(0, sys.argv[1])
+from agent.config import ServiceConfig
+from agent.engine.loop import EngineLoop
+from agent.engine.types import SamplingParams
+from agent.service import Service
+
+class Executor:
+    @property
+    def max_batch(self):  # read inside submit's critical section: SIGTERM lands there
+        signal.raise_signal(signal.SIGTERM)
+        return 4
+
+core = types.SimpleNamespace(scheduler=None, max_seq=64, executor=Executor())
+engine = EngineLoop(core, max_queue=4)
+svc = Service(ServiceConfig(model_dir=sys.argv[2], shutdown_grace_s=30.0))
+svc.engine, svc.app = engine, (lambda scope, receive, send: None)
+server = svc._make_server()
+signal.signal(signal.SIGTERM, server.handle_exit)  # what uvicorn's capture_signals installs
+rid = engine.submit([1, 2, 3], SamplingParams(max_tokens=2), lambda ev: None)
+print("accepted" if rid else "refused", "stopping" if not engine.accepting and server.should_exit else "serving")
+'''
+
+
+def test_sigterm_while_the_main_thread_is_inside_submit_does_not_deadlock(tmp_path: Path) -> None:
+    """SIGTERM's handler (uvicorn's, which calls Service.begin_shutdown -> engine.stop_accepting) runs
+    on the main thread between two bytecodes, which may be inside EngineLoop.submit's critical section
+    (the event loop's thread is the main thread under `orin-agent serve`): with a plain Lock the handler
+    waited for its own thread for ever and the service never stopped."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run([sys.executable, "-c", SIGTERM_INSIDE_SUBMIT, str(repo), str(tmp_path)], cwd=repo,
+                             capture_output=True, text=True, timeout=45)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the SIGTERM handler deadlocked on the engine's lock (held by its own thread in submit)")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["accepted", "stopping"], out.stdout  # it passed the check first; then the stop

@@ -32,7 +32,9 @@ class EngineLoop:
         self.max_queue = max_queue
         self.on_tick = on_tick
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        # Reentrant: SIGTERM's handler (Service.begin_shutdown -> stop_accepting) runs on the main thread
+        # between two bytecodes, possibly inside submit's critical section on that same thread.
+        self._lock = threading.RLock()
         # Requests submitted and not finished. The bound is the cache slots plus max_queue, so a
         # request that would get a free slot at once is never refused.
         self._inflight = 0
