@@ -96,6 +96,8 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-lmhead-atomic-norope-compile", True, buckets=False, quant="int4", lm_head=True, compile=True,
             fused=True, reduce="atomic", rope=False),
     Variant("graphs-norope-compile", True, buckets=False, compile=True, rope=False),
+    *(Variant(f"int4-{r}", True, buckets=False, quant="int4", reduce=r) for r in ("atomic", "last")),
+    Variant("int4-norope", True, buckets=False, quant="int4", rope=False),
     Variant("int4-atomic-compile", True, buckets=False, quant="int4", compile=True, reduce="atomic"),
     Variant("int4-last-compile", True, buckets=False, quant="int4", compile=True, reduce="last"),
     Variant("int4-g32-last-compile", True, buckets=False, quant="int4", compile=True, group=32, reduce="last"))}
