@@ -2,9 +2,11 @@
 codes once, and a dequantise kernel for prefill (M > GEMV_MAX_M rows: bf16/fp16 weight once per call,
 then cuBLAS through F.linear). Both are torch custom ops (`orin_agent::int4_gemv`,
 `orin_agent::int4_dequant`) with fake implementations, so inductor and CUDA graphs take them whole
-inside the compiled decode step; the split-K partial sums and the cast stay outside the op, where
-inductor fuses them into the next pointwise kernel. `kernels.weight_only.QuantLinear` picks them
-(kernel "int4_triton") and keeps the plain dequantise-then-matmul as the reference.
+inside the compiled decode step. The GEMV's split-K partial sums are added inside the kernel by default
+(`REDUCE`: fp32 atomics into a per-layer scratch that the tile's last program casts and zeroes, or a
+deterministic sum in split order; `int4_gemv_reduced`), or returned for torch to sum (`int4_gemv`).
+`kernels.weight_only.QuantLinear` picks them (kernel "int4_triton") and keeps the plain
+dequantise-then-matmul as the reference.
 
 Weight form: w[n, k] = q[n, k] * s[n, g] + b[n, g], g = k // group_size (sequential groups of a multiple
 of 32), which is both GPTQ/AWQ's (q - z) * s (b = -z * s) and GGUF Q4_1's q * d + m (b = m).
@@ -44,6 +46,7 @@ Triton built for the board, and QuantLinear falls back to tinygemm where Triton 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import Tensor
@@ -330,8 +333,14 @@ def gemv_split(n: int, k: int, device: torch.device) -> int:
 # casts and zeroes: one kernel, but the order of the adds, hence the last bit of a sum, varies from run to
 # run) or "last" (each program stores its partial, the last one of a tile sums them in split order:
 # one kernel, deterministic). Only layers built with a scratch (`scratch`) take the two in-kernel modes.
+# Measured on an H200 (docs/BENCHMARKS.md, 2026-12-02): a GEMV alone, eager, partials -> atomic -> last: Llama-3-8B
+# q/o 10.8 -> 6.8 -> 7.3 us, k/v 8.6 -> 4.8 -> 6.6, gate/up 18.1 -> 14.4 -> 14.8, down 18.1 -> 15.1 -> 18.0 (split 64:
+# the last program's sum is 8 dependent loads); the compiled fused step 3.82 -> 3.55 ms with atomic. Default
+# atomic; ORIN_AGENT_INT4_REDUCE=last for bit-for-bit repeatable sums (a greedy run that repeats exactly).
 REDUCE_MODES = {"partials": 0, "atomic": 1, "last": 2}
-REDUCE = "partials"
+REDUCE = os.environ.get("ORIN_AGENT_INT4_REDUCE", "atomic")
+if REDUCE not in REDUCE_MODES:
+    raise ValueError(f"ORIN_AGENT_INT4_REDUCE={REDUCE!r}: use one of {', '.join(REDUCE_MODES)}")
 REDUCE_CHUNK = 8  # splits per load in "last" mode's sum (8 x 512 fp32 = 32 registers a thread at 4 warps)
 
 

@@ -164,6 +164,23 @@ class QuantLinear(nn.Module):
         y = self._fast(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    @classmethod
+    def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear":
+        """One int4_triton QuantLinear whose rows are `parts`' rows stacked (q/k/v or gate/up into one GEMV):
+        the same codes and (s, b) repacked, so the same function of x, read in one call."""
+        if not parts or any(p.kernel != "int4_triton" or p.bias is not None for p in parts) or len(
+                {(p.in_features, p.group_size) for p in parts}) != 1:
+            raise ValueError("QuantLinear.concat takes bias-free int4_triton layers of one input size and group")
+        q, sb = [], []
+        for p in parts:
+            n = p.out_features
+            q.append(int4_triton.unpack(p.weight, n))
+            sb.append(p.sb.transpose(1, 2).reshape(-1, p.sb.shape[1], 2)[:n])  # (N, G, 2): s and b per row, group
+        s_b = torch.cat(sb, 0).float()
+        k, group = parts[0].in_features, parts[0].group_size
+        g_idx = torch.arange(k, device=parts[0].weight.device) // group
+        return cls(torch.cat(q, 0), s_b[..., 0], None, g_idx, 4, group, mins=s_b[..., 1], cuda_int4="triton")
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}, "
                 f"kernel={self.kernel}" + (", float mins" if self.has_mins else ""))

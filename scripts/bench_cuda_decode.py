@@ -60,7 +60,7 @@ class Variant:
     cuda_int4: str = "triton"  # INT4 kernel: kernels.int4_triton ("triton") or aten's tinygemm ("tinygemm")
     group: int = 128  # INT4 group size (32: GGUF's Q4 blocks)
     fused: bool = False  # partition.model.fuse_projections before quantising: q/k/v and gate/up in one call each
-    reduce: str = "partials"  # kernels.int4_triton.REDUCE: where the INT4 GEMV's split-K partial sums are added
+    reduce: str = ""  # kernels.int4_triton.REDUCE (where the INT4 GEMV's split-K sums are added); "" = its default
     rope: bool = True  # partition.model.DECODE_ROPE_FUSED: RoPE + cache write in one kernel (with DECODE_PV triton)
 
 
@@ -97,7 +97,8 @@ VARIANTS = {v.name: v for v in (
             fused=True, reduce="atomic", rope=False),
     Variant("graphs-norope-compile", True, buckets=False, compile=True, rope=False),
     *(Variant(f"int4-{r}", True, buckets=False, quant="int4", reduce=r) for r in ("atomic", "last")),
-    Variant("int4-norope", True, buckets=False, quant="int4", rope=False),
+    Variant("int4-partials-norope", True, buckets=False, quant="int4", reduce="partials", rope=False),
+    Variant("int4-partials-compile", True, buckets=False, quant="int4", compile=True, reduce="partials"),
     Variant("int4-atomic-compile", True, buckets=False, quant="int4", compile=True, reduce="atomic"),
     Variant("int4-last-compile", True, buckets=False, quant="int4", compile=True, reduce="last"),
     Variant("int4-g32-last-compile", True, buckets=False, quant="int4", compile=True, group=32, reduce="last"))}
@@ -272,8 +273,9 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     from kernels import int4_triton
     from partition import model as pm
 
+    default_reduce = int4_triton.REDUCE
     for v in variants:
-        int4_triton.REDUCE = v.reduce  # both read when the decode step is traced, at its first call
+        int4_triton.REDUCE = v.reduce or default_reduce  # both read when the decode step is traced, at its first call
         pm.DECODE_ROPE_FUSED = v.rope
         try:
             if v.quant or v.fused:  # a model of its own (the shared one is the plain bf16 model)
@@ -290,7 +292,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     if profile:
         try:
             last = variants[-1]  # profiled with its quantisation and compile setting, graphed
-            int4_triton.REDUCE, pm.DECODE_ROPE_FUSED = last.reduce, last.rope
+            int4_triton.REDUCE, pm.DECODE_ROPE_FUSED = last.reduce or default_reduce, last.rope
             model = shared if shared is not None and not last.quant else make_model(name, dtype, last)
             res["profile"] = {"variant": last.name, **profile_step(model, prompt_len, tight, compile=last.compile)}
             del model

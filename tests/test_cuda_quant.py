@@ -116,3 +116,26 @@ def test_cuda_quantised_checkpoint_matches_cpu(tiny_checkpoint: Path, tmp_path: 
     pos = np.arange(19, dtype=np.int32)[None]
     la, lb = a.run(ids, pos), b.run(ids, pos).cpu()
     assert (la - lb).abs().max() <= 0.05 * la.abs().max()
+
+
+def test_cuda_int4_fused_projections_match_separate(tiny_checkpoint: Path) -> None:
+    """partition.model.fuse_quantized_projections (what chain_loader does on CUDA): q/k/v and gate/up repacked
+    into one int4_triton GEMV each give the separate layers' logits, eager and in the compiled graphed step."""
+    from partition.model import fuse_quantized_projections
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = load_model(tiny_checkpoint, device="cuda")
+    quantize_model(model, default_spec(4, 32))
+    if not int4_triton.available():
+        pytest.skip("Triton is not installed: the INT4 layers are tinygemm's, which are not fused")
+    n = model.config.n_layers
+    ids, pos = np.arange(1, 12, dtype=np.int32)[None], np.arange(11, dtype=np.int32)[None]
+    want = TorchRunner(model, SliceSpec(0, n, n), 64).run(ids, pos)
+    assert fuse_quantized_projections(model) == n
+    layer = model.model.layers[0]
+    assert hasattr(layer.self_attn, "qkv_proj") and not hasattr(layer.self_attn, "q_proj")
+    got = TorchRunner(model, SliceSpec(0, n, n), 64).run(ids, pos)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), float((got - want).abs().max())
+    eager = TorchRunner(model, SliceSpec(0, n, n), 256)
+    compiled = TorchRunner(model, SliceSpec(0, n, n), 256, cuda_graphs=True, compile_decode=True)
+    _decode_both(eager, compiled, 30, 8, 1e-3)

@@ -129,6 +129,7 @@ def check_kernels(device: str) -> None:
     assert float((got.double() - want).norm() / want.norm()) < 1e-6
     # through the public entry: GEMV rows and the dequantise + F.linear path (more than GEMV_MAX_M rows)
     ws, cnt = it.scratch(64, codes)
+    default = it.REDUCE
     for mode in it.REDUCE_MODES:
         it.REDUCE = mode
         for m in (1, it.GEMV_MAX_M + 3):
@@ -137,7 +138,7 @@ def check_kernels(device: str) -> None:
             want = x @ _reference(w).to(device).T
             assert got.shape == (m, 64) and got.dtype == x.dtype
             assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (mode, m, float((got - want).abs().max()))
-    it.REDUCE = "partials"
+    it.REDUCE = default
 
 
 def check_compile(device: str) -> None:
@@ -157,6 +158,7 @@ def check_compile(device: str) -> None:
     def g(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(it.linear(x, codes, sb, 64, 32, 2, ws, cnt)) * 2
 
+    default = it.REDUCE
     for mode in ("atomic", "last"):
         it.REDUCE = mode
         torch._dynamo.reset()
@@ -164,7 +166,7 @@ def check_compile(device: str) -> None:
         x = torch.randn(1, 256, device=device)
         for _ in range(2):
             assert torch.allclose(compiled(x), f(x), atol=1e-5), mode
-    it.REDUCE = "partials"
+    it.REDUCE = default
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")

@@ -115,6 +115,10 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
         from partition.runners.torch_runner import TorchRunner
 
         model = model if model is not None else load_model(model_dir, dtype=parse_dtype(dtype), device=device)
+        if on_cuda:  # INT4 Triton layers: q/k/v and gate/up in one GEMV each (float layers stay: cuBLAS lost 6 %)
+            from partition.model import fuse_quantized_projections
+
+            fuse_quantized_projections(model)
         if kv_blocks is not None:
             from partition.runners.paged import PagedTorchRunner
 
