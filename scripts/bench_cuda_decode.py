@@ -97,6 +97,7 @@ VARIANTS = {v.name: v for v in (
             fused=True, reduce="atomic", rope=False),
     Variant("graphs-norope-compile", True, buckets=False, compile=True, rope=False),
     *(Variant(f"int4-{r}", True, buckets=False, quant="int4", reduce=r) for r in ("atomic", "last")),
+    Variant("int4-fused", True, buckets=False, quant="int4", fused=True),  # what the torch backend on CUDA runs
     Variant("int4-partials-norope", True, buckets=False, quant="int4", reduce="partials", rope=False),
     Variant("int4-partials-compile", True, buckets=False, quant="int4", compile=True, reduce="partials"),
     Variant("int4-atomic-compile", True, buckets=False, quant="int4", compile=True, reduce="atomic"),
