@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from agent.api.extension import ExitPolicy
 from agent.config import ServiceConfig
 from agent.engine.core import EngineCore
 from agent.engine.executor import ChainExecutor
@@ -18,6 +18,9 @@ from agent.engine.paged_scheduler import PagedScheduler
 from partition.runners.base import usable_cpus
 from partition.runners.chain import Chain
 from partition.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # pydantic: imported where the service needs it, not by `generate`
+    from agent.api.extension import ExitPolicy
 
 log = logging.getLogger("orin_agent.service")
 
@@ -49,6 +52,8 @@ def build_chain(cfg: ServiceConfig) -> Chain:
 def build_executor(cfg: ServiceConfig) -> tuple[ChainExecutor, ExitPolicy]:
     """The plain chain executor, or, with exits configured, the exit executor (the chain cut at the
     exit heads, through the loader `generate` uses) and what it offers requests."""
+    from agent.api.extension import ExitPolicy
+
     if not cfg.exits_enabled:
         return ChainExecutor(build_chain(cfg)), ExitPolicy()
     from agent.engine.speculative import choose_draft, exit_executor_on, load_exit_executor

@@ -16,24 +16,46 @@ the ``--json`` printer.
 """
 from __future__ import annotations
 
+import importlib
+import sys
+from typing import Any
+
 import typer
 
-from agent.cli import bench, build, edge, exits, generate, power, quant, serve, smoke, twin
-
-app = typer.Typer(
-    name="orin-agent",
-    help="Run a large language model on an NVIDIA Jetson Orin: sliced engines, phase-aware power "
-    "control and a simulated Orin (the twin) wherever there is no board.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-for group in (generate, build, quant, serve, power, twin, bench, smoke, edge, exits):
-    group.register(app)
+GROUPS = ("generate", "build", "quant", "serve", "power", "twin", "bench", "smoke", "edge", "exits")
+# Commands whose module is imported alone when the command line names them: `generate` then loads neither rich nor
+# the power stack (their imports were ~18 MB of a 103 MB peak RSS for the shipped model as GGUF, docs/BENCHMARKS.md).
+ALONE = {"generate": "generate"}
+HELP = ("Run a large language model on an NVIDIA Jetson Orin: sliced engines, phase-aware power control and a "
+        "simulated Orin (the twin) wherever there is no board.")
 
 
-def main() -> None:
-    app()
+def make_app(groups: tuple[str, ...] = GROUPS) -> typer.Typer:
+    """The command with the given groups' commands registered (each module's ``register``)."""
+    app = typer.Typer(name="orin-agent", help=HELP, no_args_is_help=True, add_completion=False,
+                      pretty_exceptions_enable=False)
+    if len(groups) == 1:
+        app.callback()(lambda: None)  # a group, not a single command: `orin-agent generate PROMPT` still parses
+    for name in groups:
+        importlib.import_module(f"agent.cli.{name}").register(app)
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    """`agent.cli.app`: the whole command, built on first use (tests run it through typer's CliRunner)."""
+    if name == "app":
+        globals()["app"] = make_app()
+        return globals()["app"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the command line; a command in ALONE registers only its own module."""
+    args = sys.argv[1:] if argv is None else argv
+    command = next((a for a in args if not a.startswith("-")), "")
+    alone = ALONE.get(command) if not args or not args[0].startswith("-") else None
+    app = make_app((alone,)) if alone else make_app()
+    app(args=args)
 
 
 if __name__ == "__main__":

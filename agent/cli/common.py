@@ -12,8 +12,6 @@ from typing import Any, Iterator
 
 import typer
 
-from power.runtime.session import DEFAULT_PROFILE_DIR, DEFAULT_ROOT, DEFAULT_RUN_DIR
-
 
 # Exit statuses: 2 is a usage or configuration error (systemd/orin-agent.service's
 # RestartPreventExitStatus=2: retrying cannot fix it); 75 is a temporary failure that can pass, such as
@@ -61,14 +59,20 @@ PROFILE_DIR_HELP = "User profile folder (its profiles add to and override the sh
 
 def root_option(help: str = ROOT_HELP) -> Any:
     """``--root``: the board's file tree (default ``/``)."""
+    from power.runtime.session import DEFAULT_ROOT  # here, not above: `generate` needs no power stack
+
     return typer.Option(Path(DEFAULT_ROOT), "--root", help=help)
 
 
 def run_dir_option(help: str = RUN_DIR_HELP) -> Any:
     """``--run-dir``: the restore journal and the controller's state file (default /run/orin-agent)."""
+    from power.runtime.session import DEFAULT_RUN_DIR
+
     return typer.Option(Path(DEFAULT_RUN_DIR), "--run-dir", help=help)
 
 
 def profile_dir_option(help: str = PROFILE_DIR_HELP) -> Any:
     """``--profile-dir``: the user's power profiles (default /etc/orin-agent/profiles)."""
+    from power.runtime.session import DEFAULT_PROFILE_DIR
+
     return typer.Option(Path(DEFAULT_PROFILE_DIR), "--profile-dir", help=help)

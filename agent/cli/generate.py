@@ -56,9 +56,6 @@ def generate(
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
     from agent.engine.types import Finished, SamplingParams
     from agent.model_load import load_core
-    from partition.offload.auto import offload_chain_for_generate
-    from partition.offload.offload_chain import offload_stats, offload_summary
-    from partition.offload.link import link_options
     from agent.chat import chat_text
     from partition.gguf.folder import resolve_model
     from partition.runners.backend_choice import resolve_backend
@@ -81,6 +78,9 @@ def generate(
                    resolve_backend(backend, model, device, slices, kv_cache, kv_blocks, exits=exits, edge=bool(edge)))
         chain, split = None, ""
         if edge:
+            from partition.offload.auto import offload_chain_for_generate  # only with --edge: 2.5 MB of RSS
+            from partition.offload.link import link_options
+
             e = edge_opts
             opts = link_options(e.edge_token, temperature != 0, e.link_dtype, e.edge_tls_ca, e.edge_tls_cert,
                                 e.edge_tls_key)
@@ -104,6 +104,8 @@ def generate(
         u = done.usage
         prefill_ms = (u.ttft_s or 0.0) * 1e3
         decode_tok_s = u.decode_tok_s or 0.0
+        if edge:
+            from partition.offload.offload_chain import offload_stats, offload_summary
         if as_json:
             print_json({"prompt": prompt, "text": "".join(pieces), "backend": backend, "model": str(given),
                         "chat": chat, "dtype": dtype, "slices": slices, "kv_cache": kv_cache, "kv_blocks": kv_blocks,

@@ -10,7 +10,6 @@ size and mtime, or partition.checkpoint.model_hash of a folder), FORMAT and the 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ from typing import Callable
 
 from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, DecoderWeights, QuantWeight, build_decoder, \
     weights_from_gguf
+from partition.digest import sha256
 
 FORMAT = 4  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
 GRAPH = "decoder.onnx"
@@ -62,7 +62,7 @@ def _source_key(model: Path) -> str:
         return f"gguf|{g}|{st.st_size}|{st.st_mtime_ns}"
     # partition.checkpoint.model_hash's inputs (config.json and the weight shards, in name order), read without
     # importing the checkpoint loader (torch): a cached graph must load on a torch-free path
-    h = hashlib.sha256()
+    h = sha256()
     for path in [model / "config.json", *sorted(model.glob("*.safetensors"))]:
         h.update(path.name.encode())
         with path.open("rb") as f:
@@ -156,7 +156,7 @@ def ensure_decoder(model: str | Path, precision: str = DEFAULT_PRECISION, cache_
         raise ValueError(f"decoder precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     accuracy_level, rescore = PRECISIONS[precision]
     model = Path(model)
-    key = hashlib.sha256(f"{FORMAT}|{precision}|{_source_key(model)}".encode()).hexdigest()[:16]
+    key = sha256(f"{FORMAT}|{precision}|{_source_key(model)}".encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder = root / f"decoder-{key}"
     if (folder / GRAPH).is_file():

@@ -11,7 +11,6 @@ found with importlib without being imported (its __init__ imports dependencies t
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -20,6 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from partition.digest import sha256
 from partition.gguf.errors import GGUFError
 
 
@@ -74,7 +74,7 @@ def gguf_source(model_dir: Path) -> Path | None:
 
 def _key(path: Path) -> str:
     st = path.stat()
-    return hashlib.sha256(f"{FORMAT}|{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return sha256(f"{FORMAT}|{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
 def model_folder(gguf_file: str | Path, cache_dir: str | Path | None = None) -> Path:

