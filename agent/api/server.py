@@ -30,6 +30,7 @@ import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+log = logging.getLogger("orin_agent.api")
 
 DRAIN_S = 1.0  # at shutdown: how long a connection with no request yet is kept for one already sent
 HANDSHAKE_S = 0.25  # at shutdown, new SYNs dropped: how long a handshake under way gets to complete (a round trip)
@@ -72,7 +73,6 @@ def refuse_new_connections(sock: socket.socket) -> bool:
         return False
     return True
 
-log = logging.getLogger("orin_agent.api")
 
 
 class TimedH11Protocol(H11Protocol):
@@ -154,8 +154,8 @@ class DrainingServer(uvicorn.Server):
         for server in self.servers:
             server.close()
         try:
-            # Without the filter the queue never stays empty: a handshake that completes after the last
-            # accept is reset by the close (nothing to wait for then; the race is only narrowed).
+            # New SYNs dropped, what can still join the queue is a handshake under way: HANDSHAKE_S for it.
+            # Without the filter waiting helps nothing (new ones keep coming): the close may reset one.
             taken = await self._take_backlog(held, HANDSHAKE_S if held and all(refusing) else 0.0)
         finally:
             for listener in held:
