@@ -74,7 +74,6 @@ def refuse_new_connections(sock: socket.socket) -> bool:
     return True
 
 
-
 class TimedH11Protocol(H11Protocol):
     """H11Protocol that closes a connection whose request headers have not all arrived within
     `header_timeout_s` of the connection (or of the previous response), and that, at shutdown, keeps
