@@ -155,10 +155,10 @@ DECODE_PV_CHOICES = ("matmul", "transposed", "reduce", "triton")
 DECODE_ROPE_FUSED = True
 
 
-def _triton_decode_shapes(q: Tensor, hd: int, grp: int) -> bool:
-    """Where the Triton decode kernels apply: CUDA, a power-of-two head_dim, at most 16 query heads per KV head
-    (kv_triton.BLOCK_H)."""
-    return DECODE_PV == "triton" and q.is_cuda and hd & (hd - 1) == 0 and grp <= 16
+def _triton_decode_shapes(q: Tensor, hd: int, grp: int, pv: str | None = None) -> bool:
+    """Where the Triton decode kernels apply: pv (default DECODE_PV) "triton", CUDA, a power-of-two head_dim, at
+    most 16 query heads per KV head (kv_triton.BLOCK_H)."""
+    return (DECODE_PV if pv is None else pv) == "triton" and q.is_cuda and hd & (hd - 1) == 0 and grp <= 16
 
 
 def decode_attention_dense(q: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor, pv: str | None = None,
@@ -169,7 +169,7 @@ def decode_attention_dense(q: Tensor, past_k: Tensor, past_v: Tensor, mask: Tens
     (the Triton kernel's input; otherwise counted from the mask)."""
     pv = DECODE_PV if pv is None else pv
     b, kv, grp, hd = q.shape
-    if pv == "triton" and q.is_cuda and hd & (hd - 1) == 0 and grp <= 16:  # the kernel's shapes (kv_triton.BLOCK_H)
+    if _triton_decode_shapes(q, hd, grp, pv):
         from kernels.kv_triton import dense_decode_attention
 
         if lengths is None:
@@ -240,7 +240,6 @@ class Attention(nn.Module):
         out = torch.matmul(probs, values)  # (B, KV, G * T, hd)
         out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
         return self.o_proj(out), k, v
-
 
     def _decode_fused(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                       past_k: Tensor, past_v: Tensor, slot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
