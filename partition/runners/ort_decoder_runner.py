@@ -6,8 +6,8 @@ to max_seq as sequences grow), wrapped in OrtValues; each step binds a row range
 as `present_*`, so GroupQueryAttention writes the new K/V into it by position and nothing is copied (its
 past_present_share_buffer mode). The binding stays in place from step to step (the step's inputs and logits are
 buffers of the runner's own, written in place), so a decode step makes no binding calls. Rows that are not one
-contiguous range (a batch of scattered slots) are gathered into a scratch buffer and written back after the step. Follows SliceRunner's contract for the one
-slice [0, n_layers).
+contiguous range (a batch of scattered slots) are gathered into a scratch buffer and written back after the step.
+Follows SliceRunner's contract for the one slice [0, n_layers).
 
 Threads and spinning come from `OrtOptions` (partition/runners/ort_runner.py); the defaults for the
 CPU decode path are measured (docs/BENCHMARKS.md, scripts/bench_peer.py).
