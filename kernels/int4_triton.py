@@ -238,10 +238,28 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + pid_m * NT + pid_t, 0, sem="relaxed")
 
     @triton.jit
+    def _dequant_step(w, sv, bv, dt: tl.constexpr, RB: tl.constexpr):
+        """(RB, 64) weights q * s + b in dt of one layout step: w the step's (RB, 2, 4) words, sv / bv the
+        (RB, 2) fp16 s and b of its two blocks (the eight planes interleaved back in registers)."""
+        s = sv.to(tl.float32)[:, :, None]
+        b = bv.to(tl.float32)[:, :, None]
+        w_hi = w >> 12
+        p0 = (_plane(w, w_hi, 0) * s + b).to(dt)
+        p1 = (_plane(w, w_hi, 1) * s + b).to(dt)
+        p2 = (_plane(w, w_hi, 2) * s + b).to(dt)
+        p3 = (_plane(w, w_hi, 3) * s + b).to(dt)
+        p4 = (_plane(w, w_hi, 4) * s + b).to(dt)
+        p5 = (_plane(w, w_hi, 5) * s + b).to(dt)
+        p6 = (_plane(w, w_hi, 6) * s + b).to(dt)
+        p7 = (_plane(w, w_hi, 7) * s + b).to(dt)
+        # (RB, 2, 4 j, 2 c, 2 b, 2 a) with plane 4a + 2b + c, then (RB, block, a, b, c, j): column 32 block + 4 i + j
+        v = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+        return tl.reshape(tl.permute(v, (0, 1, 5, 4, 3, 2)), (RB, 64))
+
+    @triton.jit
     def _dequant_kernel(w_ptr, sb_ptr, out_ptr, N, KS, GROUP: tl.constexpr, TN: tl.constexpr, RB: tl.constexpr):
         """out (N, K) = q * s + b in out's dtype, one (tile, step, RB-row chunk) per program: RB * 32
-        contiguous bytes of codes in, RB rows of 64 consecutive values out (the eight planes
-        interleaved back in registers)."""
+        contiguous bytes of codes in, RB rows of 64 consecutive values out."""
         pid_t = tl.program_id(0)
         st = tl.program_id(1)
         r = tl.program_id(2) * RB + tl.arange(0, RB)
@@ -253,24 +271,43 @@ if triton is not None:
         blk = st * 2 + bi
         sbp = (sb_ptr + pid_t.to(tl.int64) * n_groups * (TN * 2) + ((blk * 32) // GROUP)[None, :] * (TN * 2)
                + r[:, None] * 2)
-        s = tl.load(sbp).to(tl.float32)[:, :, None]
-        b = tl.load(sbp + 1).to(tl.float32)[:, :, None]
-        w_hi = w >> 12
-        dt = out_ptr.dtype.element_ty
-        p0 = (_plane(w, w_hi, 0) * s + b).to(dt)
-        p1 = (_plane(w, w_hi, 1) * s + b).to(dt)
-        p2 = (_plane(w, w_hi, 2) * s + b).to(dt)
-        p3 = (_plane(w, w_hi, 3) * s + b).to(dt)
-        p4 = (_plane(w, w_hi, 4) * s + b).to(dt)
-        p5 = (_plane(w, w_hi, 5) * s + b).to(dt)
-        p6 = (_plane(w, w_hi, 6) * s + b).to(dt)
-        p7 = (_plane(w, w_hi, 7) * s + b).to(dt)
-        # (TN, 2, 4 j, 2 c, 2 b, 2 a) with plane 4a + 2b + c, then (TN, block, a, b, c, j): column 32 block + 4 i + j
-        v = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
-        v = tl.reshape(tl.permute(v, (0, 1, 5, 4, 3, 2)), (RB, 64))
+        v = _dequant_step(w, tl.load(sbp), tl.load(sbp + 1), out_ptr.dtype.element_ty, RB)
         rows = pid_t * TN + r
         cols = st * 64 + tl.arange(0, 64)
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * (KS * 64) + cols[None, :], v, mask=(rows < N)[:, None])
+
+    @triton.jit
+    def _mm_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, M, N, KS, stride_xm, GROUP: tl.constexpr, TN: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
+        """y (M, N) = x (M, K) @ W^T for M > GEMV_MAX_M with the dequantise inside the GEMM: a program owns
+        a (BM, BN) block of y (BN rows of one layout tile), and per 64-column step loads BN * 32 bytes of
+        codes, dequantises them in registers (`_dequant_step`) and feeds tl.dot (tensor cores) with the
+        activation's (BM, 64) block; fp32 accumulation, y in x's dtype. Grid: (M blocks, N blocks), M
+        fastest, so the programs that share a weight block run together and all but the first read it
+        from L2: the weight crosses DRAM once, as 4-bit codes, instead of as a bf16 copy written and read."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        n0 = pid_n * BN
+        r = (n0 % TN) + tl.arange(0, BN)
+        bi = tl.arange(0, 2)
+        ji = tl.arange(0, 4)
+        n_groups = (KS * 64) // GROUP
+        w_blk = w_ptr + (n0 // TN).to(tl.int64) * KS * (TN * 8) + (r[:, None, None] * 8 + bi[None, :, None] * 4
+                                                                    + ji[None, None, :])
+        sb_blk = sb_ptr + (n0 // TN).to(tl.int64) * n_groups * (TN * 2) + r[:, None] * 2
+        rm = pid_m * BM + tl.arange(0, BM)
+        x_blk = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + tl.arange(0, 64)[None, :]
+        m_ok = (rm < M)[:, None]
+        acc = tl.zeros((BM, BN), tl.float32)
+        for st in tl.range(0, KS, num_stages=STAGES):
+            w = tl.load(w_blk + st * (TN * 8))
+            sbp = sb_blk + (((st * 2 + bi) * 32) // GROUP)[None, :] * (TN * 2)
+            v = _dequant_step(w, tl.load(sbp), tl.load(sbp + 1), x_ptr.dtype.element_ty, BN)
+            a = tl.load(x_blk + st * 64, mask=m_ok, other=0.0)
+            acc = tl.dot(a, tl.trans(v), acc)
+        rn = n0 + tl.arange(0, BN)
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok & (rn < N)[None, :])
 
 
 @functools.lru_cache(maxsize=8)
@@ -322,6 +359,38 @@ def int4_dequant(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torc
 @int4_dequant.register_fake
 def _(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) -> Tensor:
     return codes.new_empty((n, codes.shape[1] * 64), dtype=dtype)
+
+
+# (BM, BN, warps, stages) of `_mm_kernel`; BN is capped at the layout's tile rows (it must divide them)
+MM_CONFIG = (128, 128, 8, 3)
+
+
+@torch.library.custom_op("orin_agent::int4_mm", mutates_args=())
+def int4_mm(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Tensor:
+    """x (M, K) @ W^T -> (M, N) in x's dtype (bf16 / fp16: tensor-core operands), the dequantise fused
+    into the GEMM (`_mm_kernel`)."""
+    m, k = x.shape
+    nt, ks, tn, _ = codes.shape
+    bm, bn, warps, stages = MM_CONFIG
+    bn = min(bn, tn)
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    _mm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](x, codes, sb, y, m, n, ks, x.stride(0), GROUP=group_size,
+                                                         TN=tn, BM=bm, BN=bn, STAGES=stages, num_warps=warps)
+    return y
+
+
+@int4_mm.register_fake
+def _(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Tensor:
+    return x.new_empty((x.shape[0], n))
+
+
+# How M > GEMV_MAX_M rows (prefill) run: "dequant" (a bf16 / fp16 copy of the weight, then cuBLAS) or
+# "fused" (`int4_mm`: the dequantise inside a Triton GEMM, the weight read once as codes). fp32 activations
+# always take "dequant" (tl.dot's fp32 operands would run as tf32).
+PREFILL_MODES = ("dequant", "fused")
+PREFILL = os.environ.get("ORIN_AGENT_INT4_PREFILL", "dequant")
+if PREFILL not in PREFILL_MODES:
+    raise ValueError(f"ORIN_AGENT_INT4_PREFILL={PREFILL!r}: use one of {', '.join(PREFILL_MODES)}")
 
 
 def gemv_split(n: int, k: int, device: torch.device) -> int:
@@ -385,8 +454,11 @@ def _(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, gro
 def linear(x2: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, split: int,
            ws: Tensor | None = None, cnt: Tensor | None = None) -> Tensor:
     """x2 (M, K) @ W^T -> (M, N) in x2's dtype: the GEMV for M <= GEMV_MAX_M (split-K summed as REDUCE
-    says; "partials" where no scratch is given), else dequantise once and F.linear (cuBLAS / inductor's mm)."""
+    says; "partials" where no scratch is given), else as PREFILL says: dequantise once and F.linear (cuBLAS /
+    inductor's mm), or the fused `int4_mm`."""
     if x2.shape[0] > GEMV_MAX_M:
+        if PREFILL == "fused" and x2.dtype in (torch.bfloat16, torch.float16):
+            return int4_mm(x2.contiguous(), codes, sb, n, group_size)
         return torch.nn.functional.linear(x2, int4_dequant(codes, sb, n, group_size, x2.dtype))
     if REDUCE != "partials" and ws is not None and cnt is not None:
         return int4_gemv_reduced(x2.contiguous(), codes, sb, ws, cnt, n, group_size, split, REDUCE_MODES[REDUCE])

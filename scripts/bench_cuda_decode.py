@@ -62,6 +62,7 @@ class Variant:
     fused: bool = False  # partition.model.fuse_projections before quantising: q/k/v and gate/up in one call each
     reduce: str = ""  # kernels.int4_triton.REDUCE (where the INT4 GEMV's split-K sums are added); "" = its default
     rope: bool = True  # partition.model.DECODE_ROPE_FUSED: RoPE + cache write in one kernel (with DECODE_PV triton)
+    prefill: str = ""  # kernels.int4_triton.PREFILL (INT4 rows past the GEMV: "dequant" or "fused"); "" = its default
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -98,6 +99,9 @@ VARIANTS = {v.name: v for v in (
     Variant("graphs-norope-compile", True, buckets=False, compile=True, rope=False),
     *(Variant(f"int4-{r}", True, buckets=False, quant="int4", reduce=r) for r in ("atomic", "last")),
     Variant("int4-fused", True, buckets=False, quant="int4", fused=True),  # what the torch backend on CUDA runs
+    Variant("int4-fused-mm", True, buckets=False, quant="int4", fused=True, prefill="fused"),
+    Variant("int4-fused-lmhead-mm-compile", True, buckets=False, quant="int4", lm_head=True, compile=True, fused=True,
+            prefill="fused"),
     Variant("int4-partials-norope", True, buckets=False, quant="int4", reduce="partials", rope=False),
     Variant("int4-partials-compile", True, buckets=False, quant="int4", compile=True, reduce="partials"),
     Variant("int4-atomic-compile", True, buckets=False, quant="int4", compile=True, reduce="atomic"),
@@ -274,9 +278,10 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     from kernels import int4_triton
     from partition import model as pm
 
-    default_reduce = int4_triton.REDUCE
+    default_reduce, default_prefill = int4_triton.REDUCE, int4_triton.PREFILL
     for v in variants:
         int4_triton.REDUCE = v.reduce or default_reduce  # both read when the decode step is traced, at its first call
+        int4_triton.PREFILL = v.prefill or default_prefill
         pm.DECODE_ROPE_FUSED = v.rope
         try:
             if v.quant or v.fused:  # a model of its own (the shared one is the plain bf16 model)
@@ -294,6 +299,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         try:
             last = variants[-1]  # profiled with its quantisation and compile setting, graphed
             int4_triton.REDUCE, pm.DECODE_ROPE_FUSED = last.reduce or default_reduce, last.rope
+            int4_triton.PREFILL = last.prefill or default_prefill
             model = shared if shared is not None and not last.quant else make_model(name, dtype, last)
             res["profile"] = {"variant": last.name, **profile_step(model, prompt_len, tight, compile=last.compile)}
             del model

@@ -40,6 +40,11 @@ SHAPES = {
 L2_BYTES = 60 * 2 ** 20  # H200: 60 MB of L2 (KINDS.md: PyTorch reported it on the lent machine)
 
 
+# (BM, BN, warps, stages) of kernels.int4_triton's fused prefill GEMM, timed per prefill shape
+MM_CONFIGS = ((128, 128, 8, 3), (128, 128, 4, 3), (128, 256, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4), (64, 256, 8, 3),
+              (128, 128, 8, 4), (256, 128, 8, 3))
+
+
 def graph_time(fns: list[Callable[[], object]], calls: int, reps: int = 20) -> float:
     """Seconds per call: one CUDA graph of `calls` launches cycling through fns, median of reps replays."""
     s = torch.cuda.Stream()
@@ -139,6 +144,16 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
             row("triton dequant+F.linear", m, sec, int4_bytes, rel(it.linear(x, codes, sb, n, group, split)))
             sec = graph_time([lambda c=c, b=b: it.int4_dequant(c, b, n, group, torch.bfloat16) for c, b in mine], 2 * nc)
             row("  (dequant alone)", m, sec, int4_bytes + n * k * 2)
+            default = it.MM_CONFIG
+            for cfg in MM_CONFIGS:  # the GEMM with the dequantise inside (it.int4_mm), per (BM, BN, warps, stages)
+                it.MM_CONFIG = cfg
+                try:
+                    sec = graph_time([lambda c=c, b=b: it.int4_mm(x, c, b, n, group) for c, b in mine], 2 * nc)
+                    row(f"triton int4_mm {'x'.join(map(str, cfg))}", m, sec, int4_bytes,
+                        rel(it.int4_mm(x, codes, sb, n, group)), config=list(cfg))
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is recorded
+                    print(f"int4_mm {name} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+            it.MM_CONFIG = default
         sec = graph_time([lambda t=t: t(x) for t in tiny], 4 * nc)
         row("tinygemm", m, sec, tiny_bytes, rel(tiny[0](x)))
         if gls:

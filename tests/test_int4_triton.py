@@ -98,6 +98,22 @@ def check_kernels(device: str) -> None:
             got = it.int4_gemv(x, codes, sb, n, group, split).sum(0)
             err = float((got.double() - want).norm() / want.norm())
             assert err < 1e-6, (n, k, group, m, dtype, split, err)  # fp32 rounding: products are exact
+    # the GEMM with the dequantise inside (prefill rows): operands rounded to x's dtype, fp32 sums. bf16 only
+    # on the GPU: Triton 3.9's interpreter multiplies bf16 dot operands as their raw bits (a 16 x 16 bf16 tl.dot
+    # alone is off by ~2.5e10 there, fp16 exact)
+    tensor_dtypes = (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,)
+    for seed, (n, k, group, mins, tile_n) in enumerate(cases):
+        w = _weights(n, k, group, mins, seed)
+        codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w.get("zeros"), mins=w.get("mins"),
+                                                   tile_n=tile_n))
+        ref = _reference(w).to(device)
+        for m, dtype in ((m, dt) for m in (5, 130) for dt in tensor_dtypes):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
+            want = x.double() @ ref.double().T
+            got = it.int4_mm(x, codes, sb, n, group)
+            assert got.shape == (m, n) and got.dtype == dtype
+            err = float((got.double() - want).norm() / want.norm())
+            assert err < (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9), (n, k, group, m, dtype, err)
     # the split-K sum inside the kernel, both modes: same numbers, scratch left zeroed (so a second call and a
     # graph replay see it as the first did), and the "last" mode's sum in split order repeats bit for bit
     for seed, (n, k, group, mins, tile_n) in enumerate(cases):
@@ -141,6 +157,14 @@ def check_kernels(device: str) -> None:
             assert got.shape == (m, 64) and got.dtype == x.dtype
             assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (mode, m, float((got - want).abs().max()))
     it.REDUCE = default
+    for mode in it.PREFILL_MODES:  # both prefill forms through the public entry, fp32 rows on the dequantise path
+        it.PREFILL = mode
+        for dtype in (tensor_dtypes[0], torch.float32):
+            x = torch.randn(it.GEMV_MAX_M + 3, 256, device=device).to(dtype)
+            got = it.linear(x, codes, sb, 64, 32, 2)
+            want = x.double() @ _reference(w).double().to(device).T
+            assert got.dtype == dtype and float((got.double() - want).norm() / want.norm()) < 2 ** -7, (mode, dtype)
+    it.PREFILL = "dequant"
 
 
 def check_compile(device: str) -> None:
