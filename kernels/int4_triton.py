@@ -238,9 +238,10 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + pid_m * NT + pid_t, 0, sem="relaxed")
 
     @triton.jit
-    def _dequant_step(w, sv, bv, dt: tl.constexpr, RB: tl.constexpr):
-        """(RB, 64) weights q * s + b in dt of one layout step: w the step's (RB, 2, 4) words, sv / bv the
-        (RB, 2) fp16 s and b of its two blocks (the eight planes interleaved back in registers)."""
+    def _dequant_planes(w, sv, bv, dt: tl.constexpr, RB: tl.constexpr):
+        """(RB, 64) weights q * s + b in dt of one layout step, columns in plane order: w the step's (RB, 2, 4)
+        words, sv / bv the (RB, 2) fp16 s and b of its two blocks; column f holds layout column
+        `_plane_column(f)` (the joins' own order, no permute)."""
         s = sv.to(tl.float32)[:, :, None]
         b = bv.to(tl.float32)[:, :, None]
         w_hi = w >> 12
@@ -252,8 +253,19 @@ if triton is not None:
         p5 = (_plane(w, w_hi, 5) * s + b).to(dt)
         p6 = (_plane(w, w_hi, 6) * s + b).to(dt)
         p7 = (_plane(w, w_hi, 7) * s + b).to(dt)
-        # (RB, 2, 4 j, 2 c, 2 b, 2 a) with plane 4a + 2b + c, then (RB, block, a, b, c, j): column 32 block + 4 i + j
+        # (RB, 2 block, 4 j, 2 c, 2 b, 2 a) with plane i = 4a + 2b + c
         v = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+        return v
+
+    @triton.jit
+    def _plane_column(f):
+        """The step column (32 block + 4 i + j) that `_dequant_planes`' flattened index f holds."""
+        return 32 * (f // 32) + 16 * (f % 2) + 8 * ((f // 2) % 2) + 4 * ((f // 4) % 2) + (f // 8) % 4
+
+    @triton.jit
+    def _dequant_step(w, sv, bv, dt: tl.constexpr, RB: tl.constexpr):
+        """(RB, 64) weights q * s + b in dt of one layout step, columns in order (the planes permuted back)."""
+        v = _dequant_planes(w, sv, bv, dt, RB)
         return tl.reshape(tl.permute(v, (0, 1, 5, 4, 3, 2)), (RB, 64))
 
     @triton.jit
@@ -281,10 +293,12 @@ if triton is not None:
                    BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
         """y (M, N) = x (M, K) @ W^T for M > GEMV_MAX_M with the dequantise inside the GEMM: a program owns
         a (BM, BN) block of y (BN rows of one layout tile), and per 64-column step loads BN * 32 bytes of
-        codes, dequantises them in registers (`_dequant_step`) and feeds tl.dot (tensor cores) with the
-        activation's (BM, 64) block; fp32 accumulation, y in x's dtype. Grid: (M blocks, N blocks), M
-        fastest, so the programs that share a weight block run together and all but the first read it
-        from L2: the weight crosses DRAM once, as 4-bit codes, instead of as a bf16 copy written and read."""
+        codes, dequantises them in registers and feeds tl.dot (tensor cores) as its first operand
+        (W . x^T: the register operand is the weight, as swap-AB W4A16 kernels do), with the activation's
+        (64, BM) block loaded transposed and in the planes' column order (`_plane_column`) so that the
+        weights need no permute; fp32 accumulation, y in x's dtype. Grid: (M blocks, N blocks), M fastest,
+        so the programs that share a weight block run together and all but the first read it from L2: the
+        weight crosses DRAM once, as 4-bit codes, instead of as a bf16 copy written and read again."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         n0 = pid_n * BN
@@ -296,18 +310,18 @@ if triton is not None:
                                                                     + ji[None, None, :])
         sb_blk = sb_ptr + (n0 // TN).to(tl.int64) * n_groups * (TN * 2) + r[:, None] * 2
         rm = pid_m * BM + tl.arange(0, BM)
-        x_blk = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + tl.arange(0, 64)[None, :]
-        m_ok = (rm < M)[:, None]
-        acc = tl.zeros((BM, BN), tl.float32)
+        xt_blk = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + _plane_column(tl.arange(0, 64))[:, None]  # (64, BM)
+        m_ok = (rm < M)[None, :]
+        acc = tl.zeros((BN, BM), tl.float32)
         for st in tl.range(0, KS, num_stages=STAGES):
             w = tl.load(w_blk + st * (TN * 8))
             sbp = sb_blk + (((st * 2 + bi) * 32) // GROUP)[None, :] * (TN * 2)
-            v = _dequant_step(w, tl.load(sbp), tl.load(sbp + 1), x_ptr.dtype.element_ty, BN)
-            a = tl.load(x_blk + st * 64, mask=m_ok, other=0.0)
-            acc = tl.dot(a, tl.trans(v), acc)
+            v = tl.reshape(_dequant_planes(w, tl.load(sbp), tl.load(sbp + 1), x_ptr.dtype.element_ty, BN), (BN, 64))
+            xt = tl.load(xt_blk + st * 64, mask=m_ok, other=0.0)  # transposed by address (3.5-4x faster than
+            acc = tl.dot(v, xt, acc)  # loading (BM, 64) and tl.trans on an H200, docs/BENCHMARKS.md 2026-12-02)
         rn = n0 + tl.arange(0, BN)
-        tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok & (rn < N)[None, :])
+        tl.store(y_ptr + rm.to(tl.int64)[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok & (rn < N)[:, None])
 
 
 @functools.lru_cache(maxsize=8)
@@ -361,7 +375,10 @@ def _(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) ->
     return codes.new_empty((n, codes.shape[1] * 64), dtype=dtype)
 
 
-# (BM, BN, warps, stages) of `_mm_kernel`; BN is capped at the layout's tile rows (it must divide them)
+# (BM, BN, warps, stages) of `_mm_kernel`; BN is capped at the layout's tile rows (it must divide them).
+# Measured on an H200 at M = 512, Llama-3-8B shapes (scripts/bench_int4_gemv.py --rows 512, docs/BENCHMARKS.md
+# 2026-12-02): the best of eight configs per shape, 100 / 291 / 347 us for q/o, gate/up, down, against bf16
+# cuBLAS's 24 / 86 / 79 and the dequantise + cuBLAS path's 35 / 129 / 119: 3-4x slower than bf16, so not the default.
 MM_CONFIG = (128, 128, 8, 3)
 
 
@@ -384,9 +401,9 @@ def _(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Tensor:
     return x.new_empty((x.shape[0], n))
 
 
-# How M > GEMV_MAX_M rows (prefill) run: "dequant" (a bf16 / fp16 copy of the weight, then cuBLAS) or
-# "fused" (`int4_mm`: the dequantise inside a Triton GEMM, the weight read once as codes). fp32 activations
-# always take "dequant" (tl.dot's fp32 operands would run as tf32).
+# How M > GEMV_MAX_M rows (prefill) run: "dequant" (a bf16 / fp16 copy of the weight, then cuBLAS; the default,
+# measured faster: MM_CONFIG's comment) or "fused" (`int4_mm`: the dequantise inside a Triton GEMM, the weight
+# read once as codes). fp32 activations always take "dequant" (tl.dot's fp32 operands would run as tf32).
 PREFILL_MODES = ("dequant", "fused")
 PREFILL = os.environ.get("ORIN_AGENT_INT4_PREFILL", "dequant")
 if PREFILL not in PREFILL_MODES:

@@ -71,6 +71,15 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
         rows.append({"kernel": f"dequant {act}", "arch": f"sm_{arch}", "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
                      "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
                      "global_stores": dict(Counter(re.findall(r"(STG\.E[.A-Z0-9]*)", sass)))})
+    bm, bn, warps, stages = it.MM_CONFIG  # the prefill GEMM with the dequantise inside (it.int4_mm)
+    kern = compile_kernel(it._mm_kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16", "y_ptr": "*bf16"},
+                          {"GROUP": group, "TN": tn, "BM": bm, "BN": min(bn, tn), "STAGES": stages}, arch, warps, stages)
+    usage = cuobjdump(kern, "--dump-resource-usage")
+    sass = cuobjdump(kern, "-sass")
+    rows.append({"kernel": "int4_mm bf16 (prefill)", "arch": f"sm_{arch}", "config": list(it.MM_CONFIG),
+                 "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+                 "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+                 "tensor_core_ops": dict(Counter(re.findall(r"((?:HGMMA|HMMA)\.[.A-Z0-9]*)", sass)))})
     return rows
 
 
