@@ -1,6 +1,6 @@
 """Triton kernels for weight-only INT4 linears on CUDA: a batch-1 (small-M) GEMV that streams the packed
 codes once, and a dequantise kernel for prefill (M > GEMV_MAX_M rows: bf16/fp16 weight once per call,
-then cuBLAS through F.linear). Both are torch custom ops (`orin_agent::int4_gemv`,
+then cuBLAS through F.linear; `int4_mm`, the dequantise inside a Triton GEMM, is measured and opt-in: PREFILL). Both are torch custom ops (`orin_agent::int4_gemv`,
 `orin_agent::int4_dequant`) with fake implementations, so inductor and CUDA graphs take them whole
 inside the compiled decode step. The GEMV's split-K partial sums are added inside the kernel by default
 (`REDUCE`: fp32 atomics into a per-layer scratch that the tile's last program casts and zeroes, or a
@@ -239,9 +239,9 @@ if triton is not None:
 
     @triton.jit
     def _dequant_planes(w, sv, bv, dt: tl.constexpr, RB: tl.constexpr):
-        """(RB, 64) weights q * s + b in dt of one layout step, columns in plane order: w the step's (RB, 2, 4)
-        words, sv / bv the (RB, 2) fp16 s and b of its two blocks; column f holds layout column
-        `_plane_column(f)` (the joins' own order, no permute)."""
+        """The weights q * s + b in dt of one layout step as the eight planes joined, (RB, 2, 4, 2, 2, 2): w the
+        step's (RB, 2, 4) words, sv / bv the (RB, 2) fp16 s and b of its two blocks. Reshaped to (RB, 64) without
+        a permute, column f holds the step's column `_plane_column(f)`."""
         s = sv.to(tl.float32)[:, :, None]
         b = bv.to(tl.float32)[:, :, None]
         w_hi = w >> 12

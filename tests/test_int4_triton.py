@@ -157,6 +157,7 @@ def check_kernels(device: str) -> None:
             assert got.shape == (m, 64) and got.dtype == x.dtype
             assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (mode, m, float((got - want).abs().max()))
     it.REDUCE = default
+    default = it.PREFILL
     for mode in it.PREFILL_MODES:  # both prefill forms through the public entry, fp32 rows on the dequantise path
         it.PREFILL = mode
         for dtype in (tensor_dtypes[0], torch.float32):
@@ -164,7 +165,7 @@ def check_kernels(device: str) -> None:
             got = it.linear(x, codes, sb, 64, 32, 2)
             want = x.double() @ _reference(w).double().to(device).T
             assert got.dtype == dtype and float((got.double() - want).norm() / want.norm()) < 2 ** -7, (mode, dtype)
-    it.PREFILL = "dequant"
+    it.PREFILL = default
 
 
 def check_compile(device: str) -> None:
