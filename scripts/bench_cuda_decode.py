@@ -100,8 +100,6 @@ VARIANTS = {v.name: v for v in (
     *(Variant(f"int4-{r}", True, buckets=False, quant="int4", reduce=r) for r in ("atomic", "last")),
     Variant("int4-fused", True, buckets=False, quant="int4", fused=True),  # what the torch backend on CUDA runs
     Variant("int4-fused-mm", True, buckets=False, quant="int4", fused=True, prefill="fused"),
-    Variant("int4-fused-lmhead-mm-compile", True, buckets=False, quant="int4", lm_head=True, compile=True, fused=True,
-            prefill="fused"),
     Variant("int4-partials-norope", True, buckets=False, quant="int4", reduce="partials", rope=False),
     Variant("int4-partials-compile", True, buckets=False, quant="int4", compile=True, reduce="partials"),
     Variant("int4-atomic-compile", True, buckets=False, quant="int4", compile=True, reduce="atomic"),

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from collections import Counter  # noqa: E402
 
-from kv_kernel_sass import compile_kernel, cuobjdump, main_loop_opcodes  # noqa: E402
+from kv_kernel_sass import compile_kernel, cuobjdump, main_loop_opcodes, resources  # noqa: E402
 
 SHAPE = (14336, 4096)  # Llama-3-8B gate/up projection (N, K): the configuration gemv_config picks for it
 
@@ -38,12 +38,10 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
         ptrs = {"x_ptr": f"*{act}", "w_ptr": "*i32", "sb_ptr": "*fp16", "out_ptr": "*fp32"}
         kern = compile_kernel(it._gemv_kernel, ptrs, {"GROUP": group, "TN": tn, "EVEN": even, "STAGES": stages},
                               arch, warps, stages)
-        usage = cuobjdump(kern, "--dump-resource-usage")
         ops = main_loop_opcodes(cuobjdump(kern, "-sass"))
         weights = tn * it.STEP_WORDS * 8 / (warps * 32)  # packed weights per thread per loop step
         rows.append({"kernel": f"gemv {act}{'' if even else ' N%TN'}", "arch": f"sm_{arch}", "tile_n": tn,
-                     "warps": warps, "split": split, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-                     "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+                     "warps": warps, "split": split, **resources(kern),
                      "loop_instructions": sum(ops.values()),
                      "per_weight": round(sum(ops.values()) / weights, 2),
                      "integer_per_weight": round(sum(v for o, v in ops.items()
@@ -56,29 +54,22 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
         kern = compile_kernel(it._gemv_reduced_kernel, ptrs,
                               {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": mode,
                                "CH": min(it.REDUCE_CHUNK, split), "STAGES": stages}, arch, warps, stages)
-        usage = cuobjdump(kern, "--dump-resource-usage")
         sass = cuobjdump(kern, "-sass")
         rows.append({"kernel": f"gemv bf16, split-K sum in the kernel ({name})", "arch": f"sm_{arch}", "tile_n": tn,
-                     "warps": warps, "split": split, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-                     "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+                     "warps": warps, "split": split, **resources(kern),
                      "atomics": dict(Counter(re.findall(r"((?:REDG|RED|ATOMG|ATOM)\.[.A-Z0-9]*)", sass))),
                      "fences_barriers": dict(Counter(re.findall(r"((?:MEMBAR|FENCE|BAR)\.[.A-Z0-9]*)", sass)))})
     for act in ("bf16", "fp16"):
         ptrs = {"w_ptr": "*i32", "sb_ptr": "*fp16", "out_ptr": f"*{act}"}
         kern = compile_kernel(it._dequant_kernel, ptrs, {"GROUP": group, "TN": tn, "RB": min(tn, 256)}, arch, 4, 1)
-        usage = cuobjdump(kern, "--dump-resource-usage")
         sass = cuobjdump(kern, "-sass")
-        rows.append({"kernel": f"dequant {act}", "arch": f"sm_{arch}", "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-                     "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+        rows.append({"kernel": f"dequant {act}", "arch": f"sm_{arch}", **resources(kern),
                      "global_stores": dict(Counter(re.findall(r"(STG\.E[.A-Z0-9]*)", sass)))})
     bm, bn, warps, stages = it.MM_CONFIG  # the prefill GEMM with the dequantise inside (it.int4_mm)
     kern = compile_kernel(it._mm_kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16", "y_ptr": "*bf16"},
                           {"GROUP": group, "TN": tn, "BM": bm, "BN": min(bn, tn), "STAGES": stages}, arch, warps, stages)
-    usage = cuobjdump(kern, "--dump-resource-usage")
     sass = cuobjdump(kern, "-sass")
-    rows.append({"kernel": "int4_mm bf16 (prefill)", "arch": f"sm_{arch}", "config": list(it.MM_CONFIG),
-                 "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-                 "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+    rows.append({"kernel": "int4_mm bf16 (prefill)", "arch": f"sm_{arch}", "config": list(it.MM_CONFIG), **resources(kern),
                  "tensor_core_ops": dict(Counter(re.findall(r"((?:HGMMA|HMMA)\.[.A-Z0-9]*)", sass)))})
     return rows
 

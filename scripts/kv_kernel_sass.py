@@ -53,6 +53,13 @@ def cuobjdump(kernel, *flags: str) -> str:
         os.unlink(f.name)
 
 
+def resources(kernel) -> dict[str, int]:
+    """Registers per thread and stack bytes per thread of a compiled kernel (cuobjdump's resource usage)."""
+    usage = cuobjdump(kernel, "--dump-resource-usage")
+    return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1))}
+
+
 def main_loop_opcodes(sass: str) -> Counter:
     """Opcodes between the longest backward branch and its target: the split kernel's slot loop."""
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
@@ -92,9 +99,8 @@ def report(args: argparse.Namespace) -> list[dict[str, object]]:
     rows = []
     for name, fn, ptrs, consts in variants:
         k = compile_kernel(fn, ptrs, consts, args.arch, args.warps, args.stages)
-        usage = cuobjdump(k, "--dump-resource-usage")
         ops = main_loop_opcodes(cuobjdump(k, "-sass"))
-        rows.append({"kernel": name, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+        rows.append({"kernel": name, "registers": resources(k)["registers"],
                      "shared_bytes": k.metadata.shared, "loop_instructions": sum(ops.values()),
                      "byte_shared_loads": k.asm["ptx"].count("ld.shared.b8"),
                      "top_opcodes": dict(ops.most_common(10))})

@@ -80,8 +80,11 @@ def test_fake_impls_give_shapes_and_dtypes_without_running_a_kernel() -> None:
 
 
 def check_kernels(device: str) -> None:
-    """The GEMV and the dequantise kernel against the reference on `device` (called in the interpreter
-    on CPU and compiled on CUDA)."""
+    """The GEMV, the dequantise kernel and the prefill GEMM against the reference on `device` (called in the
+    interpreter on CPU and compiled on CUDA)."""
+    # bf16 tensor-core operands only on the GPU: Triton 3.9's interpreter multiplies bf16 dot operands as their
+    # raw bits (a 16 x 16 bf16 tl.dot alone is off by ~2.5e10 there, fp16 exact)
+    tensor_dtypes = (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,)
     cases = [(40, 256, 32, False, 32), (64, 512, 128, True, 64), (300, 384, 64, False, 128), (520, 1024, 128, False, 512)]
     for seed, (n, k, group, mins, tile_n) in enumerate(cases):
         w = _weights(n, k, group, mins, seed)
@@ -98,22 +101,14 @@ def check_kernels(device: str) -> None:
             got = it.int4_gemv(x, codes, sb, n, group, split).sum(0)
             err = float((got.double() - want).norm() / want.norm())
             assert err < 1e-6, (n, k, group, m, dtype, split, err)  # fp32 rounding: products are exact
-    # the GEMM with the dequantise inside (prefill rows): operands rounded to x's dtype, fp32 sums. bf16 only
-    # on the GPU: Triton 3.9's interpreter multiplies bf16 dot operands as their raw bits (a 16 x 16 bf16 tl.dot
-    # alone is off by ~2.5e10 there, fp16 exact)
-    tensor_dtypes = (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,)
-    for seed, (n, k, group, mins, tile_n) in enumerate(cases):
-        w = _weights(n, k, group, mins, seed)
-        codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w.get("zeros"), mins=w.get("mins"),
-                                                   tile_n=tile_n))
-        ref = _reference(w).to(device)
-        for m, dtype in ((m, dt) for m in (5, 130) for dt in tensor_dtypes):
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
-            want = x.double() @ ref.double().T
-            got = it.int4_mm(x, codes, sb, n, group)
-            assert got.shape == (m, n) and got.dtype == dtype
-            err = float((got.double() - want).norm() / want.norm())
-            assert err < (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9), (n, k, group, m, dtype, err)
+        for m in (5, 130):  # the GEMM with the dequantise inside (prefill rows): operands in x's dtype, fp32 sums
+            for dtype in tensor_dtypes:
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
+                want = x.double() @ ref.double().T
+                got = it.int4_mm(x, codes, sb, n, group)
+                assert got.shape == (m, n) and got.dtype == dtype
+                err = float((got.double() - want).norm() / want.norm())
+                assert err < (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9), (n, k, group, m, dtype, err)
     # the split-K sum inside the kernel, both modes: same numbers, scratch left zeroed (so a second call and a
     # graph replay see it as the first did), and the "last" mode's sum in split order repeats bit for bit
     for seed, (n, k, group, mins, tile_n) in enumerate(cases):
