@@ -19,6 +19,9 @@ Kernels (PyTorch's ATen ops, no home-made GEMV):
     or `aten._weight_int4pack_mm_for_cpu`, after `_convert_weight_to_int4pack[_for_cpu]`. tinygemm
     dequantises as (q - 8) * scale + zero with a float zero, so zero = (8 - z) * s (float-min form:
     zero = m + 8 * s, the same arithmetic).
+  - INT8 in groups (GGUF's Q8_0 blocks, e.g. SmolLM2's tied head) on CUDA: the weight dequantised once, when
+    the layer is built, to the activations' dtype and run through F.linear (kernel "dense": 2 bytes a weight
+    in fp16 against Q8_0's 1.06; the reference path instead dequantised the whole head at every step).
   - anything else (act-order g_idx, asymmetric INT8, odd shapes): the reference path.
 The kernel is chosen once, when the layer is built on its device (`QuantLinear.kernel` says which).
 """
@@ -89,6 +92,9 @@ class QuantLinear(nn.Module):
         if self.kernel in ("int8pack", "int8dq"):
             self.register_buffer("weight", (q.to(torch.int16) - INT8_SYM_ZERO).to(torch.int8).contiguous())
             self.register_buffer("scales", scales[:, 0].to(dtype).contiguous())
+        elif self.kernel == "dense":
+            w = dequantize(q, scales.float(), None if mins is not None else zeros, g_idx, mins)
+            self.register_buffer("weight", w.to(dtype).contiguous())
         elif self.kernel in ("int4pack", "int4pack_cpu"):
             tiles = _inner_k_tiles(self.in_features)
             assert tiles is not None
@@ -120,6 +126,8 @@ class QuantLinear(nn.Module):
         if (self.bits == 8 and not self.has_mins and zeros.shape[1] == 1
                 and bool((zeros == INT8_SYM_ZERO).all())):  # per channel
             return "int8dq" if cuda else "int8pack"
+        if self.bits == 8 and cuda:
+            return "dense"
         if (self.bits == 4 and sequential and cuda and self.cuda_int4 == "triton" and int4_triton.available()
                 and int4_triton.supports(self.out_features, self.in_features, self.group_size)):
             return "int4_triton"
@@ -136,6 +144,8 @@ class QuantLinear(nn.Module):
         if self.kernel == "reference":
             return dequantize(self.weight, self.scales.float(), getattr(self, "zeros", None), self.g_idx,
                               getattr(self, "mins", None))
+        if self.kernel == "dense":
+            return self.weight.float()
         if self.kernel == "int4_triton":
             return int4_triton.int4_dequant(self.weight, self.sb, self.out_features, self.group_size, torch.float32)
         eye = torch.eye(self.in_features, device=self.weight.device,
@@ -146,6 +156,8 @@ class QuantLinear(nn.Module):
         if self.kernel == "int4_triton":
             return int4_triton.linear(x2, self.weight, self.sb, self.out_features, self.group_size, self.split,
                                       self.gemv_ws, self.gemv_cnt)
+        if self.kernel == "dense":
+            return F.linear(x2, self.weight.to(x2.dtype))
         if self.kernel == "int8dq":
             return F.linear(x2, self.weight.to(x2.dtype)) * self.scales
         if self.kernel == "int8pack":

@@ -17,8 +17,14 @@ keeps it.
 teacher-forced positions where the greedy token equals that of the dequantised float model (torch, fp32),
 for the project's decoder graph and for llama.cpp.
 
+`--device cuda` runs both on the GPU: the project as `generate ... --device cuda` (the torch runner, CUDA
+graphs, the Triton INT4 GEMV), llama.cpp with every layer offloaded (n_gpu_layers=-1; a llama-cpp-python
+built with `CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90"`), the GB/s against the GPU's
+device-to-device copy rate.
+
     python3 scripts/bench_peer.py [--gguf FILE|smollm2-135m-instruct] [--llama-python PY] [--rounds 3]
-        [--new 128] [--threads 2] [--agreement] [--also '--activations mixed' ...] [--json OUT]
+        [--new 128] [--threads 2] [--device cpu|cuda] [--agreement] [--also '--activations mixed' ...]
+        [--json OUT]
 """
 from __future__ import annotations
 
@@ -48,14 +54,14 @@ LLAMA_SCRIPT = r'''
 import json, sys, time
 import llama_cpp
 from llama_cpp import Llama
-g, n, t, p, amx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"
+g, n, t, p, amx, ngl = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1", int(sys.argv[6])
 if not amx:  # llama_model_params.use_extra_bufts: no AMX repack (it segfaults here)
     _default = llama_cpp.llama_model_default_params
     def _params():
         q = _default(); q.use_extra_bufts = False; return q
     llama_cpp.llama_model_default_params = _params
     import llama_cpp.llama as _l; _l.llama_cpp.llama_model_default_params = _params
-m = Llama(model_path=g, n_threads=t, n_ctx=512, verbose=False)
+m = Llama(model_path=g, n_threads=t, n_ctx=512, n_gpu_layers=ngl, verbose=False)
 ids = m.tokenize(p.encode(), add_bos=False)
 m.reset(); m.eval(ids[:4]); m.reset()             # warm-up
 t0 = time.perf_counter(); m.eval(ids); t1 = time.perf_counter()
@@ -97,11 +103,19 @@ print(2 * a.nbytes / statistics.median(ts) / 1e9)
 '''
 
 
-def copy_rate(nbytes: int = 1 << 30) -> float:
-    """np.copyto GB/s of a large array (bytes read + written), median of 5: the machine's streaming rate, measured
-    now, in a child process (a forked child's peak RSS counts its parent's memory: this one stays small)."""
-    return float(subprocess.run([sys.executable, "-c", COPY_SCRIPT, str(nbytes)], capture_output=True, text=True,
-                                check=True).stdout)
+CUDA_COPY_SCRIPT = r'''
+from scripts.bench_cuda_decode import copy_bandwidth
+print(copy_bandwidth() / 1e9)
+'''
+
+
+def copy_rate(nbytes: int = 1 << 30, device: str = "cpu") -> float:
+    """The machine's streaming rate in GB/s (bytes read + written), measured now, in a child process (a forked
+    child's peak RSS counts its parent's memory: this one stays small): np.copyto of a large array, median of 5;
+    on CUDA the device-to-device copy of scripts/bench_cuda_decode.py."""
+    script = COPY_SCRIPT if device == "cpu" else CUDA_COPY_SCRIPT
+    return float(subprocess.run([sys.executable, "-c", script, str(nbytes)], capture_output=True, text=True,
+                                check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout)
 
 
 def run_child(cmd: list[str], env: dict[str, str] | None = None, stdin: str | None = None,
@@ -151,6 +165,20 @@ def weight_bytes(gguf: Path) -> dict[str, float]:
     head = head if head is not None else next(int(t.n_bytes) for t in r.tensors if t.name == "token_embd.weight")
     mine = ours(weights_from_gguf(gguf))
     return {"project_weights_mb": mine["total"] / 1e6, "llama_weights_mb": (layers + head) / 1e6}
+
+
+def cuda_weight_bytes(gguf: Path, dtype: str) -> float:
+    """MB one decode step of the project's CUDA path reads: the torch model as `generate --device cuda` builds it
+    (partition/runners/chain_loader.py: the GGUF's blocks in their CUDA kernels' layouts, q/k/v and gate/up fused),
+    every parameter and buffer but the embedding table, of which one row (scripts/bench_cuda_decode.read_bytes)."""
+    from partition.checkpoint import parse_dtype
+    from partition.gguf.tensors import load_gguf_model
+    from partition.model import fuse_quantized_projections
+    from scripts.bench_cuda_decode import read_bytes
+
+    model = load_gguf_model(gguf, parse_dtype(dtype), "cuda")
+    fuse_quantized_projections(model)
+    return read_bytes(model) / 1e6
 
 
 def kv_bytes_per_token(gguf: Path, context: int, bytes_per_value: int) -> float:
@@ -211,6 +239,9 @@ def main() -> None:
     ap.add_argument("--also", action="append", default=[], metavar="ARGS",
                     help="another project variant in the same rounds (its generate flags, e.g. '--activations "
                          "mixed'); repeatable; each gets its own row and ratios")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the project with --device cuda, llama.cpp with every layer offloaded (n_gpu_layers=-1, "
+                         "a llama-cpp-python built with -DGGML_CUDA=ON); GB/s against the GPU's copy rate")
     ap.add_argument("--llama-amx", action="store_true", help="keep llama.cpp's AMX weight repack (crashes here)")
     ap.add_argument("--agreement", type=Path, nargs="?", const=ROOT / "tests" / "data" / "teacher_forced.txt",
                     help="also measure teacher-forced greedy agreement with the dequantised float model on this text")
@@ -228,18 +259,20 @@ def main() -> None:
     oa = shutil.which("orin-agent")
     oa_cmd = [oa] if oa else [sys.executable, "-m", "agent.cli"]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    variants = {"project": a.project_args, **{f"project {x}": x for x in a.also}}
+    cuda = a.device == "cuda"
+    on_device = " --device cuda" if cuda else ""
+    variants = {"project": a.project_args + on_device, **{f"project {x}": x + on_device for x in a.also}}
     log("warm-up: the project's first run builds and caches its decoder graph")
     for extra in variants.values():
         run_child(oa_cmd + ["generate", "warm up", "--model", str(gguf), "--max-tokens", "2", "--temperature", "0",
                             "--json"] + shlex.split(extra), env=env)
-    copy_before = copy_rate()
+    copy_before = copy_rate(device=a.device)
     rows: dict[str, list[dict[str, Any]]] = {"llama_cpp": [], **{k: [] for k in variants}}
     loads = [os.getloadavg()[0]]
     for r in range(a.rounds):
         if llama:
             rc, so, se, rss = run_child([llama, "-c", LLAMA_SCRIPT, str(gguf), str(a.new), str(a.threads), a.prompt,
-                                         "1" if a.llama_amx else "0"])
+                                         "1" if a.llama_amx else "0", "-1" if cuda else "0"])
             if rc:
                 sys.exit(f"llama.cpp failed (exit {rc}): {(se.strip().splitlines() or ['?'])[-1][:200]}")
             rows["llama_cpp"].append({**json.loads(so.strip().splitlines()[-1]), "rss_mb": rss})
@@ -251,27 +284,34 @@ def main() -> None:
             rows[name].append({**json.loads(so), "rss_mb": rss})
         loads.append(os.getloadavg()[0])
         log(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]['decode_tok_s']:.1f} tok/s" for k, v in rows.items() if v))
-    copy_after = copy_rate()
+    copy_after = copy_rate(device=a.device)
     sizes = weight_bytes(gguf)
     ctx = len(rows["project"][0].get("token_ids", [])) // 2 + int(rows["project"][0]["prompt_tokens"])
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
-        "gguf": str(gguf), "threads": a.threads, "new_tokens": a.new, "rounds": a.rounds,
+        "gguf": str(gguf), "device": a.device, "threads": a.threads, "new_tokens": a.new, "rounds": a.rounds,
         "load_average_1min": {"min": min(loads), "max": max(loads)},
         "copy_gb_s": {"before": copy_before, "after": copy_after},
         "project_backend": rows["project"][0].get("backend"),
     }
-    kv = {"project": kv_bytes_per_token(gguf, ctx, 4), "llama_cpp": kv_bytes_per_token(gguf, ctx, 2)}  # fp32 / f16 cache
-    weights = {"project": sizes["project_weights_mb"], "llama_cpp": sizes["llama_weights_mb"]}
+    cuda_weights: dict[str, float] = {}  # by dtype
     for name, rs in rows.items():
         if not rs:
             continue
         dec = median_range([x["decode_tok_s"] for x in rs])
-        side = "llama_cpp" if name == "llama_cpp" else "project"
-        mb = weights[side] + kv[side]
+        if name == "llama_cpp":  # the GGUF's blocks, an f16 cache
+            wmb, kvmb = sizes["llama_weights_mb"], kv_bytes_per_token(gguf, ctx, 2)
+        elif cuda:  # the torch runner: its layouts, a cache in the model's dtype
+            dt = rs[0].get("dtype", "fp32")
+            if dt not in cuda_weights:
+                cuda_weights[dt] = cuda_weight_bytes(gguf, dt)
+            wmb, kvmb = cuda_weights[dt], kv_bytes_per_token(gguf, ctx, 4 if dt == "fp32" else 2)
+        else:  # the ONNX Runtime decoder graph: an fp32 cache
+            wmb, kvmb = sizes["project_weights_mb"], kv_bytes_per_token(gguf, ctx, 4)
+        mb = wmb + kvmb
         res[name] = {"decode_tok_s": dec, "prefill_ms": median_range([x["prefill_ms"] for x in rs]),
                      "peak_rss_mb": max(x["rss_mb"] for x in rs), "mb_per_token": mb,
-                     "weights_mb": weights[side], "kv_mb_mid": kv[side],
+                     "weights_mb": wmb, "kv_mb_mid": kvmb,
                      "gb_s": mb * dec["median"] / 1e3, "of_copy_rate": mb * dec["median"] / 1e3 / min(copy_before, copy_after)}
     if rows["llama_cpp"]:
         ll, pr = rows["llama_cpp"][0], rows["project"][0]

@@ -1,6 +1,6 @@
 """GPU paths of the decode work (run on the lent GPU machine; skipped without CUDA): in-place cache
 attention against the export formulation, the compiled graphed step against eager, and QuantLinear's
-CUDA kernels (the Triton INT4 GEMV / dequantise ops, tinygemm INT4, int8dq) against the plain
+CUDA kernels (the Triton INT4 GEMV / dequantise ops, tinygemm INT4, int8dq, dense group-wise INT8) against the plain
 dequantise-then-matmul, eager and inside the compiled decode step."""
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def test_cuda_compiled_graph_step_matches_eager(tiny_checkpoint: Path) -> None:
 
 
 @pytest.mark.parametrize("bits,group,cuda_int4", [(4, 128, "triton"), (4, 32, "triton"), (4, 64, "triton"),
-                                                  (4, 128, "tinygemm"), (4, 32, "tinygemm"), (8, -1, "triton")])
+                                                  (4, 128, "tinygemm"), (4, 32, "tinygemm"), (8, -1, "triton"),
+                                                  (8, 32, "triton")])
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_cuda_quant_linear_matches_reference(bits: int, group: int, cuda_int4: str, rows: int) -> None:
     w = torch.randn(512, 1024, generator=torch.Generator().manual_seed(0)) * 0.02
@@ -60,7 +61,7 @@ def test_cuda_quant_linear_matches_reference(bits: int, group: int, cuda_int4: s
     dev = [t.cuda() for t in (q, s, z, g)]
     fast = QuantLinear(*dev, bits, gs, dtype=torch.bfloat16, cuda_int4=cuda_int4)
     want_kernel = {"triton": "int4_triton" if int4_triton.available() else "int4pack", "tinygemm": "int4pack"}
-    assert fast.kernel == (want_kernel[cuda_int4] if bits == 4 else "int8dq")
+    assert fast.kernel == (want_kernel[cuda_int4] if bits == 4 else "int8dq" if group == -1 else "dense")
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     expected = x.float() @ dequantize(dev[0], dev[1].float(), dev[2], dev[3]).T
     got = fast(x).float()
