@@ -17,7 +17,9 @@ In-place cache mode (`cache_in_place=True`, the runtime path of the PyTorch runn
 for export): the past tensors are views of the runner's cache covering slots [0, L) with L > every new
 position; each layer writes its new K/V into them by position (`scatter_`) and attends over the view
 at the model dtype (SDPA for prefill, two batched GEMMs for a decode step), so no step concatenates,
-copies or casts the cache. Slot k is attended by query i iff k <= positions[b, i]. The new K/V are still returned.
+copies or casts the cache. Slot k is attended by query i iff k <= positions[b, i]. The new K/V are still returned,
+except by a decode step through the Triton kernels (DECODE_ROPE_FUSED), which returns the cache views themselves
+(every caller of this mode drops them: the cache already holds them).
 A past may also be a quantised view (`PastKV`, e.g. kernels.kv_quant.QuantizedPast): the export
 formulation dequantises it; in-place cache mode takes dense caches only. A `DecodePast` (INT8 cache on
 CUDA) runs a decode step's attention over itself plus the fresh K/V in GPU kernels instead.
@@ -75,10 +77,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if _fused_elementwise(x, self.weight):
+            from kernels.norm_triton import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()  # normalise in fp32 whatever the model dtype (fp16 overflows in x**2)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(self(x + residual), x + residual): the residual add and the norm that reads it, in one kernel on CUDA."""
+        if _fused_elementwise(x, self.weight) and residual.stride(-1) == 1 and residual.dtype == x.dtype:
+            from kernels.norm_triton import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        h = x + residual
+        return self(h), h
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -153,6 +168,19 @@ DECODE_PV_CHOICES = ("matmul", "transposed", "reduce", "triton")
 # (kernels.rope_triton.rope_write) instead of inductor's five (rotations, scatters, copies back into the cache's
 # views: ~0.5 ms of a 2.9 ms Llama-3-8B INT4 step's kernels on an H200, docs/BENCHMARKS.md).
 DECODE_ROPE_FUSED = True
+# On CUDA with Triton installed, RMSNorm (the post-attention one with the residual add before it) and SiLU(gate) * up
+# of a fused gate/up projection run as one kernel each (kernels.norm_triton) instead of eager PyTorch's ~8 and 2:
+# a graphed batch-1 decode step of a small model is bound by its kernel count (SmolLM2-135M on an H200: ~27 kernels
+# a layer, ~3 us each, docs/BENCHMARKS.md "SmolLM2 on the GPU").
+FUSED_ELEMENTWISE = True
+
+
+def _fused_elementwise(x: Tensor, weight: Tensor | None = None) -> bool:
+    if not FUSED_ELEMENTWISE:
+        return False
+    from kernels import norm_triton
+
+    return norm_triton.applies(x, weight)
 
 
 def _triton_decode_shapes(q: Tensor, hd: int, grp: int, pv: str | None = None) -> bool:
@@ -244,9 +272,9 @@ class Attention(nn.Module):
     def _decode_fused(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                       past_k: Tensor, past_v: Tensor, slot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """A decode step in in-place cache mode through the Triton kernels: RoPE and the cache write in one
-        launch (kernels.rope_triton), then the flash-decoding attention over slots 0..position. Returns what
-        forward does; the new K/V are read back from the cache (dead code under torch.compile, where the runner
-        drops them)."""
+        launch (kernels.rope_triton), then the flash-decoding attention over slots 0..position. Returns the
+        output and, in place of the new K/V, the caches that now hold them (no gather kernels: every caller of
+        in-place mode drops them)."""
         from kernels.rope_triton import rope_write
 
         b = qx.shape[0]
@@ -255,7 +283,7 @@ class Attention(nn.Module):
                        past_k, past_v)  # (B, H, hd)
         q = q.reshape(b, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
         out = decode_attention_dense(q, past_k, past_v, mask, lengths=(pos + 1).to(torch.int32))
-        return self.o_proj(out.reshape(b, 1, -1)), past_k.gather(2, slot), past_v.gather(2, slot)
+        return self.o_proj(out.reshape(b, 1, -1)), past_k, past_v  # the caches hold the new K/V (module docstring)
 
 
 class MLP(nn.Module):
@@ -267,7 +295,12 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if hasattr(self, "gate_up_proj"):  # fuse_projections
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if _fused_elementwise(gate_up):
+                from kernels.norm_triton import silu_mul
+
+                return self.down_proj(silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -331,8 +364,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
                 past_v: Past, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v, slot)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+        normed, x = self.post_attention_layernorm.add_forward(a, x)  # x + a and its norm (one kernel on CUDA)
+        return x + self.mlp(normed), k, v
 
 
 class Backbone(nn.Module):

@@ -126,6 +126,8 @@ def load_chain(model_dir: str | Path, backend: str = "torch", slices: str | None
         else:
             runners = [TorchRunner(model, s, seq, max_batch, cuda_graphs=graphs, kv_cache=kv_cache,
                                    kv_group=kv_group) for s in specs]
+            for r in runners:  # the first decode graph captured at load, as llama.cpp warms up at load
+                r.warm_up()
     else:
         from partition.build.decoder_build import is_quantized
 

@@ -105,6 +105,15 @@ class DecodeGraphs:
             out = step()
         return graph, out
 
+    def warm(self, b: int = 1) -> None:
+        """Capture (and compile, with compile_step) the first bucket's graph for b rows now, at load, instead of
+        inside the first decode step that needs it. The capture runs the step on the static inputs (token 0 at
+        position 0): it writes K/V at slot 0 of rows 0..b-1, which the next prefill writes again, so call it
+        before any row holds a history."""
+        key = (b, self.buckets[0])
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
+
     def run(self, x: Any, positions: np.ndarray) -> Tensor:
         """Decode rows 0..B-1: x (B, 1) ids or (B, 1, D) hidden states (numpy or torch, any device),
         positions int32 (B, 1) on the host (the bucket is picked there, with no device sync).

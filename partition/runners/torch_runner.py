@@ -88,6 +88,14 @@ class TorchRunner(SliceRunner):
         self.graphs = DecodeGraphs(self.module, self.cache, max_batch, max_seq, cfg.hidden_size, self.dtype,
                                    self.device, bucketed=graph_buckets, compile_step=compile_decode) if cuda_graphs else None
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Capture the batch-1 decode graph of the first past-length bucket now (DecodeGraphs.warm), so that the
+        first decode step of the first request does not pay it; nothing without CUDA graphs. Call before any
+        request: the capture writes slot 0 of row 0."""
+        if self.graphs is not None:
+            self.graphs.warm(1)
+
     def _past(self, rows: list[int], past_len: int) -> list[Any]:
         span = row_range(rows)
         if span is not None:  # consecutive rows: a view, no copy

@@ -1,0 +1,144 @@
+"""One Triton kernel each for the elementwise parts of a decoder layer that eager PyTorch runs as many:
+RMSNorm (with the residual add before it fused in) and SiLU(gate) * up.
+
+Why: a batch-1 decode step of a small model on a GPU is bound by the number of kernels, not by bytes. On
+an H200, SmolLM2-135M's graphed fp16 step (30 layers, its Q4_1 GGUF through kernels.int4_triton) took
+2.55 ms for ~27 kernels a layer, ~3 us each, while the weights it reads take ~30 us at the copy rate
+(docs/BENCHMARKS.md, "SmolLM2 on the GPU"). Eager RMSNorm is seven of those kernels (cast, square, mean,
+add, rsqrt, multiply, cast and scale), twice a layer, plus the residual add; SiLU * up is two more. These
+kernels make them one each, so a graphed step without torch.compile runs ~12 kernels a layer, and
+torch.compile (whose inductor fuses the same ops, at a compile of ~10 s per captured bucket) stays optional.
+vLLM has the same two fusions in CUDA C++ (fused_add_rms_norm, silu_and_mul); these are Triton so that
+they compile for sm_87 (Orin) and sm_90 from one source and run in Triton's interpreter in CI.
+
+Numbers: as partition.model's eager formulation rounds them. RMSNorm: h = x + residual rounded to the model
+dtype, then weight * (h32 * rsqrt(mean(h32^2) + eps)) with the normalised value rounded to the model dtype
+before the (exact in fp32, then rounded) product with the weight. SiLU * up: silu computed in fp32 and
+rounded, then the product rounded. The sums inside the mean run in another order than ATen's, so
+results can differ in the last bit.
+
+Both are torch custom ops (torch.compile treats them as opaque calls); partition.model uses them on CUDA
+where Triton is installed and `partition.model.FUSED_ELEMENTWISE` is on.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: partition.model keeps its torch formulation
+    triton = None
+    tl = None
+
+SILU_BLOCK = 1024  # columns of the intermediate size per program (SmolLM2's 1536: two programs a row)
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def applies(x: Tensor, weight: Tensor | None = None) -> bool:
+    """Whether these kernels can take x (and RMSNorm's weight): Triton installed, x on CUDA (or in Triton's CPU
+    interpreter, for the tests), unit stride along the last dim, one float dtype for both."""
+    on = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return (triton is not None and on and x.stride(-1) == 1 and x.dtype in (torch.float32, torch.float16,
+                                                                            torch.bfloat16)
+            and (weight is None or weight.dtype == x.dtype))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, sx, sr, sy, sh, N, eps,
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        """Program per row: y = w * norm(x [+ r]); with a residual also h = x + r (the new residual stream)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < N
+        x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_ptr + row * sr + cols, mask=m, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)  # rounded as x + a is
+            tl.store(h_ptr + row * sh + cols, x, mask=m)
+        x32 = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+        normed = (x32 * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * sy + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, y_ptr, sg, sy, inter, BLOCK: tl.constexpr):
+        """Program (row, column block): y = silu(gate) * up, gate and up the two halves of a row of g."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < inter
+        gate = tl.load(g_ptr + row * sg + cols, mask=m, other=0.0).to(tl.float32)
+        up = tl.load(g_ptr + row * sg + inter + cols, mask=m, other=0.0).to(tl.float32)
+        s = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(y_ptr + row * sy + cols, (s * up).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _launch_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    x2 = _rows(x)
+    n = x2.shape[1]
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    h = torch.empty(x.shape, device=x.device, dtype=x.dtype) if residual is not None else y
+    r2 = _rows(residual) if residual is not None else x2
+    y2, h2 = _rows(y), _rows(h)
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y2, h2, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
+                                     n, eps, HAS_RES=residual is not None, BLOCK=block,
+                                     num_warps=min(8, max(1, block // 256)))
+    return y, h
+
+
+@torch.library.custom_op("orin_agent::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight * RMSNorm(x) over the last dim, in x's dtype (module docstring)."""
+    return _launch_norm(x, None, weight, eps)[0]
+
+
+@rms_norm.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("orin_agent::add_rms_norm", mutates_args=())
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(weight * RMSNorm(x + residual), x + residual): the post-attention norm and the residual stream it reads."""
+    if residual.shape != x.shape or residual.stride(-1) != 1 or residual.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm takes x and residual of one shape and dtype with unit last stride, got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}")
+    return _launch_norm(x, residual, weight, eps)
+
+
+@add_rms_norm.register_fake
+def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("orin_agent::silu_mul", mutates_args=())
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up for gate_up = cat(gate, up) along the last dim (a fused gate/up projection's output)."""
+    g2 = _rows(gate_up)
+    inter = g2.shape[1] // 2
+    if g2.shape[1] % 2:
+        raise ValueError(f"silu_mul takes cat(gate, up), an even last dim, got {gate_up.shape[-1]}")
+    y = torch.empty((*gate_up.shape[:-1], inter), device=gate_up.device, dtype=gate_up.dtype)
+    y2 = _rows(y)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(inter, SILU_BLOCK))](g2, y2, g2.stride(0), y2.stride(0), inter,
+                                                                    BLOCK=SILU_BLOCK, num_warps=4)
+    return y
+
+
+@silu_mul.register_fake
+def _(gate_up: Tensor) -> Tensor:
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
