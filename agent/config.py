@@ -5,7 +5,8 @@ a frozen `ServiceConfig`; command-line flags override the file. Every error name
               slices ("0:4,4:8"), max_seq, device, kv_cache ("fp16" | "int8"),
               exits (load the exit heads: requests may ask for early exits / speculation), max_disagreement
               and speculate (K or "auto"): the default of every request that asks for neither,
-              kv_blocks (paged cache: blocks of 16 tokens), dtype ("fp32" | "fp16" | "bf16": the float parts, torch)
+              kv_blocks (paged cache: blocks of 16 tokens), dtype ("fp32" | "fp16" | "bf16": the float parts, torch;
+              "auto", the default: fp16 for the torch runner on CUDA without exits, else fp32)
     [server]  host, port, token, token_file, allowed_hosts, max_body_bytes, max_in_flight, keep_alive_s,
               header_timeout_s, body_timeout_s
     [board]   root ("" = auto: "/" on an Orin, else a fresh twin), run_dir, profile, power_control (the
@@ -63,7 +64,7 @@ class ServiceConfig:
     device: str = "cpu"
     kv_cache: str = "fp16"  # "int8": INT8 KV-cache (torch: group-wise; ort: Q/DQ slices)
     kv_blocks: int | None = None  # a paged KV-cache of this many blocks of 16 tokens (torch, fp16 cache); None: rows
-    dtype: str = "fp32"  # the float parts' dtype (partition.checkpoint.DTYPES; the measured CPU default)
+    dtype: str = "auto"  # the float parts' dtype (partition.checkpoint.DTYPES); auto: partition.config.default_dtype
     threads: int = 0  # CPU threads for the model's kernels; 0 = every core but one
     exits: bool = False  # load the exit heads beside the model (implied by the next two)
     max_disagreement: float | None = None  # default early-exit target of every request (None: full depth)
@@ -157,9 +158,9 @@ class ServiceConfig:
         if self.kv_cache == "int8" and self.backend == "trt":
             raise bad("model.kv_cache", "'int8' needs model.backend = 'torch' or 'ort' (trt: not built yet)",
                       self.kv_cache)
-        if self.dtype not in DTYPE_NAMES:
-            raise bad("model.dtype", f"must be one of {', '.join(DTYPE_NAMES)}", self.dtype)
-        if self.dtype != "fp32" and (not torch_ok or self.exits_enabled):
+        if self.dtype not in (*DTYPE_NAMES, "auto"):
+            raise bad("model.dtype", f"must be one of {', '.join(DTYPE_NAMES)} or auto", self.dtype)
+        if self.dtype not in ("fp32", "auto") and (not torch_ok or self.exits_enabled):
             raise bad("model.dtype", "fp16 / bf16 need model.backend = 'torch' and no exits (the ONNX graphs and the "
                       "exit heads are fp32)", (self.dtype, self.backend))
         if self.kv_blocks is not None and (self.kv_blocks < 1 or not torch_ok or self.kv_cache != "fp16"):

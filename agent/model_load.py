@@ -46,7 +46,18 @@ def build_chain(cfg: ServiceConfig) -> Chain:
         return edge_chain(cfg)
     return load_chain(cfg.model_dir, backend=cfg.backend, slices=cfg.slices, max_seq=cfg.max_seq,
                       max_batch=cfg.max_batch, device=cfg.device, options=OrtOptions(threads=threads),
-                      kv_cache=cfg.kv_cache, kv_blocks=cfg.kv_blocks, dtype=cfg.dtype)
+                      kv_cache=cfg.kv_cache, kv_blocks=cfg.kv_blocks, dtype=service_dtype(cfg))
+
+
+def service_dtype(cfg: ServiceConfig) -> str:
+    """cfg.dtype, with "auto" resolved for the backend the chain gets (partition.config.default_dtype)."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    from partition.config import default_dtype
+    from partition.runners.backend_choice import resolve_backend
+
+    backend = resolve_backend(cfg.backend, cfg.model_dir, cfg.device, cfg.slices, cfg.kv_cache, cfg.kv_blocks)
+    return default_dtype(backend, cfg.device, cfg.exits_enabled)
 
 
 def build_executor(cfg: ServiceConfig) -> tuple[ChainExecutor, ExitPolicy]:

@@ -20,6 +20,16 @@ MAX_SEQ_CAP = 8192
 # `--dtype` names of the float parts (partition.checkpoint.DTYPES maps them to torch dtypes).
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
 DEFAULT_DTYPE = "fp32"
+# The torch runner on CUDA (no exit heads: they run fp32) defaults to fp16, as llama.cpp's CUDA path computes:
+# SmolLM2-135M Q4_1 on an H200, interleaved in one run (scripts/bench_peer.py --device cuda, 2026-12-02),
+# 580.4 tok/s in fp16 against 511.8 in fp32 (the same kernels; a KV-cache and activations of half the bytes).
+CUDA_DEFAULT_DTYPE = "fp16"
+
+
+def default_dtype(backend: str, device: str, exits: bool = False) -> str:
+    """The float parts' dtype when none is asked for: CUDA_DEFAULT_DTYPE for the torch runner on a CUDA device
+    without exit heads, else DEFAULT_DTYPE (the ONNX graphs are fp32; on the CPU fp16 is no faster)."""
+    return CUDA_DEFAULT_DTYPE if backend == "torch" and device.startswith("cuda") and not exits else DEFAULT_DTYPE
 
 
 class ModelConfigError(ValueError):

@@ -51,3 +51,23 @@ def test_gguf_generate_dtype_and_bad_arguments(runner: CliRunner) -> None:
         model = [] if "--model" in args else ["--model", "smollm2-135m-instruct"]
         res = runner.invoke(app, ["generate", "x", "-n", "1", *model, *args])
         assert res.exit_code == 2 and words in res.output and "Traceback" not in res.output, res.output
+
+
+def test_default_dtype_follows_the_runner_and_device(runner: CliRunner) -> None:
+    """No --dtype: fp32 on the CPU (the ORT decoder here, and the torch runner); fp16 only for the torch runner on
+    CUDA without exit heads (partition.config.default_dtype: the measured GPU default); the service's "auto" too."""
+    from agent.config import ServiceConfig
+    from agent.model_load import service_dtype
+    from partition.config import default_dtype
+
+    out = _generate(runner, "The capital of France is", "--model", "smollm2-135m-instruct", "-n", "1")
+    assert out["dtype"] == "fp32" and out["backend"] == "ort"
+    out = _generate(runner, "The capital of France is", "--model", "smollm2-135m-instruct", "--backend", "torch",
+                    "-n", "1")
+    assert out["dtype"] == "fp32"
+    assert default_dtype("torch", "cuda") == "fp16" and default_dtype("torch", "cuda:1") == "fp16"
+    assert default_dtype("torch", "cuda", exits=True) == "fp32"  # the exit heads run fp32
+    assert default_dtype("ort", "cuda") == default_dtype("trt", "cuda") == default_dtype("torch", "cpu") == "fp32"
+    cfg = ServiceConfig()
+    assert cfg.dtype == "auto" and service_dtype(cfg) == "fp32"  # the shipped model on the CPU
+    assert service_dtype(cfg.replace(dtype="bf16")) == "bf16"

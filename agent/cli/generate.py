@@ -11,7 +11,7 @@ import typer
 
 from agent.cli.common import cli_errors, print_json
 from agent.cli.options import EdgeOptions, ExitOptions, ModelOptions, options, shared_options
-from partition.config import DEFAULT_DTYPE, MAX_SEQ_CAP
+from partition.config import DEFAULT_DTYPE, MAX_SEQ_CAP, default_dtype
 from partition.paths import DEFAULT_MODEL_DIR
 
 
@@ -19,7 +19,6 @@ from partition.paths import DEFAULT_MODEL_DIR
 def generate(
     prompt: str = typer.Argument(..., help="Text to continue (with --chat: the user's message)."),
     model_opts: ModelOptions = options(ModelOptions, model=DEFAULT_MODEL_DIR, backend="auto", kv_cache="fp16",
-                                       dtype=DEFAULT_DTYPE,
                                        notes={"backend": "Default auto: the fastest measured runner for the model "
                                               "here (a quantised model on the CPU: ort; else torch)."}),
     slices: Optional[str] = typer.Option(None, help="Layer ranges, e.g. 0:4,4:8 (default: one slice)."),
@@ -62,7 +61,7 @@ def generate(
 
     model, backend, kv_cache, kv_blocks = (model_opts.model, model_opts.backend, model_opts.kv_cache,
                                            model_opts.kv_blocks)
-    max_disagreement, edge, dtype = exit_opts.max_disagreement, edge_opts.edge, model_opts.dtype or DEFAULT_DTYPE
+    max_disagreement, edge, dtype = exit_opts.max_disagreement, edge_opts.edge, model_opts.dtype
     given = model
     with cli_errors():
         model = resolve_model(model)  # a .gguf file or an alias: its model folder (partition/gguf/folder.py)
@@ -74,8 +73,10 @@ def generate(
                                 repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop),
                                 speculate=k, max_disagreement=max_disagreement)
         exits = bool(k) or max_disagreement is not None
-        backend = ("torch" if backend == "auto" and dtype != DEFAULT_DTYPE else  # the one runner with a dtype choice
-                   resolve_backend(backend, model, device, slices, kv_cache, kv_blocks, exits=exits, edge=bool(edge)))
+        backend = ("torch" if backend == "auto" and dtype not in (None, DEFAULT_DTYPE) else  # the one runner with
+                   resolve_backend(backend, model, device, slices, kv_cache, kv_blocks, exits=exits,  # a dtype choice
+                                   edge=bool(edge)))
+        dtype = dtype or default_dtype(backend, device, exits)
         chain, split = None, ""
         if edge:
             from partition.offload.auto import offload_chain_for_generate  # only with --edge: 2.5 MB of RSS
