@@ -103,3 +103,21 @@ def test_cuda_graphs_bf16_greedy_tokens_match_eager(tiny_checkpoint: Path) -> No
     assert runs[0].usage.completion_tokens == 64
     assert runs[1].token_ids == runs[0].token_ids
     assert _captured(graphed) == {(1, 256)}
+
+
+def test_cuda_load_chain_warms_up_before_the_first_request(tiny_checkpoint: Path) -> None:
+    """load_chain on CUDA captures the first decode graph at load (TorchRunner.warm_up), and the warm-up's writes
+    into row 0's cache change nothing that a request then computes: the same logits as a chain never warmed."""
+    from partition.runners import load_chain
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    warm = load_chain(tiny_checkpoint, backend="torch", device="cuda", max_seq=300, slices="0:2,2:4")
+    assert _captured(warm) == {(1, 256)}  # before any request
+    model = load_model(tiny_checkpoint, device="cuda")
+    cold = Chain([TorchRunner(model, s, 300, cuda_graphs=True) for s in even_slices(model.config.n_layers, 2)])
+    ids = np.arange(3, 23, dtype=np.int32)[None]
+    pos = np.arange(20, dtype=np.int32)[None]
+    assert np.abs(warm.forward(ids, pos) - cold.forward(ids, pos)).max() < 1e-4
+    for step in range(6):
+        tok, p = np.array([[step + 5]], dtype=np.int32), np.array([[20 + step]], dtype=np.int32)
+        assert np.abs(warm.forward(tok, p) - cold.forward(tok, p)).max() < 1e-4, step

@@ -31,6 +31,9 @@ from partition.slices import SliceSpec
 from partition.runners.cuda_graphs import DecodeGraphs
 
 
+WARM_PREFILL = 8  # tokens of the load-time warm-up prefill (TorchRunner.warm_up): past the INT4 GEMV's 4 rows
+
+
 class TorchRunner(SliceRunner):
     array_kind = "torch"
 
@@ -90,9 +93,17 @@ class TorchRunner(SliceRunner):
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Capture the batch-1 decode graph of the first past-length bucket now (DecodeGraphs.warm), so that the
-        first decode step of the first request does not pay it; nothing without CUDA graphs. Call before any
-        request: the capture writes slot 0 of row 0."""
+        """On CUDA, pay the first-call costs at load instead of in the first request, as llama.cpp warms up at
+        load: one prefill of WARM_PREFILL tokens (cuBLAS's handle, the Triton kernels' loading, the INT4
+        prefill path past kernels.int4_triton.GEMV_MAX_M rows) and the capture of the batch-1 decode graph of
+        the first past-length bucket (DecodeGraphs.warm). Nothing on the CPU. Call before any request: it writes
+        slots 0..WARM_PREFILL-1 of row 0, which the next prefill writes again."""
+        if self.device.type != "cuda" or self.max_seq < WARM_PREFILL:
+            return
+        n = WARM_PREFILL
+        x = (np.zeros((1, n), dtype=np.int32) if self.spec.is_first
+             else torch.zeros((1, n, self.module.config.hidden_size), dtype=self.dtype, device=self.device))
+        self.run(x, np.arange(n, dtype=np.int32)[None])
         if self.graphs is not None:
             self.graphs.warm(1)
 
