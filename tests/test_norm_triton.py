@@ -53,6 +53,21 @@ def check_kernels(device: str) -> None:
         silu_mul(gate_up[..., :-1])
 
 
+def check_traceable(device: str) -> None:
+    """The three ops inside torch.compile(fullgraph=True) (aot_eager: their fake implementations and
+    functionalisation, what the compiled decode step traces through) give what they give eagerly."""
+    from kernels.norm_triton import add_rms_norm, rms_norm, silu_mul
+
+    w = torch.linspace(0.5, 1.5, 64, device=device)
+
+    def f(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        n, h = add_rms_norm(x, r, w, 1e-5)
+        return silu_mul(torch.cat([rms_norm(h, w, 1e-5), n], -1))
+
+    x, r = torch.randn(2, 64, device=device), torch.randn(2, 64, device=device)
+    assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(x, r), f(x, r))
+
+
 def check_model(device: str) -> None:
     """A random 2-layer model with fused gate/up: logits and K/V with the kernels equal those without."""
     import partition.model as pm
@@ -79,8 +94,8 @@ def check_model(device: str) -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
 def test_norm_kernels_in_triton_interpreter() -> None:
-    run_in_interpreter("from tests.test_norm_triton import check_kernels, check_model; check_kernels('cpu'); "
-                       "check_model('cpu')", timeout=300)
+    run_in_interpreter("from tests.test_norm_triton import check_kernels, check_model, check_traceable; "
+                       "check_kernels('cpu'); check_model('cpu'); check_traceable('cpu')", timeout=300)
 
 
 def test_kernels_stay_off_on_a_plain_cpu_tensor() -> None:
@@ -98,6 +113,7 @@ def test_kernels_stay_off_on_a_plain_cpu_tensor() -> None:
 def test_norm_kernels_cuda() -> None:
     check_kernels("cuda")
     check_model("cuda")
+    check_traceable("cuda")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
