@@ -168,7 +168,7 @@ DECODE_PV_CHOICES = ("matmul", "transposed", "reduce", "triton")
 # (kernels.rope_triton.rope_write) instead of inductor's five (rotations, scatters, copies back into the cache's
 # views: ~0.5 ms of a 2.9 ms Llama-3-8B INT4 step's kernels on an H200, docs/BENCHMARKS.md).
 DECODE_ROPE_FUSED = True
-# On CUDA with Triton installed, RMSNorm (the post-attention one with the residual add before it) and SiLU(gate) * up
+# On CUDA with Triton installed, RMSNorm (with the residual add before it: DecoderLayer.run_pending) and SiLU(gate) * up
 # of a fused gate/up projection run as one kernel each (kernels.norm_triton) instead of eager PyTorch's ~8 and 2:
 # a graphed batch-1 decode step of a small model is bound by its kernel count (SmolLM2-135M on an H200: ~27 kernels
 # a layer, ~3 us each, docs/BENCHMARKS.md "SmolLM2 on the GPU").
@@ -363,9 +363,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
                 past_v: Past, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v, slot)
-        normed, x = self.post_attention_layernorm.add_forward(a, x)  # x + a and its norm (one kernel on CUDA)
-        return x + self.mlp(normed), k, v
+        x, mlp_out, k, v = self.run_pending(x, None, cos, sin, mask, past_k, past_v, slot)
+        return x + mlp_out, k, v
+
+    def run_pending(self, x: Tensor, pending: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
+                    past_v: Past, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The layer on the residual stream x + pending (pending: the previous layer's MLP output, not yet added,
+        or None), returning (the stream after attention, this layer's MLP output, k, v): each residual add runs
+        inside the norm that reads it (one kernel on CUDA), so the caller adds the last MLP output itself."""
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            normed, x = self.input_layernorm.add_forward(pending, x)
+        a, k, v = self.self_attn(normed, cos, sin, mask, past_k, past_v, slot)
+        normed, x = self.post_attention_layernorm.add_forward(a, x)
+        return x, self.mlp(normed), k, v
 
 
 class Backbone(nn.Module):
@@ -450,11 +462,21 @@ class SliceModule(nn.Module):
         else:
             mask = attention_mask(positions, past[0].shape[2])
         new: list[Tensor] = []
+        # With the fused kernels, each layer's MLP output is added inside the next norm (DecoderLayer.run_pending);
+        # otherwise (the CPU, the ONNX export) each layer is called as a module, so the exported graph and its node
+        # names (the TensorRT precision plan keeps "/layers.N/Add" in fp32) stay as they are.
+        fused = _fused_elementwise(h)
+        pending: Tensor | None = None
         for i, layer in enumerate(self.layers):
-            h, k, v = layer(h, cos, sin, mask, past[2 * i], past[2 * i + 1], slot)
+            if fused:
+                h, pending, k, v = layer.run_pending(h, pending, cos, sin, mask, past[2 * i], past[2 * i + 1], slot)
+            else:
+                h, k, v = layer(h, cos, sin, mask, past[2 * i], past[2 * i + 1], slot)
             new += (k, v)
         if self.lm_head is not None:
             if not (self.all_logits if all_logits is None else all_logits):
                 h = h[:, -1:]  # prefill needs the next token only: skip T x vocab logits
-            h = self.lm_head(self.norm(h)).float()  # (B, 1 or T, V)
-        return (h, *new)
+                pending = pending[:, -1:] if pending is not None else None
+            normed = self.norm(h) if pending is None else self.norm.add_forward(pending, h)[0]
+            return (self.lm_head(normed).float(), *new)  # (B, 1 or T, V)
+        return (h if pending is None else h + pending, *new)

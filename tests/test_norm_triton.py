@@ -69,7 +69,8 @@ def check_traceable(device: str) -> None:
 
 
 def check_model(device: str) -> None:
-    """A random 2-layer model with fused gate/up: logits and K/V with the kernels equal those without."""
+    """A random 2-layer model with fused gate/up: logits and K/V with the kernels equal those without, for the whole
+    model and for its first layer alone as a slice (hidden states out: the last MLP output added at the end)."""
     import partition.model as pm
     from partition.checkpoint import random_model
     from partition.config import ModelConfig
@@ -77,19 +78,21 @@ def check_model(device: str) -> None:
     cfg = ModelConfig("LlamaForCausalLM", 300, 192, 2, 6, 2, 32, 1000, rope_theta=10000.0, rms_norm_eps=1e-5,
                       max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
     model = pm.fuse_projections(random_model(cfg, seed=3, dtype=torch.float32, device=device))
-    sl = model.slice(0, 2)
     ids = torch.arange(1, 9, dtype=torch.int32, device=device)[None]
     pos = torch.arange(8, dtype=torch.int32, device=device)[None]
-    past = [torch.zeros(1, 2, 0, 32, device=device) for _ in range(4)]
-    with torch.inference_mode():
-        fused = sl(ids, pos, *past)
-        pm.FUSED_ELEMENTWISE = False
-        try:
-            eager = sl(ids, pos, *past)
-        finally:
-            pm.FUSED_ELEMENTWISE = True
-    for a, b in zip(fused, eager):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+    for end in (2, 1):
+        sl = model.slice(0, end)
+        past = [torch.zeros(1, 2, 0, 32, device=device) for _ in range(2 * end)]
+        with torch.inference_mode():
+            fused = sl(ids, pos, *past)
+            pm.FUSED_ELEMENTWISE = False
+            try:
+                eager = sl(ids, pos, *past)
+            finally:
+                pm.FUSED_ELEMENTWISE = True
+        assert fused[0].shape == ((1, 1, 300) if end == 2 else (1, 8, 192))
+        for a, b in zip(fused, eager):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (end, (a - b).abs().max())
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
