@@ -363,10 +363,47 @@ def _(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, split: int)
 @torch.library.custom_op("orin_agent::int4_dequant", mutates_args=())
 def int4_dequant(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) -> Tensor:
     """The (N, K) weight q * s + b in `dtype` from the packed (codes, sb)."""
+    out = torch.empty((n, codes.shape[1] * 64), device=codes.device, dtype=dtype)
+    _dequant_into(codes, sb, out, n, group_size)
+    return out
+
+
+def _dequant_into(codes: Tensor, sb: Tensor, out: Tensor, n: int, group_size: int) -> None:
     nt, ks, tn, _ = codes.shape
-    out = torch.empty((n, ks * 64), device=codes.device, dtype=dtype)
     rb = min(tn, 256)  # rows per program: 256 measured at 72-87 % of the copy rate on an H200
     _dequant_kernel[(nt, ks, tn // rb)](codes, sb, out, n, ks, GROUP=group_size, TN=tn, RB=rb, num_warps=4)
+
+
+# PREFILL "graphed": each weight's dequantise captured once as a CUDA graph into a scratch buffer per (shape, dtype,
+# device), then replayed: one graph launch instead of a Triton launch from Python (~92 us of host CPU a call on the
+# H200's host, docs/BENCHMARKS.md "INT4 prefill with the dequantise inside the GEMM", 128 calls a Llama-3-8B
+# prefill). Layers of one shape share the scratch: their dequantise and F.linear run in stream order, so a layer's
+# copy is read before the next one overwrites it. Costs one scratch copy of each distinct weight shape.
+_DEQUANT_GRAPHS: dict[tuple, tuple["torch.cuda.CUDAGraph", Tensor]] = {}
+_DEQUANT_SCRATCH: dict[tuple, Tensor] = {}
+
+
+def dequant_graphed(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) -> Tensor:
+    """int4_dequant's result, from a replayed CUDA graph (module comment above): a view of a shared scratch
+    buffer, valid until the next dequantise of a weight of the same shape on this stream. Off CUDA, inside a
+    capture or under torch.compile: int4_dequant itself."""
+    if (not codes.is_cuda or torch.cuda.is_current_stream_capturing()
+            or torch.compiler.is_compiling()):
+        return int4_dequant(codes, sb, n, group_size, dtype)
+    key = (codes.data_ptr(), sb.data_ptr(), tuple(codes.shape), n, group_size, dtype)
+    entry = _DEQUANT_GRAPHS.get(key)
+    if entry is None:
+        shape = (n, codes.shape[1] * 64, dtype, codes.device)
+        out = _DEQUANT_SCRATCH.get(shape)
+        if out is None:
+            out = _DEQUANT_SCRATCH[shape] = torch.empty(shape[:2], device=codes.device, dtype=dtype)
+        _dequant_into(codes, sb, out, n, group_size)  # compiles the kernel before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _dequant_into(codes, sb, out, n, group_size)
+        entry = _DEQUANT_GRAPHS[key] = (graph, out)
+    graph, out = entry
+    graph.replay()
     return out
 
 
@@ -404,7 +441,7 @@ def _(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Tensor:
 # How M > GEMV_MAX_M rows (prefill) run: "dequant" (a bf16 / fp16 copy of the weight, then cuBLAS; the default,
 # measured faster: MM_CONFIG's comment) or "fused" (`int4_mm`: the dequantise inside a Triton GEMM, the weight
 # read once as codes). fp32 activations always take "dequant" (tl.dot's fp32 operands would run as tf32).
-PREFILL_MODES = ("dequant", "fused")
+PREFILL_MODES = ("dequant", "fused", "graphed")  # "graphed": dequant_graphed + cuBLAS (opt-in: not timed yet)
 PREFILL = os.environ.get("ORIN_AGENT_INT4_PREFILL", "dequant")
 if PREFILL not in PREFILL_MODES:
     raise ValueError(f"ORIN_AGENT_INT4_PREFILL={PREFILL!r}: use one of {', '.join(PREFILL_MODES)}")
@@ -472,11 +509,12 @@ def linear(x2: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, split
            ws: Tensor | None = None, cnt: Tensor | None = None) -> Tensor:
     """x2 (M, K) @ W^T -> (M, N) in x2's dtype: the GEMV for M <= GEMV_MAX_M (split-K summed as REDUCE
     says; "partials" where no scratch is given), else as PREFILL says: dequantise once and F.linear (cuBLAS /
-    inductor's mm), or the fused `int4_mm`."""
+    inductor's mm; "graphed": the dequantise replayed from a CUDA graph), or the fused `int4_mm`."""
     if x2.shape[0] > GEMV_MAX_M:
         if PREFILL == "fused" and x2.dtype in (torch.bfloat16, torch.float16):
             return int4_mm(x2.contiguous(), codes, sb, n, group_size)
-        return torch.nn.functional.linear(x2, int4_dequant(codes, sb, n, group_size, x2.dtype))
+        dequant = dequant_graphed if PREFILL == "graphed" else int4_dequant
+        return torch.nn.functional.linear(x2, dequant(codes, sb, n, group_size, x2.dtype))
     if REDUCE != "partials" and ws is not None and cnt is not None:
         return int4_gemv_reduced(x2.contiguous(), codes, sb, ws, cnt, n, group_size, split, REDUCE_MODES[REDUCE])
     partial = int4_gemv(x2.contiguous(), codes, sb, n, group_size, split)

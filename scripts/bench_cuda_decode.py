@@ -62,7 +62,7 @@ class Variant:
     fused: bool = False  # partition.model.fuse_projections before quantising: q/k/v and gate/up in one call each
     reduce: str = ""  # kernels.int4_triton.REDUCE (where the INT4 GEMV's split-K sums are added); "" = its default
     rope: bool = True  # partition.model.DECODE_ROPE_FUSED: RoPE + cache write in one kernel (with DECODE_PV triton)
-    prefill: str = ""  # kernels.int4_triton.PREFILL (INT4 rows past the GEMV: "dequant" or "fused"); "" = its default
+    prefill: str = ""  # kernels.int4_triton.PREFILL (INT4 rows past the GEMV: "dequant", "fused", "graphed"); "" = default
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -100,6 +100,7 @@ VARIANTS = {v.name: v for v in (
     *(Variant(f"int4-{r}", True, buckets=False, quant="int4", reduce=r) for r in ("atomic", "last")),
     Variant("int4-fused", True, buckets=False, quant="int4", fused=True),  # what the torch backend on CUDA runs
     Variant("int4-fused-mm", True, buckets=False, quant="int4", fused=True, prefill="fused"),
+    Variant("int4-fused-graphed", True, buckets=False, quant="int4", fused=True, prefill="graphed"),
     Variant("int4-partials-norope", True, buckets=False, quant="int4", reduce="partials", rope=False),
     Variant("int4-partials-compile", True, buckets=False, quant="int4", compile=True, reduce="partials"),
     Variant("int4-atomic-compile", True, buckets=False, quant="int4", compile=True, reduce="atomic"),

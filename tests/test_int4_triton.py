@@ -160,6 +160,16 @@ def check_kernels(device: str) -> None:
             got = it.linear(x, codes, sb, 64, 32, 2)
             want = x.double() @ _reference(w).double().to(device).T
             assert got.dtype == dtype and float((got.double() - want).norm() / want.norm()) < 2 ** -7, (mode, dtype)
+    # "graphed": a second weight of the same shape shares the scratch and has its own graph; each replays its own
+    w2 = _weights(64, 256, 32, False, 5)
+    codes2, sb2 = (t.to(device) for t in it.pack(w2["q"], w2["scales"], zeros=w2["zeros"], tile_n=32))
+    it.PREFILL = "graphed"
+    x = torch.randn(it.GEMV_MAX_M + 3, 256, device=device).to(tensor_dtypes[0])
+    for _ in range(2):
+        for c, s_b, ww in ((codes, sb, w), (codes2, sb2, w2)):
+            got = it.linear(x, c, s_b, 64, 32, 2)
+            want = x.double() @ _reference(ww).double().to(device).T
+            assert float((got.double() - want).norm() / want.norm()) < 2 ** -7
     it.PREFILL = default
 
 
