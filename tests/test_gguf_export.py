@@ -143,3 +143,33 @@ def test_gguf_export_cli_bad_out(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, script, "--out", str(tmp_path / "m.gguf"), "--model", str(tmp_path)],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "no config.json" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
+def test_gguf_on_cuda_kernels_and_logits_match_the_cpu(exported, kind: str) -> None:
+    """The exported GGUF as `generate --device cuda` loads it: Q4_0 layers on the Triton INT4 kernels (q/k/v and
+    gate/up fused), Q8_0 layers and the tied Q8_0 head dequantised once ("dense"); its logits over a prompt equal
+    the CPU model's, and so do 8 greedy tokens, through the CUDA-graph runner as load_chain builds it."""
+    from kernels.weight_only import QuantLinear
+    from partition.gguf.tensors import load_gguf_model
+    from partition.runners import load_chain
+    from partition.tokenizer import Tokenizer
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cpu = load_gguf_model(exported[kind])
+    ids = Tokenizer.from_dir(exported[kind]).encode(PROMPT)
+    chain = load_chain(exported[kind], backend="torch", device="cuda", max_seq=256, dtype="fp32")
+    kernels = {m.kernel for m in chain.runners[0].module.modules() if isinstance(m, QuantLinear)}
+    assert kernels == ({"int4_triton", "dense"} if kind == "q4_0" else {"dense"}), kernels
+    want = full_logits(cpu, ids)[-1]
+    got = torch.as_tensor(chain.forward(np.array([ids], dtype=np.int32), np.arange(len(ids), dtype=np.int32)[None]))
+    assert torch.allclose(got.float().cpu()[0], want, atol=2e-3, rtol=1e-3), float((got.cpu()[0] - want).abs().max())
+    greedy, seq = [], list(ids)
+    tok = int(got[0].argmax())
+    for step in range(8):
+        greedy.append(tok)
+        seq.append(tok)
+        out = chain.forward(np.array([[tok]], dtype=np.int32), np.array([[len(seq) - 1]], dtype=np.int32))
+        tok = int(np.asarray(out)[0].argmax())
+    assert greedy == _greedy(cpu, ids, 8)
