@@ -35,6 +35,8 @@ except ImportError:  # CPU-only installs: partition.model keeps its torch formul
     tl = None
 
 SILU_BLOCK = 1024  # columns of the intermediate size per program (SmolLM2's 1536: two programs a row)
+# Triton reads TRITON_INTERPRET when the kernels are defined (this import), so `applies` reads it then too
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available() -> bool:
@@ -44,7 +46,7 @@ def available() -> bool:
 def applies(x: Tensor, weight: Tensor | None = None) -> bool:
     """Whether these kernels can take x (and RMSNorm's weight): Triton installed, x on CUDA (or in Triton's CPU
     interpreter, for the tests), unit stride along the last dim, one float dtype for both."""
-    on = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    on = x.is_cuda or INTERPRETED
     return (triton is not None and on and x.stride(-1) == 1 and x.dtype in (torch.float32, torch.float16,
                                                                             torch.bfloat16)
             and (weight is None or weight.dtype == x.dtype))
