@@ -15,17 +15,21 @@ is where the fastest is; a point only the fit calls faster is no anchor). The ru
 3. The corrected optimum not measured: go there (explore).
 4. A point not measured that could beat the choice were each roofline multiplier no measurement has pinned
    down ``learn.OPTIMISM`` prior deviations faster (a compute rate never measured, say): explore it.
-5. A neighbour of the choice along either axis predicted within ``LOCAL_LOG`` of its J/token and
+5. A point on one axis between the choice and a measured point below it found too slow: the middle one
+   (bisection) of those that could still fit and beat the choice by more than the hysteresis, bounded by the
+   board's monotonicity (no faster than the slowest measured point at clocks no lower on either axis), not by
+   the fit, which can call them all too slow across a roofline's knee.
+6. A neighbour of the choice along either axis predicted within ``LOCAL_LOG`` of its J/token and
    ``LOCAL_LIMIT_LOG`` of the limit: explore it (a roofline and a plane only follow a curved error so
    far, and a choice next to the limit is where a few % of error moves the optimum).
-   Rules 3-5 stop at ``MAX_POINTS`` measured points per phase and batch class; then only measured points
+   Rules 3-6 stop at ``MAX_POINTS`` measured points per phase and batch class; then only measured points
    are chosen.
-6. The choice could be wrong within the noise on the means (it may be past the limit, or a cheaper measured
+7. The choice could be wrong within the noise on the means (it may be past the limit, or a cheaper measured
    point may fit after all): the noisiest of the points that decide it is measured again (verify), up to
    ``VERIFY_SAMPLES`` each; differences under ``RESOLVED_LOG`` are not chased.
-7. Hysteresis: the last settled point stays while it is within ``HYSTERESIS_LOG`` of the cheapest and
+8. Hysteresis: the last settled point stays while it is within ``HYSTERESIS_LOG`` of the cheapest and
    ``KEEP_SIGMAS`` standard deviations of the limit. Within the noise of the two means a point counts as
-   fitting the limit (rule 6 takes the steps that tell).
+   fitting the limit (rule 7 takes the steps that tell).
 """
 from __future__ import annotations
 
@@ -153,6 +157,8 @@ def _choose(cands: list[Candidate], slack: float, absolute_ms: float, last: tupl
         best = settle(known) if known else min(measured, key=lambda c: c.seconds)
     elif room and (hope := _hopeful(cands, best, limit)) is not None:
         return at(best), at(hope, " (explore)")
+    elif room and (mid := _bracketed(cands, best, limit, fits)) is not None:
+        return at(best), at(mid, " (explore)")
     elif room:
         near = [c for c in _neighbours(cands, best) if not c.measured and c.seconds <= limit * math.exp(LOCAL_LIMIT_LOG)
                 and c.joules_per_token <= best.joules_per_token * math.exp(LOCAL_LOG)]
@@ -170,6 +176,36 @@ def _hopeful(cands: list[Candidate], best: Candidate, limit: float) -> Candidate
     return min(hope, key=lambda c: c.joules_per_token * c.optimistic_s / c.seconds) if hope else None
 
 
+def _bracketed(cands: list[Candidate], best: Candidate, limit: float,
+               fits: Callable[[Candidate], bool]) -> Candidate | None:
+    """Rule 5: between the choice and a measured point below it on one axis found too slow, the middle one of
+    the unmeasured points that could still beat the choice (bisection). What bounds them is the board, not the
+    fit: a lower clock never makes a step faster, so an unmeasured point takes at least as long as the slowest
+    measured point at clocks no lower on either axis, and its J/token is at least its corrected power times
+    that. A fit through two measured points either side of a roofline's knee (memory-bound at one, compute-
+    bound at the other) can call every point between them too slow when they fit."""
+    measured = [c for c in cands if c.measured]
+    pick = []
+    for axis in (0, 1):
+        line = sorted((c for c in cands if (c.gpu_hz, c.emc_hz)[1 - axis] == (best.gpu_hz, best.emc_hz)[1 - axis]),
+                      key=lambda c: (c.gpu_hz, c.emc_hz)[axis])
+        i = line.index(best)
+        slow = [j for j in range(i) if line[j].measured and not fits(line[j])]
+        if not slow:
+            continue
+        hope = []
+        for x in line[max(slow) + 1:i]:
+            if x.measured:
+                continue
+            least = max(c.seconds for c in measured if c.gpu_hz >= x.gpu_hz and c.emc_hz >= x.emc_hz)
+            if least <= limit * (1 + 1e-9) and \
+                    x.joules_per_token / x.seconds * least < best.joules_per_token * math.exp(-HYSTERESIS_LOG):
+                hope.append(x)
+        if hope:
+            pick.append(hope[len(hope) // 2])
+    return min(pick, key=lambda c: c.joules_per_token) if pick else None
+
+
 def _neighbours(cands: list[Candidate], c: Candidate) -> list[Candidate]:
     """The points one table step from ``c`` along the GPU clock or the EMC rate."""
     gpus = sorted({x.gpu_hz for x in cands})
@@ -182,7 +218,7 @@ def _neighbours(cands: list[Candidate], c: Candidate) -> list[Candidate]:
 
 def _verify(measured: list[Candidate], best: Candidate, fastest: Candidate, limit: float,
            running: tuple[int, int] | None) -> Candidate | None:
-    """Rule 6: the point to measure again while the choice could be wrong within the noise of the means
+    """Rule 7: the point to measure again while the choice could be wrong within the noise of the means
     (``best`` may be past the limit, or a cheaper measured point, the rival, may fit after all): the
     noisiest of ``best``, the rival and the anchor, each until it has ``VERIFY_SAMPLES``; the point running
     now while it is one of them (each switch costs a step that measures nothing)."""
