@@ -151,7 +151,8 @@ if triton is not None:
     @triton.jit
     def _decode_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
                              sq_b, sq_h, sk_b, sk_h, sk_s, so_b, so_h, so_sp, sm_b, sm_h, sm_scale, split_len,
-                             HPK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+                             HPK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                             HAS_ROWS: tl.constexpr = True):
         """FP16 / BF16 cache: one (row, KV head, split) per program, its HPK query heads as the rows of tl.dot.
         The dots take fp16 operands with fp32 accumulation: a bf16 value within fp16's range (|x| < 65504, the
         normal range from 6e-5) converts exactly (8 significant bits into 11), the probabilities keep 3 bits
@@ -165,7 +166,10 @@ if triton is not None:
         m_i = tl.full((BLOCK_H,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, HD), tl.float32)
-        row = tl.load(rows_ptr + b)  # the cache row of query row b
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + b)  # the cache row of query row b
+        else:  # query row b reads cache row b (no rows tensor: one kernel fewer a layer)
+            row = b
         kbase = row * sk_b + kvh * sk_h
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -185,7 +189,8 @@ if triton is not None:
                                   so_sp, sm_b, sm_h, sm_scale, split_len, HPK: tl.constexpr, HD: tl.constexpr,
                                   G: tl.constexpr, NG: tl.constexpr, BLOCK_R: tl.constexpr,
                                   BLOCK_HH: tl.constexpr, BLOCK_N: tl.constexpr, DENSE_SCALES: tl.constexpr,
-                                  CVT: tl.constexpr, V_TILE: tl.constexpr, QK_INT8: tl.constexpr = False):
+                                  CVT: tl.constexpr, V_TILE: tl.constexpr, QK_INT8: tl.constexpr = False,
+                                  HAS_ROWS: tl.constexpr = True):
         """INT8 cache with no per-element dequantisation: row r = h * NG + g of the dot holds query head h
         masked to channel group g, so Q' @ K8^T gives each group's partial score, which is scaled by that
         slot's K scale and summed over the NG rows of a head. For V, row (h, g) gets p[h] times the V
@@ -216,7 +221,10 @@ if triton is not None:
         m_i = tl.full((BLOCK_HH,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_HH,), tl.float32)
         acc = tl.zeros((BLOCK_R, HD), tl.float32)
-        row = tl.load(rows_ptr + b)  # the cache row of query row b
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + b)  # the cache row of query row b
+        else:  # query row b reads cache row b (no rows tensor: one kernel fewer a layer)
+            row = b
         kbase = row * sk_b + kvh * sk_h
         vbase = row * sv_b + kvh * sv_h
         sbase = row * ss_b + kvh * ss_h
@@ -325,9 +333,10 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
                      v_scale: Tensor | None = None, rows: Tensor | None = None, k_new: Tensor | None = None,
                      v_new: Tensor | None = None, n_splits: int | None = None, block_n: int = 64,
                      num_warps: int = 4, num_stages: int = 3, waves: float = 8.0, dense_scales: bool = True,
-                     cvt: int | None = None, qk_int8: bool = False) -> Tensor:
+                     cvt: int | None = None, qk_int8: bool = False, out_dtype: torch.dtype = torch.float32) -> Tensor:
     """q (B, H, hd); k, v (B, KV, S, hd) int8 with scales (B, KV, S, hd / G), or fp16 with no scales;
-    lengths (B,) int32: row b attends to slots [0, lengths[b]). Returns (B, H, hd) float32.
+    lengths (B,) int32: row b attends to slots [0, lengths[b]). Returns (B, H, hd) in `out_dtype` (the merge
+    kernel's fp32 result rounded on its store: no cast kernel after it).
     An INT8 v may be token-tiled, (B, KV, S / T, hd, T) (Int8KVCache(token_tile=T).q): the fast layout.
     rows (B,): the cache row of each query row (default 0..B-1; the cache may have more rows).
     k_new, v_new (B, KV, hd): the step's own K/V, attended unquantised besides the cache's slots.
@@ -361,8 +370,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     l_sum = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)
     q = q.contiguous()
     lengths = lengths.to(torch.int32).contiguous()
-    rows = (torch.arange(b, dtype=torch.int32, device=q.device) if rows is None
-            else rows.to(torch.int32).contiguous())
+    has_rows = rows is not None
+    rows = rows.to(torch.int32).contiguous() if has_rows else lengths  # a dummy pointer, never read
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2))
     v_strides = (v.stride(0), v.stride(1), v.stride(2))
     out_strides = (o.stride(0), o.stride(1), o.stride(2), m.stride(0), m.stride(1), 1.0 / math.sqrt(hd), split_len)
@@ -373,13 +382,13 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
             q, k, v, k_scale, v_scale, lengths, rows, o, m, l_sum, *common, *v_strides, k_scale.stride(0), k_scale.stride(1),
             k_scale.stride(2), *out_strides, HPK=hpk, HD=hd, G=hd // ng, NG=ng, BLOCK_R=block_r, BLOCK_HH=block_r // ng,
             BLOCK_N=block_n, DENSE_SCALES=dense_scales, CVT=(2 if q.is_cuda else 1) if cvt is None else cvt,
-            V_TILE=v_tile, QK_INT8=qk_int8, num_warps=num_warps, num_stages=num_stages)
+            V_TILE=v_tile, QK_INT8=qk_int8, HAS_ROWS=has_rows, num_warps=num_warps, num_stages=num_stages)
     else:
         _decode_split_kernel[(b, kv, n_splits)](
             q, k, v, lengths, rows, o, m, l_sum, *common, *out_strides, HPK=hpk, HD=hd, BLOCK_H=BLOCK_H,
-            BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+            BLOCK_N=block_n, HAS_ROWS=has_rows, num_warps=num_warps, num_stages=num_stages)
     # Merge the splits: out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j (empty splits: m = -inf).
-    out = torch.empty((b, h, hd), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, h, hd), dtype=out_dtype, device=q.device)
     has_new = k_new is not None
     kn = k_new.contiguous() if has_new else q  # dummy pointers when there is no fresh token (never read)
     vn = v_new.contiguous() if has_new else q
@@ -393,14 +402,14 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
 def dense_decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
     """decode_attention over a dense FP16 / BF16 cache as one opaque op, so that a compiled, CUDA-graphed decode
     step (partition.model's DECODE_PV = "triton") calls it whole: q (B, H, hd) in the cache's dtype, k / v
-    (B, KV, S, hd), lengths (B,) int32 -> (B, H, hd) float32. The sequence is split over enough programs to
-    fill the GPU at batch 1 (flash-decoding), where torch.matmul's batched GEMV runs one block per KV head."""
-    return decode_attention(q, k, v, lengths)
+    (B, KV, S, hd), lengths (B,) int32 -> (B, H, hd) in q's dtype. The sequence is split over enough programs
+    to fill the GPU at batch 1 (flash-decoding), where torch.matmul's batched GEMV runs one block per KV head."""
+    return decode_attention(q, k, v, lengths, out_dtype=q.dtype)
 
 
 @dense_decode_attention.register_fake
 def _dense_decode_attention_fake(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
-    return q.new_empty(q.shape, dtype=torch.float32)
+    return q.new_empty(q.shape)
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,7 @@ def decode_attention_dense(q: Tensor, past_k: Tensor, past_v: Tensor, mask: Tens
 
         if lengths is None:
             lengths = (mask[:, 0, 0] == 0).sum(-1).to(torch.int32)  # a prefix of slots per row, as cache_mask makes
-        return dense_decode_attention(q.reshape(b, kv * grp, hd), past_k, past_v, lengths).to(q.dtype).reshape(q.shape)
+        return dense_decode_attention(q.reshape(b, kv * grp, hd), past_k, past_v, lengths).reshape(q.shape)
     scores = torch.matmul(q, past_k.transpose(2, 3)).float() / math.sqrt(q.shape[-1])
     probs = torch.softmax(scores + mask, dim=-1).to(past_v.dtype)  # (B, KV, G, L)
     if pv == "transposed":
@@ -223,9 +223,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * hd, d, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
-                past_v: Past, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                past_v: Past, slot: Tensor | None = None, lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """slot: None for the export formulation (past is the history, concatenated with the new K/V);
-        else the (B, KV, T, hd) int64 write index of in-place cache mode (past is the cache view)."""
+        else the (B, KV, T, hd) int64 write index of in-place cache mode (past is the cache view). lengths: a
+        decode step's (B,) int32 visible slots per row (position + 1), where the caller computed them once for
+        every layer; else the fused decode path computes them."""
         b, t, _ = x.shape
         if hasattr(self, "qkv_proj"):  # fuse_projections: one weight read for the three
             qx, kx, vx = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
@@ -234,7 +236,7 @@ class Attention(nn.Module):
         group = self.n_heads // self.n_kv_heads
         if (slot is not None and t == 1 and DECODE_ROPE_FUSED and isinstance(past_k, Tensor)
                 and _triton_decode_shapes(x, self.head_dim, group)):
-            return self._decode_fused(qx, kx, vx, cos, sin, mask, past_k, past_v, slot)
+            return self._decode_fused(qx, kx, vx, cos, sin, mask, past_k, past_v, slot, lengths)
         q = qx.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = kx.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = vx.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
@@ -270,7 +272,8 @@ class Attention(nn.Module):
         return self.o_proj(out), k, v
 
     def _decode_fused(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                      past_k: Tensor, past_v: Tensor, slot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                      past_k: Tensor, past_v: Tensor, slot: Tensor,
+                      lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """A decode step in in-place cache mode through the Triton kernels: RoPE and the cache write in one
         launch (kernels.rope_triton), then the flash-decoding attention over slots 0..position. Returns the
         output and, in place of the new K/V, the caches that now hold them (no gather kernels: every caller of
@@ -282,7 +285,9 @@ class Attention(nn.Module):
         q = rope_write(qx.reshape(b, -1), kx.reshape(b, -1), vx.reshape(b, -1), cos[:, 0, 0], sin[:, 0, 0], pos,
                        past_k, past_v)  # (B, H, hd)
         q = q.reshape(b, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
-        out = decode_attention_dense(q, past_k, past_v, mask, lengths=(pos + 1).to(torch.int32))
+        if lengths is None:
+            lengths = (pos + 1).to(torch.int32)
+        out = decode_attention_dense(q, past_k, past_v, mask, lengths=lengths)
         return self.o_proj(out.reshape(b, 1, -1)), past_k, past_v  # the caches hold the new K/V (module docstring)
 
 
@@ -362,12 +367,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
-                past_v: Past, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        x, mlp_out, k, v = self.run_pending(x, None, cos, sin, mask, past_k, past_v, slot)
+                past_v: Past, slot: Tensor | None = None, lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        x, mlp_out, k, v = self.run_pending(x, None, cos, sin, mask, past_k, past_v, slot, lengths)
         return x + mlp_out, k, v
 
     def run_pending(self, x: Tensor, pending: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
-                    past_v: Past, slot: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    past_v: Past, slot: Tensor | None = None,
+                    lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The layer on the residual stream x + pending (pending: the previous layer's MLP output, not yet added,
         or None), returning (the stream after attention, this layer's MLP output, k, v): each residual add runs
         inside the norm that reads it (one kernel on CUDA), so the caller adds the last MLP output itself."""
@@ -375,7 +381,7 @@ class DecoderLayer(nn.Module):
             normed = self.input_layernorm(x)
         else:
             normed, x = self.input_layernorm.add_forward(pending, x)
-        a, k, v = self.self_attn(normed, cos, sin, mask, past_k, past_v, slot)
+        a, k, v = self.self_attn(normed, cos, sin, mask, past_k, past_v, slot, lengths)
         normed, x = self.post_attention_layernorm.add_forward(a, x)
         return x, self.mlp(normed), k, v
 
@@ -453,12 +459,15 @@ class SliceModule(nn.Module):
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, T, D)
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
         slot: Tensor | None = None
+        lengths: Tensor | None = None
         if cache_in_place:
             b, t = positions.shape
             kv, hd = past[0].shape[1], past[0].shape[3]
             group = self.config.n_heads // self.config.n_kv_heads
             mask = cache_mask(positions, past[0].shape[2], h.dtype).repeat(1, 1, group, 1)  # (B, 1, G*T, L)
             slot = positions.long()[:, None, :, None].expand(b, kv, t, hd)
+            if t == 1 and h.is_cuda:  # the decode kernels' visible slots, once a step instead of once a layer
+                lengths = (positions[:, 0] + 1).to(torch.int32)
         else:
             mask = attention_mask(positions, past[0].shape[2])
         new: list[Tensor] = []
@@ -469,9 +478,10 @@ class SliceModule(nn.Module):
         pending: Tensor | None = None
         for i, layer in enumerate(self.layers):
             if fused:
-                h, pending, k, v = layer.run_pending(h, pending, cos, sin, mask, past[2 * i], past[2 * i + 1], slot)
+                h, pending, k, v = layer.run_pending(h, pending, cos, sin, mask, past[2 * i], past[2 * i + 1], slot,
+                                                     lengths)
             else:
-                h, k, v = layer(h, cos, sin, mask, past[2 * i], past[2 * i + 1], slot)
+                h, k, v = layer(h, cos, sin, mask, past[2 * i], past[2 * i + 1], slot, lengths)
             new += (k, v)
         if self.lm_head is not None:
             if not (self.all_logits if all_logits is None else all_logits):

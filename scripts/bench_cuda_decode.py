@@ -101,6 +101,7 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused", True, buckets=False, quant="int4", fused=True),  # what the torch backend on CUDA runs
     Variant("int4-fused-mm", True, buckets=False, quant="int4", fused=True, prefill="fused"),
     Variant("int4-fused-graphed", True, buckets=False, quant="int4", fused=True, prefill="graphed"),
+    Variant("int4-fused-g32", True, buckets=False, quant="int4", fused=True, group=32),  # a GGUF Q4's blocks
     Variant("int4-partials-norope", True, buckets=False, quant="int4", reduce="partials", rope=False),
     Variant("int4-partials-compile", True, buckets=False, quant="int4", compile=True, reduce="partials"),
     Variant("int4-atomic-compile", True, buckets=False, quant="int4", compile=True, reduce="atomic"),
