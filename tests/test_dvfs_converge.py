@@ -5,7 +5,7 @@ that bound. Errors along each clock axis in both signs (a compute rate or a band
 depends on the clock; power off along either clock), decode at batch 1 and 8 and prefill, noise-free and
 with +-5 % noise on every measured step time and power; a hypothesis property over random smooth boards
 (derandomised: the same 40 boards each run), and two boards that property found where the controller missed
-the optimum before its bisection rule (_KNOWN_MISSES). Boards scaled by one factor
+the optimum before its bisection rule (_FORMER_MISSES). Boards scaled by one factor
 everywhere cannot move the optimum: they stay as a sanity case."""
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_uniform_error_settles_at_the_model_optimum_with_noise(k: float) -> None
 # the bound, 930.75 / 1032.75 MHz): the fit through those two points called every clock between them too slow.
 # autopoint's rule 5 (a bisection between a point found too slow and the choice, bounded by the board's
 # monotonicity, not the fit) finds them now; kept as regular cases.
-_KNOWN_MISSES = [
+_FORMER_MISSES = [
     ([0.2832, 0.2398, 0.2566, -0.2548, 0.2183, 0.2219], [-0.2616, 0.2583, -0.0632, -0.1999, 0.2124, -0.0883], 0.9727),
     ([0.29, 0.2436, 0.1926, -0.2852, 0.2909, -0.2345], [0.0525, 0.2909, 0.0775, 0.134, -0.1565, -0.2994], 1.1161)]
 
@@ -180,7 +180,7 @@ def test_random_smooth_boards(ct: list[float], cp: list[float], fo: float, which
     check(*which, truth)
 
 
-@pytest.mark.parametrize("ct,cp,fo", _KNOWN_MISSES)
+@pytest.mark.parametrize("ct,cp,fo", _FORMER_MISSES)
 def test_boards_the_controller_used_to_miss(ct: list[float], cp: list[float], fo: float) -> None:
     test_random_smooth_boards.hypothesis.inner_test(ct, cp, fo, ("decode", 600, 1))
 
