@@ -18,8 +18,8 @@ for export): the past tensors are views of the runner's cache covering slots [0,
 position; each layer writes its new K/V into them by position (`scatter_`) and attends over the view
 at the model dtype (SDPA for prefill, two batched GEMMs for a decode step), so no step concatenates,
 copies or casts the cache. Slot k is attended by query i iff k <= positions[b, i]. The new K/V are still returned,
-except by a decode step through the Triton kernels (DECODE_ROPE_FUSED), which returns the cache views themselves
-(every caller of this mode drops them: the cache already holds them).
+except by a decode step or prefill chunk through the Triton RoPE kernel (ROPE_FUSED), which returns the cache views
+themselves (every caller of this mode drops them: the cache already holds them).
 A past may also be a quantised view (`PastKV`, e.g. kernels.kv_quant.QuantizedPast): the export
 formulation dequantises it; in-place cache mode takes dense caches only. A `DecodePast` (INT8 cache on
 CUDA) runs a decode step's attention over itself plus the fresh K/V in GPU kernels instead.
@@ -166,8 +166,11 @@ DECODE_PV = "triton" if importlib.util.find_spec("triton") is not None else "mat
 DECODE_PV_CHOICES = ("matmul", "transposed", "reduce", "triton")
 # With DECODE_PV "triton", a decode step's RoPE and cache write run as one kernel a layer
 # (kernels.rope_triton.rope_write) instead of inductor's five (rotations, scatters, copies back into the cache's
-# views: ~0.5 ms of a 2.9 ms Llama-3-8B INT4 step's kernels on an H200, docs/BENCHMARKS.md).
-DECODE_ROPE_FUSED = True
+# views: ~0.5 ms of a 2.9 ms Llama-3-8B INT4 step's kernels on an H200, docs/BENCHMARKS.md), and so do an eager
+# prefill chunk's, instead of twelve launches a layer (four elementwise kernels and a cat for each of q and k, two
+# scatters: 12 of the ~28 launches a layer of the Llama-3-8B prefill profiled on an H200, whose 512-token chunk
+# is launch-bound, ~19 ms of kernels in a 34-60 ms wall; docs/BENCHMARKS.md).
+ROPE_FUSED = True
 # On CUDA with Triton installed, RMSNorm (with the residual add before it: DecoderLayer.run_pending) and SiLU(gate) * up
 # of a fused gate/up projection run as one kernel each (kernels.norm_triton) instead of eager PyTorch's ~8 and 2:
 # a graphed batch-1 decode step of a small model is bound by its kernel count (SmolLM2-135M on an H200: ~27 kernels
@@ -234,9 +237,11 @@ class Attention(nn.Module):
         else:
             qx, kx, vx = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         group = self.n_heads // self.n_kv_heads
-        if (slot is not None and t == 1 and DECODE_ROPE_FUSED and isinstance(past_k, Tensor)
+        if (slot is not None and ROPE_FUSED and isinstance(past_k, Tensor)
                 and _triton_decode_shapes(x, self.head_dim, group)):
-            return self._decode_fused(qx, kx, vx, cos, sin, mask, past_k, past_v, slot, lengths)
+            if t == 1:
+                return self._decode_fused(qx, kx, vx, cos, sin, mask, past_k, past_v, slot, lengths)
+            return self._prefill_fused(qx, kx, vx, cos, sin, mask, past_k, past_v, slot)
         q = qx.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = kx.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = vx.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
@@ -289,6 +294,21 @@ class Attention(nn.Module):
             lengths = (pos + 1).to(torch.int32)
         out = decode_attention_dense(q, past_k, past_v, mask, lengths=lengths)
         return self.o_proj(out.reshape(b, 1, -1)), past_k, past_v  # the caches hold the new K/V (module docstring)
+
+    def _prefill_fused(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                       past_k: Tensor, past_v: Tensor, slot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A prefill chunk in in-place cache mode: RoPE on the chunk's q and k and its K/V written into the cache,
+        one launch (kernels.rope_triton), then SDPA over the cache view as the torch formulation does. Returns
+        the caches in place of the new K/V, as _decode_fused does."""
+        from kernels.rope_triton import rope_write
+
+        b, t, _ = qx.shape
+        q = rope_write(qx, kx, vx, cos[:, 0], sin[:, 0], slot[:, 0, :, 0], past_k, past_v)  # (B, H, T, hd)
+        q = q.reshape(b, self.n_kv_heads, (self.n_heads // self.n_kv_heads) * t, self.head_dim)  # the GQA fold
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
+        out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
+        return self.o_proj(out), past_k, past_v
 
 
 class MLP(nn.Module):

@@ -61,7 +61,7 @@ class Variant:
     group: int = 128  # INT4 group size (32: GGUF's Q4 blocks)
     fused: bool = False  # partition.model.fuse_projections before quantising: q/k/v and gate/up in one call each
     reduce: str = ""  # kernels.int4_triton.REDUCE (where the INT4 GEMV's split-K sums are added); "" = its default
-    rope: bool = True  # partition.model.DECODE_ROPE_FUSED: RoPE + cache write in one kernel (with DECODE_PV triton)
+    rope: bool = True  # partition.model.ROPE_FUSED: RoPE + cache write in one kernel (with DECODE_PV triton)
     prefill: str = ""  # kernels.int4_triton.PREFILL (INT4 rows past the GEMV: "dequant", "fused", "graphed"); "" = default
 
 
@@ -282,7 +282,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     for v in variants:
         int4_triton.REDUCE = v.reduce or default_reduce  # both read when the decode step is traced, at its first call
         int4_triton.PREFILL = v.prefill or default_prefill
-        pm.DECODE_ROPE_FUSED = v.rope
+        pm.ROPE_FUSED = v.rope
         try:
             if v.quant or v.fused:  # a model of its own (the shared one is the plain bf16 model)
                 shared = None
@@ -298,7 +298,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     if profile:
         try:
             last = variants[-1]  # profiled with its quantisation and compile setting, graphed
-            int4_triton.REDUCE, pm.DECODE_ROPE_FUSED = last.reduce or default_reduce, last.rope
+            int4_triton.REDUCE, pm.ROPE_FUSED = last.reduce or default_reduce, last.rope
             int4_triton.PREFILL = last.prefill or default_prefill
             model = shared if shared is not None and not last.quant else make_model(name, dtype, last)
             res["profile"] = {"variant": last.name, **profile_step(model, prompt_len, tight, compile=last.compile)}
