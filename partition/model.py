@@ -230,36 +230,15 @@ class Attention(nn.Module):
         """slot: None for the export formulation (past is the history, concatenated with the new K/V);
         else the (B, KV, T, hd) int64 write index of in-place cache mode (past is the cache view). lengths: a
         decode step's (B,) int32 visible slots per row (position + 1), where the caller computed them once for
-        every layer; else the fused decode path computes them."""
+        every layer; else a decode step computes them (from the slots on the Triton path, _in_place)."""
         b, t, _ = x.shape
         if hasattr(self, "qkv_proj"):  # fuse_projections: one weight read for the three
             qx, kx, vx = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
             qx, kx, vx = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        group = self.n_heads // self.n_kv_heads
-        if (slot is not None and ROPE_FUSED and isinstance(past_k, Tensor)
-                and _triton_decode_shapes(x, self.head_dim, group)):
-            if t == 1:
-                return self._decode_fused(qx, kx, vx, cos, sin, mask, past_k, past_v, slot, lengths)
-            return self._prefill_fused(qx, kx, vx, cos, sin, mask, past_k, past_v, slot)
-        q = qx.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = kx.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        v = vx.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
         if slot is not None:  # in-place cache mode: write, then attend over the cache view at model dtype
-            past_k.scatter_(2, slot, k)
-            past_v.scatter_(2, slot, v)
-            q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)  # same GQA fold as below
-            if t == 1:  # decode: decode_attention_dense (DECODE_PV). SDPA's kernels run one block per KV
-                # head for G query rows here (8 blocks for Llama-3-8B: 31 us a layer on an H200 against ~1 us
-                # of K/V traffic).
-                out = decode_attention_dense(q, past_k, past_v, mask)
-            else:
-                with sdpa_kernel(SDPA_BACKENDS):
-                    out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
-            out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
-            return self.o_proj(out), k, v
+            return self._in_place(qx, kx, vx, cos, sin, mask, past_k, past_v, slot, lengths)
+        q, k, v = self._rotated(qx, kx, vx, cos, sin)
         if t == 1 and hasattr(past_k, "attend"):  # a DecodePast: the same attention, in its own kernels
             out = past_k.attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], past_v)  # (B, H, hd) fp32
             return self.o_proj(out.to(x.dtype).reshape(b, 1, -1)), k, v
@@ -267,6 +246,7 @@ class Attention(nn.Module):
         values = torch.cat((dense_past(past_v, v.dtype), v), dim=2)
         # Grouped-query attention without copying K/V per query head: fold each KV head's group of
         # query heads into the row dimension, (B, H, T, hd) -> (B, KV, G * T, hd), row = g * T + t.
+        group = self.n_heads // self.n_kv_heads
         q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)
         if group > 1:
             mask = mask.repeat(1, 1, group, 1)  # (B, 1, G * T, P + T), rows ordered as q's
@@ -276,39 +256,44 @@ class Attention(nn.Module):
         out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
         return self.o_proj(out), k, v
 
-    def _decode_fused(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                      past_k: Tensor, past_v: Tensor, slot: Tensor,
-                      lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """A decode step in in-place cache mode through the Triton kernels: RoPE and the cache write in one
-        launch (kernels.rope_triton), then the flash-decoding attention over slots 0..position. Returns the
-        output and, in place of the new K/V, the caches that now hold them (no gather kernels: every caller of
-        in-place mode drops them)."""
-        from kernels.rope_triton import rope_write
-
-        b = qx.shape[0]
-        pos = slot[:, 0, 0, 0]  # (B,) the token's slot = its position
-        q = rope_write(qx.reshape(b, -1), kx.reshape(b, -1), vx.reshape(b, -1), cos[:, 0, 0], sin[:, 0, 0], pos,
-                       past_k, past_v)  # (B, H, hd)
-        q = q.reshape(b, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
-        if lengths is None:
-            lengths = (pos + 1).to(torch.int32)
-        out = decode_attention_dense(q, past_k, past_v, mask, lengths=lengths)
-        return self.o_proj(out.reshape(b, 1, -1)), past_k, past_v  # the caches hold the new K/V (module docstring)
-
-    def _prefill_fused(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                       past_k: Tensor, past_v: Tensor, slot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """A prefill chunk in in-place cache mode: RoPE on the chunk's q and k and its K/V written into the cache,
-        one launch (kernels.rope_triton), then SDPA over the cache view as the torch formulation does. Returns
-        the caches in place of the new K/V, as _decode_fused does."""
-        from kernels.rope_triton import rope_write
-
+    def _rotated(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The projections' outputs (B, T, .) as heads, q and k rotated: (B, H, T, hd), (B, KV, T, hd) twice."""
         b, t, _ = qx.shape
-        q = rope_write(qx, kx, vx, cos[:, 0], sin[:, 0], slot[:, 0, :, 0], past_k, past_v)  # (B, H, T, hd)
-        q = q.reshape(b, self.n_kv_heads, (self.n_heads // self.n_kv_heads) * t, self.head_dim)  # the GQA fold
-        with sdpa_kernel(SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
+        q = qx.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = kx.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = vx.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def _in_place(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
+                  past_v: Past, slot: Tensor, lengths: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """In-place cache mode: RoPE on the T tokens' q and k, their K/V written into the cache views, then
+        attention over the views: a decode step (T = 1) through decode_attention_dense (DECODE_PV), a prefill
+        chunk through SDPA. Where the Triton kernels apply (ROPE_FUSED), the rotation and the write are one
+        launch (kernels.rope_triton) and the caches come back in place of the new K/V (no gather kernels: every
+        caller of in-place mode drops them); else torch's ops (scatter_) and the new K/V."""
+        b, t, _ = qx.shape
+        group = self.n_heads // self.n_kv_heads
+        if ROPE_FUSED and isinstance(past_k, Tensor) and _triton_decode_shapes(qx, self.head_dim, group):
+            from kernels.rope_triton import rope_write
+
+            pos = slot[:, 0, :, 0]  # (B, T) the tokens' slots = their positions
+            q = rope_write(qx, kx, vx, cos[:, 0], sin[:, 0], pos, past_k, past_v)  # (B, H, T, hd)
+            k, v = past_k, past_v
+            if t == 1 and lengths is None:
+                lengths = (pos[:, 0] + 1).to(torch.int32)
+        else:
+            q, k, v = self._rotated(qx, kx, vx, cos, sin)
+            past_k.scatter_(2, slot, k)
+            past_v.scatter_(2, slot, v)
+        q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)  # the GQA fold of the export path
+        if t == 1:  # decode: decode_attention_dense (DECODE_PV). SDPA's kernels run one block per KV head for G
+            # query rows here (8 blocks for Llama-3-8B: 31 us a layer on an H200 against ~1 us of K/V traffic).
+            out = decode_attention_dense(q, past_k, past_v, mask, lengths=lengths)
+        else:
+            with sdpa_kernel(SDPA_BACKENDS):
+                out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
         out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
-        return self.o_proj(out), past_k, past_v
+        return self.o_proj(out), k, v
 
 
 class MLP(nn.Module):

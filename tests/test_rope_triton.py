@@ -71,37 +71,43 @@ def check_rope_write(device: str) -> None:
 
 
 def check_prefill_attention(device: str) -> None:
-    """Attention's prefill chunk in in-place cache mode through the fused kernel (`_prefill_fused`) against the
-    torch formulation of the same mode (`forward` with the kernel off): the same output and the same caches,
-    GQA (4 query heads a KV head), fused q/k/v projections, a chunk that starts past slot 0."""
+    """Attention in in-place cache mode through the Triton kernels (RoPE + cache write, and a decode step's
+    flash-decoding attention) against its torch formulation (ROPE_FUSED off): the same output and the same caches,
+    for a prefill chunk that starts past slot 0, at another slot in each row, and for the decode step after it, GQA (4 query heads a KV head).
+    On the CPU (Triton's interpreter) the kernels' CUDA gate is opened for the call."""
     import partition.model as pm
     from partition.config import ModelConfig
 
     cfg = ModelConfig("LlamaForCausalLM", 128, 256, 1, 8, 2, 32, 512)
     torch.manual_seed(0)
-    attn = pm.Attention(cfg).to(device)
-    a = attn.self_attn if hasattr(attn, "self_attn") else attn
-    b, t, length, start = 2, 6, 24, 3
-    x = torch.randn(b, t, cfg.hidden_size, device=device)
-    positions = (start + torch.arange(t, device=device))[None].expand(b, t).to(torch.int32)
+    a = pm.Attention(cfg).to(device).requires_grad_(False)
+    b, length = 2, 24
+    start = torch.tensor([3, 9], device=device)[:, None]  # each row its own history
     inv_freq = 1.0 / (10000 ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
-    cos, sin = pm.rope_cos_sin(inv_freq, positions, x.dtype)
     group = cfg.n_heads // cfg.n_kv_heads
-    mask = pm.cache_mask(positions, length, x.dtype).repeat(1, 1, group, 1)
-    slot = positions.long()[:, None, :, None].expand(b, cfg.n_kv_heads, t, cfg.head_dim)
     caches = [torch.randn(b, cfg.n_kv_heads, length, cfg.head_dim, device=device) for _ in range(2)]
     ref_k, ref_v = (c.clone() for c in caches)
-    saved = pm.ROPE_FUSED
-    pm.ROPE_FUSED = False
-    try:
-        want, _, _ = a(x, cos, sin, mask, ref_k, ref_v, slot)
-    finally:
-        pm.ROPE_FUSED = saved
-    qx, kx, vx = a.q_proj(x), a.k_proj(x), a.v_proj(x)
-    got, gk, gv = a._prefill_fused(qx, kx, vx, cos, sin, mask, caches[0], caches[1], slot)
-    assert gk is caches[0] and gv is caches[1]  # the caches, in place of the new K/V
-    assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
-    assert torch.allclose(gk, ref_k, atol=1e-6) and torch.equal(gv, ref_v)
+    for first, t in ((start, 6), (start + 6, 1)):
+        x = torch.randn(b, t, cfg.hidden_size, device=device)
+        positions = (first + torch.arange(t, device=device)).to(torch.int32)  # (B, T)
+        cos, sin = pm.rope_cos_sin(inv_freq, positions, x.dtype)
+        mask = pm.cache_mask(positions, length, x.dtype).repeat(1, 1, group, 1)
+        slot = positions.long()[:, None, :, None].expand(b, cfg.n_kv_heads, t, cfg.head_dim)
+        saved_fused, saved_gate = pm.ROPE_FUSED, pm._triton_decode_shapes
+        pm.ROPE_FUSED = False
+        try:
+            want, _, _ = a(x, cos, sin, mask, ref_k, ref_v, slot)
+            pm.ROPE_FUSED = True
+            if device == "cpu":
+                pm._triton_decode_shapes = lambda *args, **kw: True
+            got, gk, gv = a(x, cos, sin, mask, caches[0], caches[1], slot)
+        finally:
+            pm.ROPE_FUSED, pm._triton_decode_shapes = saved_fused, saved_gate
+        assert gk is caches[0] and gv is caches[1], t  # the caches, in place of the new K/V
+        # a decode step's attention kernel takes fp16 dot operands (kernels.kv_triton; its own test: 3e-3)
+        tol = 1e-5 if t > 1 else 3e-3
+        assert torch.allclose(got, want, atol=tol), (t, float((got - want).abs().max()))
+        assert torch.allclose(gk, ref_k, atol=1e-6) and torch.equal(gv, ref_v), t
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
