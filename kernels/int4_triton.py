@@ -378,7 +378,9 @@ def _dequant_into(codes: Tensor, sb: Tensor, out: Tensor, n: int, group_size: in
 # device), then replayed: one graph launch instead of a Triton launch from Python (~92 us of host CPU a call on the
 # H200's host, docs/BENCHMARKS.md "INT4 prefill with the dequantise inside the GEMM", 128 calls a Llama-3-8B
 # prefill). Layers of one shape share the scratch: their dequantise and F.linear run in stream order, so a layer's
-# copy is read before the next one overwrites it. Costs one scratch copy of each distinct weight shape.
+# copy is read before the next one overwrites it. Costs one scratch copy of each distinct weight shape. Measured
+# slower on an H200 (Llama-3-8B INT4, prefill 512: 48.97 ms against the default's 34.25, docs/BENCHMARKS.md,
+# sixth session), so it stays opt-in.
 _DEQUANT_GRAPHS: dict[tuple, tuple["torch.cuda.CUDAGraph", Tensor]] = {}
 _DEQUANT_SCRATCH: dict[tuple, Tensor] = {}
 
@@ -441,7 +443,7 @@ def _(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Tensor:
 # How M > GEMV_MAX_M rows (prefill) run: "dequant" (a bf16 / fp16 copy of the weight, then cuBLAS; the default,
 # measured faster: MM_CONFIG's comment) or "fused" (`int4_mm`: the dequantise inside a Triton GEMM, the weight
 # read once as codes). fp32 activations always take "dequant" (tl.dot's fp32 operands would run as tf32).
-PREFILL_MODES = ("dequant", "fused", "graphed")  # "graphed": dequant_graphed + cuBLAS (opt-in: not timed yet)
+PREFILL_MODES = ("dequant", "fused", "graphed")  # "graphed": dequant_graphed + cuBLAS (opt-in: measured slower)
 PREFILL = os.environ.get("ORIN_AGENT_INT4_PREFILL", "dequant")
 if PREFILL not in PREFILL_MODES:
     raise ValueError(f"ORIN_AGENT_INT4_PREFILL={PREFILL!r}: use one of {', '.join(PREFILL_MODES)}")
