@@ -146,28 +146,51 @@ if triton is not None:
             return v.to(tl.float32, bitcast=True) - 2.0 ** (35 - 4 * I)
 
     @triton.jit
+    def _sb_words(sb_tile, st, bi, GROUP: tl.constexpr, TN: tl.constexpr):
+        """Step st's packed (s, b) words per row: (TN, 1) when its two blocks share a group, else (TN, 2)."""
+        if GROUP >= 64:
+            return tl.load(sb_tile + ((st * 64) // GROUP) * TN)
+        else:
+            return tl.load(sb_tile + (((st * 2 + bi) * 32) // GROUP)[None, :] * TN)
+
+    @triton.jit
     def _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s,
-                   GROUP: tl.constexpr, TN: tl.constexpr, STAGES: tl.constexpr):
+                   GROUP: tl.constexpr, TN: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+                   UNROLL: tl.constexpr):
         """(TN,) fp32: x[pid_m] . w[rows of tile pid_t] over the steps of split pid_s (layout: the module
-        docstring)."""
+        docstring). PREFETCH: the next step's codes and (s, b) are loaded into registers before this step's
+        arithmetic, so a program keeps one DRAM read in flight while it computes (instead of STAGES' shared-
+        memory ring)."""
         r = tl.arange(0, TN)
         bi = tl.arange(0, 2)
         ji = tl.arange(0, 4)
         n_groups = (KS * 64) // GROUP
         w_tile = w_ptr + pid_t.to(tl.int64) * KS * (TN * 8) + (r[:, None, None] * 8 + bi[None, :, None] * 4
                                                                + ji[None, None, :])  # (TN, 2, 4)
-        sb_tile = sb_ptr + pid_t.to(tl.int64) * n_groups * (TN * 2) + r[:, None] * 2  # (TN, 1)
+        # (s, b) as one 32-bit word per row and group (s in the low half): one load per row for groups of 64 and
+        # more (a step's two blocks share their group), two for 32, instead of a 16-bit load per value
+        sb_tile = sb_ptr.to(tl.pointer_type(tl.int32)) + pid_t.to(tl.int64) * n_groups * TN + r[:, None]  # (TN, 1)
         x_row = x_ptr + pid_m * stride_xm
         acc = tl.zeros((TN, 2), tl.float32)
         lo = pid_s * STEPS_SPLIT
         hi = tl.minimum(lo + STEPS_SPLIT, KS)
-        for st in tl.range(lo, hi, num_stages=STAGES):  # cp.async ring: STAGES - 1 steps in flight
-            w = tl.load(w_tile + st * (TN * 8), eviction_policy="evict_first")  # TN * 32 contiguous bytes
+        if PREFETCH:  # addresses clamped into the split (no masks): the last step re-reads its own chunk from L2
+            nx = tl.minimum(lo, KS - 1)
+            w_next = tl.load(w_tile + nx * (TN * 8), eviction_policy="evict_first")
+            sb_next = _sb_words(sb_tile, nx, bi, GROUP, TN)
+        # cp.async ring: STAGES - 1 steps in flight; UNROLL > 1: that many steps a loop iteration (their loads issued
+        # together where the registers allow)
+        for st in tl.range(lo, hi, num_stages=STAGES, loop_unroll_factor=UNROLL):
             blk = st * 2 + bi  # (2,) the step's 32-column blocks
             xcol = blk[:, None] * 32 + ji[None, :]  # (2, 4): columns of plane 0
-            sbp = sb_tile + ((blk * 32) // GROUP)[None, :] * (TN * 2)  # (TN, 2)
-            sv = tl.load(sbp)
-            bv = tl.load(sbp + 1)
+            if PREFETCH:
+                w, sbw = w_next, sb_next
+                nx = tl.minimum(st + 1, hi - 1)
+                w_next = tl.load(w_tile + nx * (TN * 8), eviction_policy="evict_first")
+                sb_next = _sb_words(sb_tile, nx, bi, GROUP, TN)
+            else:
+                w = tl.load(w_tile + st * (TN * 8), eviction_policy="evict_first")  # TN * 32 contiguous bytes
+                sbw = _sb_words(sb_tile, st, bi, GROUP, TN)
             x0 = tl.load(x_row + xcol).to(tl.float32)
             w_hi = w >> 12
             xs = x0
@@ -178,19 +201,23 @@ if triton is not None:
                 xs += xi
             dot = tl.sum(t, axis=2)  # (TN, 2): sum over each block of q * x, times 2^-100
             xsum = tl.sum(xs, axis=1)  # (2,): sum of x over each block
-            acc += dot * (sv.to(tl.float32) * 2.0 ** 100) + bv.to(tl.float32) * xsum[None, :]
+            sv = (sbw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            bv = (sbw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            acc += dot * (sv * 2.0 ** 100) + bv * xsum[None, :]
         return tl.sum(acc, axis=1)
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, sb_ptr, out_ptr, M, N, KS, STEPS_SPLIT, stride_xm,
-                     GROUP: tl.constexpr, TN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
+                     GROUP: tl.constexpr, TN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
+                     PREFETCH: tl.constexpr, UNROLL: tl.constexpr):
         """out[split, m, rows] = partial sums of x[m] . w[rows] over this split's steps. Grid: (M, tiles,
         split); M fastest, so the programs of one weight tile run together and a second row's read of it
         hits L2. EVEN: N a multiple of TN (no store mask)."""
         pid_m = tl.program_id(0)
         pid_t = tl.program_id(1)
         pid_s = tl.program_id(2)
-        out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN, STAGES)
+        out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN, STAGES,
+                         PREFETCH, UNROLL)
         rows = pid_t * TN + tl.arange(0, TN)
         if EVEN:
             tl.store(out_ptr + (pid_s * M + pid_m) * N + rows, out)
@@ -200,7 +227,8 @@ if triton is not None:
     @triton.jit
     def _gemv_reduced_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NT, KS, STEPS_SPLIT, stride_xm,
                              GROUP: tl.constexpr, TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
-                             CH: tl.constexpr, STAGES: tl.constexpr):
+                             CH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+                             UNROLL: tl.constexpr):
         """y[m, rows] = x[m] . w[rows] in y's dtype, the split-K sum done in this kernel (REDUCE_MODES):
         every program of a (row, tile) adds its partial into the fp32 scratch (MODE 1: atomically into
         ws (M, N), which the last program zeroes again; MODE 2: its own slice of ws (SPLIT, M, N), which the
@@ -210,7 +238,8 @@ if triton is not None:
         pid_m = tl.program_id(0)
         pid_t = tl.program_id(1)
         pid_s = tl.program_id(2)
-        out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN, STAGES)
+        out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN, STAGES,
+                         PREFETCH, UNROLL)
         rows = pid_t * TN + tl.arange(0, TN)
         ok = rows < N
         y_row = y_ptr + pid_m * N + rows
@@ -329,6 +358,14 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# The GEMV's loop, for measurement (scripts/bench_int4_gemv.py --sweep, bench_cuda_decode.py's variants): PREFETCH 1
+# loads the next step's codes into registers before this step's arithmetic; UNROLL steps a loop iteration; MIN_STEPS is the fewest steps a split
+# keeps (gemv_config). Read when a layer is built (the split) and at each launch.
+PREFETCH = int(os.environ.get("ORIN_AGENT_INT4_PREFETCH", "0"))
+UNROLL = int(os.environ.get("ORIN_AGENT_INT4_UNROLL", "1"))  # steps a loop iteration (tl.range's loop_unroll_factor)
+MIN_STEPS = int(os.environ.get("ORIN_AGENT_INT4_MIN_STEPS", "2"))
+
+
 def gemv_config(n: int, k: int, sms: int, tile_n: int | None = None) -> tuple[int, int, int]:
     """(num_warps, split, stages) for an (N, K) weight on a GPU of `sms` multiprocessors. Each step is a
     dependent load + ~0.3 us of arithmetic, so short programs and many of them win: split-K (a power of
@@ -338,7 +375,7 @@ def gemv_config(n: int, k: int, sms: int, tile_n: int | None = None) -> tuple[in
     ks = k // (8 * STEP_WORDS)
     tiles = -(-n // (tile_rows(n) if tile_n is None else tile_n))
     split = 1
-    while ks // (split * 2) >= 2 and tiles * split * 2 <= 16 * sms:
+    while ks // (split * 2) >= MIN_STEPS and tiles * split * 2 <= 16 * sms:
         split *= 2
     return 4, split, 1
 
@@ -351,7 +388,7 @@ def int4_gemv(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, spl
     warps, _, stages = gemv_config(n, k, 132, tn)
     out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     _gemv_kernel[(m, nt, split)](x, codes, sb, out, m, n, ks, -(-ks // split), x.stride(0), GROUP=group_size,
-                                 TN=tn, EVEN=n % tn == 0, STAGES=stages, num_warps=warps)
+                                 TN=tn, EVEN=n % tn == 0, STAGES=stages, PREFETCH=PREFETCH, UNROLL=UNROLL, num_warps=warps)
     return out
 
 
@@ -497,7 +534,7 @@ def int4_gemv_reduced(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Ten
     _gemv_reduced_kernel[(m, nt, split)](x, codes, sb, y, part, cnt, m, n, nt, ks, -(-ks // split), x.stride(0),
                                          GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
                                          CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
-                                         num_warps=warps)
+                                         PREFETCH=PREFETCH, UNROLL=UNROLL, num_warps=warps)
     return y
 
 

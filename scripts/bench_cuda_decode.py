@@ -63,6 +63,7 @@ class Variant:
     reduce: str = ""  # kernels.int4_triton.REDUCE (where the INT4 GEMV's split-K sums are added); "" = its default
     rope: bool = True  # partition.model.ROPE_FUSED: RoPE + cache write in one kernel (with DECODE_PV triton)
     prefill: str = ""  # kernels.int4_triton.PREFILL (INT4 rows past the GEMV: "dequant", "fused", "graphed"); "" = default
+    gemv: tuple[int, int, int] = ()  # kernels.int4_triton (PREFETCH, UNROLL, MIN_STEPS) of the GEMV's loop; () = defaults
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -99,9 +100,12 @@ VARIANTS = {v.name: v for v in (
     Variant("graphs-norope-compile", True, buckets=False, compile=True, rope=False),
     *(Variant(f"int4-{r}", True, buckets=False, quant="int4", reduce=r) for r in ("atomic", "last")),
     Variant("int4-fused", True, buckets=False, quant="int4", fused=True),  # what the torch backend on CUDA runs
+    Variant("int4-fused-norope", True, buckets=False, quant="int4", fused=True, rope=False),  # RoPE + writes in torch
     Variant("int4-fused-mm", True, buckets=False, quant="int4", fused=True, prefill="fused"),
     Variant("int4-fused-graphed", True, buckets=False, quant="int4", fused=True, prefill="graphed"),
     Variant("int4-fused-g32", True, buckets=False, quant="int4", fused=True, group=32),  # a GGUF Q4's blocks
+    *(Variant(f"int4-fused-pf{p}-u{u}-s{m}", True, buckets=False, quant="int4", fused=True, gemv=(p, u, m))
+      for p, u, m in ((1, 1, 2), (0, 1, 4), (1, 1, 4), (0, 1, 8), (1, 1, 8), (0, 2, 4), (0, 1, 16), (1, 1, 16))),
     Variant("int4-partials-norope", True, buckets=False, quant="int4", reduce="partials", rope=False),
     Variant("int4-partials-compile", True, buckets=False, quant="int4", compile=True, reduce="partials"),
     Variant("int4-atomic-compile", True, buckets=False, quant="int4", compile=True, reduce="atomic"),
@@ -279,9 +283,12 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     from partition import model as pm
 
     default_reduce, default_prefill = int4_triton.REDUCE, int4_triton.PREFILL
+    default_gemv = (int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS)
     for v in variants:
         int4_triton.REDUCE = v.reduce or default_reduce  # both read when the decode step is traced, at its first call
         int4_triton.PREFILL = v.prefill or default_prefill
+        # the split is chosen when a layer is built, the loop at each launch
+        int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = v.gemv or default_gemv
         pm.ROPE_FUSED = v.rope
         try:
             if v.quant or v.fused:  # a model of its own (the shared one is the plain bf16 model)
@@ -300,6 +307,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
             last = variants[-1]  # profiled with its quantisation and compile setting, graphed
             int4_triton.REDUCE, pm.ROPE_FUSED = last.reduce or default_reduce, last.rope
             int4_triton.PREFILL = last.prefill or default_prefill
+            int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = last.gemv or default_gemv
             model = shared if shared is not None and not last.quant else make_model(name, dtype, last)
             res["profile"] = {"variant": last.name, **profile_step(model, prompt_len, tight, compile=last.compile)}
             del model

@@ -77,10 +77,13 @@ def copies_for(nbytes: int) -> int:
 
 
 def _gemv_launch(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, n: int, group: int, warps: int, split: int,
-                 stages: int, out: torch.Tensor) -> None:
+                 stages: int, prefetch: int, unroll: int, y: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor) -> None:
+    """The GEMV as the model runs it (the split-K sum inside the kernel, atomic) at explicit loop settings."""
     nt, ks, tn, _ = codes.shape
-    it._gemv_kernel[(x.shape[0], nt, split)](x, codes, sb, out, x.shape[0], n, ks, -(-ks // split), x.stride(0),
-                                             GROUP=group, TN=tn, EVEN=n % tn == 0, STAGES=stages, num_warps=warps)
+    it._gemv_reduced_kernel[(x.shape[0], nt, split)](
+        x, codes, sb, y, ws, cnt, x.shape[0], n, nt, ks, -(-ks // split), x.stride(0), GROUP=group, TN=tn, SPLIT=split,
+        MODE=1, CH=min(it.REDUCE_CHUNK, 1 << (split - 1).bit_length()), STAGES=stages, PREFETCH=prefetch, UNROLL=unroll,
+        num_warps=warps)
 
 
 def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sweep: bool, bw: float,
@@ -164,22 +167,27 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
                 print(f"gemlite {name} M={m}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
         sec = graph_time([lambda w=w: F.linear(x, w) for w in bfs], 4 * nbf)
         row("bf16 F.linear", m, sec, bf.numel() * 2, rel(F.linear(x, bf)))
-        if sweep and m == 1:
-            part = torch.empty(128, 1, n, device=dev)
+        if sweep and m == 1:  # the loop's settings: tile, warps, steps per split, next step prefetched, unrolled
+            y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
             ks = k // 64
-            for tn in (256, 512):
+            for tn in (512,) if n >= 4096 else (128,):
                 packed = [it.pack(q, s, zeros=z, tile_n=tn) for _ in range(nc)] if tn != it.tile_rows(n) else mine
-                for warps in (4, 8) if tn == 512 else (4,):
-                    for stages in (2, 3, 4):
-                        for per in (16, 8, 4, 2):  # steps per split
-                            sp = max(1, ks // per)
-                            if sp > 128 or (per == 16 and ks < 16):
+                scr = [it.scratch(n, c) for c, _ in packed]
+                for warps in (2, 4, 8):  # rows a thread: 8, 4, 2
+                    for per in (2, 4, 8):  # steps per split
+                        sp = max(1, ks // per)
+                        if sp > 128 or (per > 2 and ks < per):
+                            continue
+                        for prefetch, unroll in ((0, 1), (1, 1), (0, 2)):
+                            if unroll > per:
                                 continue
-                            sec = graph_time([lambda c=c, b=b: _gemv_launch(x, c, b, n, group, warps, sp, stages, part)
-                                              for c, b in packed], 4 * nc)
-                            row(f"  sweep tn{tn} w{warps} st{stages} s{sp}", m, sec, int4_bytes,
-                                config=[tn, warps, stages, sp])
-                del packed
+                            sec = graph_time([lambda c=c, b=b, w=w: _gemv_launch(x, c, b, n, group, warps, sp, 1, prefetch,
+                                                                                 unroll, y, w[0], w[1])
+                                              for (c, b), w in zip(packed, scr)], 4 * nc)
+                            _gemv_launch(x, codes, sb, n, group, warps, sp, 1, prefetch, unroll, y, *it.scratch(n, codes))
+                            row(f"  sweep tn{tn} w{warps} s{sp} pf{prefetch} u{unroll}", m, sec, int4_bytes, rel(y),
+                                config=[tn, warps, sp, prefetch, unroll])
+                del packed, scr
     del mine, tiny, bfs, gls
     torch.cuda.empty_cache()
     return out

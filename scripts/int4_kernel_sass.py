@@ -36,7 +36,8 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
     tn = it.tile_rows(n)
     for act, even in (("bf16", True), ("bf16", False), ("fp16", True)):
         ptrs = {"x_ptr": f"*{act}", "w_ptr": "*i32", "sb_ptr": "*fp16", "out_ptr": "*fp32"}
-        kern = compile_kernel(it._gemv_kernel, ptrs, {"GROUP": group, "TN": tn, "EVEN": even, "STAGES": stages},
+        kern = compile_kernel(it._gemv_kernel, ptrs, {"GROUP": group, "TN": tn, "EVEN": even, "STAGES": stages,
+                                                     "PREFETCH": it.PREFETCH, "UNROLL": it.UNROLL},
                               arch, warps, stages)
         ops = main_loop_opcodes(cuobjdump(kern, "-sass"))
         weights = tn * it.STEP_WORDS * 8 / (warps * 32)  # packed weights per thread per loop step
@@ -48,12 +49,14 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
                                                      if o in ("LOP3", "SHF", "IMAD", "IADD3", "LEA", "PRMT",
                                                               "SGXT", "ISETP", "MOV")) / weights, 2),
                      "top_opcodes": dict(ops.most_common(10))})
-    for mode, name in ((1, "atomic"), (2, "last")):  # the split-K sum inside the kernel (it.REDUCE_MODES)
+    # the split-K sum inside the kernel (it.REDUCE_MODES), and the loop that loads the next step ahead (it.PREFETCH)
+    for mode, name, prefetch in ((1, "atomic", 0), (2, "last", 0), (1, "atomic, next step prefetched", 1)):
         ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
                 "cnt_ptr": "*i32"}
         kern = compile_kernel(it._gemv_reduced_kernel, ptrs,
                               {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": mode,
-                               "CH": min(it.REDUCE_CHUNK, split), "STAGES": stages}, arch, warps, stages)
+                               "CH": min(it.REDUCE_CHUNK, split), "STAGES": stages, "PREFETCH": prefetch, "UNROLL": 1},
+                              arch, warps, stages)
         sass = cuobjdump(kern, "-sass")
         rows.append({"kernel": f"gemv bf16, split-K sum in the kernel ({name})", "arch": f"sm_{arch}", "tile_n": tn,
                      "warps": warps, "split": split, **resources(kern),
@@ -91,7 +94,8 @@ def main() -> None:
     for r in rows:
         extra = (f"{r['loop_instructions']:>4} loop instr  {r['per_weight']:.2f}/weight "
                  f"({r['integer_per_weight']:.2f} int)  {r['top_opcodes']}" if "per_weight" in r
-                 else f"stores {r['global_stores']}")
+                 else "  ".join(f"{key} {r[key]}" for key in ("atomics", "fences_barriers", "global_stores",
+                                                              "tensor_core_ops") if key in r))
         print(f"{r['kernel']:<13} {r['arch']}  {r['registers']:>3} regs  {r['stack_bytes']:>3} B stack  {extra}")
 
 

@@ -98,9 +98,12 @@ def check_kernels(device: str) -> None:
         for m, dtype, split in ((1, torch.bfloat16, 1), (3, torch.float32, 3), (2, torch.float16, 2), (1, torch.float32, 4)):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
             want = x.double() @ ref.double().T
-            got = it.int4_gemv(x, codes, sb, n, group, split).sum(0)
-            err = float((got.double() - want).norm() / want.norm())
-            assert err < 1e-6, (n, k, group, m, dtype, split, err)  # fp32 rounding: products are exact
+            for prefetch in (0, 1):  # both loops (the next step's codes loaded ahead or not); empty splits included
+                it.PREFETCH = prefetch
+                got = it.int4_gemv(x, codes, sb, n, group, split).sum(0)
+                err = float((got.double() - want).norm() / want.norm())
+                assert err < 1e-6, (n, k, group, m, dtype, split, prefetch, err)  # fp32 rounding: products are exact
+            it.PREFETCH = 0
         for m in (5, 130):  # the GEMM with the dequantise inside (prefill rows): operands in x's dtype, fp32 sums
             for dtype in tensor_dtypes:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
@@ -117,7 +120,8 @@ def check_kernels(device: str) -> None:
                                                    tile_n=tile_n))
         ws, cnt = it.scratch(n, codes)
         ref = _reference(w).to(device)
-        for mode in (1, 2):
+        for mode, prefetch in ((1, 0), (2, 0), (1, 1), (2, 1)):
+            it.PREFETCH = prefetch
             for m, dtype, split in ((1, torch.float32, 1), (3, torch.float32, 4), (2, torch.bfloat16, 2), (1, torch.float32, 16)):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
                 want = x.double() @ ref.double().T
@@ -129,6 +133,7 @@ def check_kernels(device: str) -> None:
                 again = it.int4_gemv_reduced(x, codes, sb, ws, cnt, n, group, split, mode)
                 if mode == 2 or device == "cpu":  # the interpreter runs programs in order: atomics too
                     assert torch.equal(again, got), (mode, split)
+        it.PREFETCH = 0
     with pytest.raises(ValueError, match="rows and mode"):
         it.int4_gemv_reduced(torch.zeros(it.GEMV_MAX_M + 1, 256, device=device), codes, sb, ws, cnt, n, 128, 1, 1)
     # activations over ~40 orders of magnitude of 2 (an outlier channel, tiny values): still fp32-exact products

@@ -31,9 +31,12 @@ def greedy(runner: TorchRunner, prompt: list[int], steps: int, slot: int) -> tup
     return tokens, seen
 
 
-def compare(device: str, dtype: torch.dtype, steps: int, prompts: tuple[list[int], ...], **fast_kw: object) -> float:
+def compare(device: str, dtype: torch.dtype, steps: int, prompts: tuple[list[int], ...], tie: float = 0.0,
+            **fast_kw: object) -> float:
     """Greedy tokens of the Triton path == the reference's, prompt by prompt in different cache rows
-    (row 2 of 3, so the kernels' row indirection is used); returns the largest logit difference."""
+    (row 2 of 3, so the kernels' row indirection is used); returns the largest logit difference. tie > 0: the
+    tokens may part only where the reference's top two logits are closer than tie (a near-tie that an
+    approximate path can flip), and are compared up to there."""
     model = load_model(DEFAULT_MODEL_DIR, dtype=dtype, device=device)
     n = model.config.n_layers
     ref = TorchRunner(model, SliceSpec(0, n, n), 160, 3, kv_cache="int8", kv_triton=False)
@@ -45,8 +48,11 @@ def compare(device: str, dtype: torch.dtype, steps: int, prompts: tuple[list[int
     for i, prompt in enumerate(prompts):
         a, la = greedy(ref, prompt, steps, 2 - i % 3)
         b, lb = greedy(fast, prompt, steps, 2 - i % 3)
-        assert a == b, (i, a, b)
-        worst = max(worst, max(float((x - y).abs().max()) for x, y in zip(la, lb)))
+        d = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        if d < len(a):
+            top = la[d][0].topk(2).values
+            assert float(top[0] - top[1]) < tie, (i, d, float(top[0] - top[1]), a, b)
+        worst = max(worst, max(float((x - y).abs().max()) for x, y in zip(la[:d + 1], lb[:d + 1])))
     return worst
 
 
@@ -59,7 +65,9 @@ def test_triton_int8_path_matches_reference_cuda() -> None:
 @pytest.mark.cuda
 def test_qk_int8_path_keeps_greedy_cuda() -> None:
     """q quantised for Q.K (TorchRunner(kv_qk_int8=True)): greedy still equals the reference INT8 path."""
-    assert compare("cuda", torch.float16, 48, PROMPTS, kv_qk_int8=True) < 0.5
+    # q in int8 moves logits by up to ~0.06 here (H200, 2026-12-02): one of the 3 prompts met a top-2 margin of
+    # 0.0078 at step 43 and took the other token (build/qkdiag.py's run; with the unfused RMSNorm it did not)
+    assert compare("cuda", torch.float16, 48, PROMPTS, tie=0.1, kv_qk_int8=True) < 0.5
 
 
 def test_kv_triton_is_off_on_cpu_and_refused() -> None:
