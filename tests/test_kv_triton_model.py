@@ -66,7 +66,7 @@ def test_triton_int8_path_matches_reference_cuda() -> None:
 def test_qk_int8_path_keeps_greedy_cuda() -> None:
     """q quantised for Q.K (TorchRunner(kv_qk_int8=True)): greedy still equals the reference INT8 path."""
     # q in int8 moves logits by up to ~0.06 here (H200, 2026-12-02): one of the 3 prompts met a top-2 margin of
-    # 0.0078 at step 43 and took the other token (build/qkdiag.py's run; with the unfused RMSNorm it did not)
+    # 0.0078 at step 43 and took the other token (a diagnostic run there; with the unfused RMSNorm it did not)
     assert compare("cuda", torch.float16, 48, PROMPTS, tie=0.1, kv_qk_int8=True) < 0.5
 
 
