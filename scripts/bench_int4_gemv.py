@@ -82,7 +82,7 @@ def _gemv_launch(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, n: int,
     nt, ks, tn, _ = codes.shape
     it._gemv_reduced_kernel[(x.shape[0], nt, split)](
         x, codes, sb, y, ws, cnt, x.shape[0], n, nt, ks, -(-ks // split), x.stride(0), GROUP=group, TN=tn, SPLIT=split,
-        MODE=1, CH=min(it.REDUCE_CHUNK, 1 << (split - 1).bit_length()), STAGES=stages, PREFETCH=prefetch, UNROLL=unroll,
+        MODE=1, CH=min(it.REDUCE_CHUNK, it.triton.next_power_of_2(split)), STAGES=stages, PREFETCH=prefetch, UNROLL=unroll,
         num_warps=warps)
 
 

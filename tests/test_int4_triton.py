@@ -85,6 +85,7 @@ def check_kernels(device: str) -> None:
     # bf16 tensor-core operands only on the GPU: Triton 3.9's interpreter multiplies bf16 dot operands as their
     # raw bits (a 16 x 16 bf16 tl.dot alone is off by ~2.5e10 there, fp16 exact)
     tensor_dtypes = (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,)
+    default_prefetch = it.PREFETCH
     cases = [(40, 256, 32, False, 32), (64, 512, 128, True, 64), (300, 384, 64, False, 128), (520, 1024, 128, False, 512)]
     for seed, (n, k, group, mins, tile_n) in enumerate(cases):
         w = _weights(n, k, group, mins, seed)
@@ -103,7 +104,7 @@ def check_kernels(device: str) -> None:
                 got = it.int4_gemv(x, codes, sb, n, group, split).sum(0)
                 err = float((got.double() - want).norm() / want.norm())
                 assert err < 1e-6, (n, k, group, m, dtype, split, prefetch, err)  # fp32 rounding: products are exact
-            it.PREFETCH = 0
+            it.PREFETCH = default_prefetch
         for m in (5, 130):  # the GEMM with the dequantise inside (prefill rows): operands in x's dtype, fp32 sums
             for dtype in tensor_dtypes:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
@@ -133,7 +134,7 @@ def check_kernels(device: str) -> None:
                 again = it.int4_gemv_reduced(x, codes, sb, ws, cnt, n, group, split, mode)
                 if mode == 2 or device == "cpu":  # the interpreter runs programs in order: atomics too
                     assert torch.equal(again, got), (mode, split)
-        it.PREFETCH = 0
+        it.PREFETCH = default_prefetch
     with pytest.raises(ValueError, match="rows and mode"):
         it.int4_gemv_reduced(torch.zeros(it.GEMV_MAX_M + 1, 256, device=device), codes, sb, ws, cnt, n, 128, 1, 1)
     # activations over ~40 orders of magnitude of 2 (an outlier channel, tiny values): still fp32-exact products
