@@ -359,8 +359,10 @@ def _sm_count(device_index: int) -> int:
 
 
 # The GEMV's loop, for measurement (scripts/bench_int4_gemv.py --sweep, bench_cuda_decode.py's variants): PREFETCH 1
-# loads the next step's codes into registers before this step's arithmetic; UNROLL steps a loop iteration; MIN_STEPS is the fewest steps a split
-# keeps (gemv_config). Read when a layer is built (the split) and at each launch.
+# loads the next step's codes into registers before this step's arithmetic; UNROLL steps a loop iteration;
+# MIN_STEPS is the fewest steps a split keeps (gemv_config). Read when a layer is built (the split) and at each launch.
+# Measured on an H200 (docs/BENCHMARKS.md, seventh session): PREFETCH 1 +1.3 / +2.2 % at model level, inside the
+# leases' spread, so off by default.
 PREFETCH = int(os.environ.get("ORIN_AGENT_INT4_PREFETCH", "0"))
 UNROLL = int(os.environ.get("ORIN_AGENT_INT4_UNROLL", "1"))  # steps a loop iteration (tl.range's loop_unroll_factor)
 MIN_STEPS = int(os.environ.get("ORIN_AGENT_INT4_MIN_STEPS", "2"))
