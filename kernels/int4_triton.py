@@ -298,12 +298,11 @@ if triton is not None:
         return tl.reshape(tl.permute(v, (0, 1, 5, 4, 3, 2)), (RB, 64))
 
     @triton.jit
-    def _dequant_kernel(w_ptr, sb_ptr, out_ptr, N, KS, GROUP: tl.constexpr, TN: tl.constexpr, RB: tl.constexpr):
-        """out (N, K) = q * s + b in out's dtype, one (tile, step, RB-row chunk) per program: RB * 32
+    def _dequant_program(w_ptr, sb_ptr, out_ptr, N, KS, pid_t, st, pid_r, GROUP: tl.constexpr, TN: tl.constexpr,
+                         RB: tl.constexpr):
+        """Rows pid_r * RB .. + RB of tile pid_t, step st of out (N, K) = q * s + b in out's dtype: RB * 32
         contiguous bytes of codes in, RB rows of 64 consecutive values out."""
-        pid_t = tl.program_id(0)
-        st = tl.program_id(1)
-        r = tl.program_id(2) * RB + tl.arange(0, RB)
+        r = pid_r * RB + tl.arange(0, RB)
         bi = tl.arange(0, 2)
         ji = tl.arange(0, 4)
         n_groups = (KS * 64) // GROUP
@@ -316,6 +315,40 @@ if triton is not None:
         rows = pid_t * TN + r
         cols = st * 64 + tl.arange(0, 64)
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * (KS * 64) + cols[None, :], v, mask=(rows < N)[:, None])
+
+    @triton.jit
+    def _dequant_kernel(w_ptr, sb_ptr, out_ptr, N, KS, GROUP: tl.constexpr, TN: tl.constexpr, RB: tl.constexpr):
+        """out (N, K) = q * s + b in out's dtype, one (tile, step, RB-row chunk) per program."""
+        _dequant_program(w_ptr, sb_ptr, out_ptr, N, KS, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                         GROUP, TN, RB)
+
+    @triton.jit
+    def _dequant_nth(pid, w_ptr, sb_ptr, out_ptr, N, KS, GROUP: tl.constexpr, TN: tl.constexpr, RB: tl.constexpr):
+        """Program pid of one weight's (tile, step, chunk) grid, flattened chunk fastest."""
+        c: tl.constexpr = TN // RB
+        _dequant_program(w_ptr, sb_ptr, out_ptr, N, KS, pid // (KS * c), (pid // c) % KS, pid % c, GROUP, TN, RB)
+
+    @triton.jit
+    def _dequant_many_kernel(w0, sb0, o0, n0, ks0, e0, w1, sb1, o1, n1, ks1, e1, w2, sb2, o2, n2, ks2, e2,
+                             w3, sb3, o3, n3, ks3, e3, NW: tl.constexpr, GROUP: tl.constexpr,
+                             T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr,
+                             R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
+        """Up to four weights dequantised in one launch (`dequant_many`): program ids [0, e0) are weight 0's
+        `_dequant_kernel` grid flattened, [e0, e1) weight 1's, and so on (e: cumulative program counts)."""
+        pid = tl.program_id(0)
+        if pid < e0:
+            _dequant_nth(pid, w0, sb0, o0, n0, ks0, GROUP, T0, R0)
+        else:
+            if NW > 1:
+                if pid < e1:
+                    _dequant_nth(pid - e0, w1, sb1, o1, n1, ks1, GROUP, T1, R1)
+                else:
+                    if NW > 2:
+                        if pid < e2:
+                            _dequant_nth(pid - e1, w2, sb2, o2, n2, ks2, GROUP, T2, R2)
+                        else:
+                            if NW > 3:
+                                _dequant_nth(pid - e2, w3, sb3, o3, n3, ks3, GROUP, T3, R3)
 
     @triton.jit
     def _mm_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, M, N, KS, stride_xm, GROUP: tl.constexpr, TN: tl.constexpr,
@@ -407,10 +440,47 @@ def int4_dequant(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torc
     return out
 
 
+def _rows_per_program(tn: int) -> int:
+    return min(tn, 256)  # rows per dequantise program: 256 measured at 72-87 % of the copy rate on an H200
+
+
 def _dequant_into(codes: Tensor, sb: Tensor, out: Tensor, n: int, group_size: int) -> None:
     nt, ks, tn, _ = codes.shape
-    rb = min(tn, 256)  # rows per program: 256 measured at 72-87 % of the copy rate on an H200
+    rb = _rows_per_program(tn)
     _dequant_kernel[(nt, ks, tn // rb)](codes, sb, out, n, ks, GROUP=group_size, TN=tn, RB=rb, num_warps=4)
+
+
+MANY_MAX = 4  # weights one `dequant_many` launch takes (a decoder layer's fused qkv, o, gate/up and down)
+
+
+def dequant_many(weights: list[tuple[Tensor, Tensor, int]], group_size: int, dtype: torch.dtype) -> list[Tensor]:
+    """The (N, K) weights q * s + b in `dtype` of up to MANY_MAX packed weights [(codes, sb, n), ...] of one group
+    size, in one Triton launch, as views of one new buffer: a prefill's dequantise costs one launch a layer
+    instead of one a weight, and no custom-op dispatch (eager only: the decode step, compiled, never takes this).
+    What it saves is host time: the device's CPU spends ~60 us launching each dequantise (docs/BENCHMARKS.md,
+    "INT4 prefill: one dequantise launch a layer"), 128 of them in a Llama-3-8B prefill."""
+    if not 1 <= len(weights) <= MANY_MAX:
+        raise ValueError(f"dequant_many takes 1 to {MANY_MAX} weights, got {len(weights)}")
+    sizes = [n * codes.shape[1] * 64 for codes, _, n in weights]
+    flat = torch.empty(sum(sizes), device=weights[0][0].device, dtype=dtype)
+    outs, args, tiles, chunks, end, off = [], [], [], [], 0, 0
+    for (codes, sb, n), size in zip(weights, sizes):
+        nt, ks, tn, _ = codes.shape
+        rb = _rows_per_program(tn)
+        out = flat[off:off + size].view(n, ks * 64)
+        off += size
+        end += nt * ks * (tn // rb)
+        outs.append(out)
+        args += [codes, sb, out, n, ks, end]
+        tiles.append(tn)
+        chunks.append(rb)
+    pad = MANY_MAX - len(weights)  # unused slots: the first weight again, never read (NW cuts the branches)
+    args += args[:6] * pad
+    tiles += tiles[:1] * pad
+    chunks += chunks[:1] * pad
+    _dequant_many_kernel[(end,)](*args, NW=len(weights), GROUP=group_size, T0=tiles[0], T1=tiles[1], T2=tiles[2],
+                                 T3=tiles[3], R0=chunks[0], R1=chunks[1], R2=chunks[2], R3=chunks[3], num_warps=4)
+    return outs
 
 
 # PREFILL "graphed": each weight's dequantise captured once as a CUDA graph into a scratch buffer per (shape, dtype,
@@ -482,7 +552,9 @@ def _(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Tensor:
 # How M > GEMV_MAX_M rows (prefill) run: "dequant" (a bf16 / fp16 copy of the weight, then cuBLAS; the default,
 # measured faster: MM_CONFIG's comment) or "fused" (`int4_mm`: the dequantise inside a Triton GEMM, the weight
 # read once as codes). fp32 activations always take "dequant" (tl.dot's fp32 operands would run as tf32).
-PREFILL_MODES = ("dequant", "fused", "graphed")  # "graphed": dequant_graphed + cuBLAS (opt-in: measured slower)
+# "dequant" takes a decoder layer's weights in one launch where the layer asks for it (weight_only.hold_prefill_weights,
+# eager prefill), "dequant-each" one launch a weight (the form before it, for measurement).
+PREFILL_MODES = ("dequant", "dequant-each", "fused", "graphed")  # "graphed": dequant_graphed + cuBLAS (opt-in: slower)
 PREFILL = os.environ.get("ORIN_AGENT_INT4_PREFILL", "dequant")
 if PREFILL not in PREFILL_MODES:
     raise ValueError(f"ORIN_AGENT_INT4_PREFILL={PREFILL!r}: use one of {', '.join(PREFILL_MODES)}")

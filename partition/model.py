@@ -37,6 +37,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from partition.config import ModelConfig
 
+INT4_GEMV_MAX_M = 4  # kernels.int4_triton.GEMV_MAX_M (not imported here: it imports Triton); tests/test_int4_triton.py ties them
+
 # Finite "minus infinity" for masks: the most negative fp16 value, so the mask survives a cast to fp16
 # and exp() of it underflows to exactly 0 in fp32 softmax.
 MASK_VALUE = -65504.0
@@ -382,6 +384,18 @@ class DecoderLayer(nn.Module):
         """The layer on the residual stream x + pending (pending: the previous layer's MLP output, not yet added,
         or None), returning (the stream after attention, this layer's MLP output, k, v): each residual add runs
         inside the norm that reads it (one kernel on CUDA), so the caller adds the last MLP output itself."""
+        held = self._hold_int4(x)
+        if not held:  # (no try block for torch.compile to trace in a decode step)
+            return self._run(x, pending, cos, sin, mask, past_k, past_v, slot, lengths)
+        from kernels.weight_only import release_prefill_weights
+
+        try:
+            return self._run(x, pending, cos, sin, mask, past_k, past_v, slot, lengths)
+        finally:
+            release_prefill_weights(held)
+
+    def _run(self, x: Tensor, pending: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
+             past_v: Past, slot: Tensor | None, lengths: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         if pending is None:
             normed = self.input_layernorm(x)
         else:
@@ -389,6 +403,21 @@ class DecoderLayer(nn.Module):
         a, k, v = self.self_attn(normed, cos, sin, mask, past_k, past_v, slot, lengths)
         normed, x = self.post_attention_layernorm.add_forward(a, x)
         return x, self.mlp(normed), k, v
+
+    def _hold_int4(self, x: Tensor) -> list:
+        """A prefill chunk on CUDA INT4 weights (kernels.int4_triton): the layer's weights dequantised in one launch
+        and held for this call (kernels.weight_only.hold_prefill_weights), instead of one launch per projection;
+        the launches, not the GPU, bound an 8B INT4 prefill on the H200's host. [] for anything else."""
+        down = self.mlp.down_proj
+        if getattr(down, "kernel", None) != "int4_triton" or x.shape[0] * x.shape[1] <= INT4_GEMV_MAX_M:
+            return []
+        from kernels.weight_only import hold_prefill_weights
+
+        a, m = self.self_attn, self.mlp
+        names = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")
+        linears = [getattr(a, n) for n in names if hasattr(a, n)]
+        linears += [getattr(m, n) for n in ("gate_up_proj", "gate_proj", "up_proj") if hasattr(m, n)] + [down]
+        return hold_prefill_weights(linears, x.shape[0] * x.shape[1], x.dtype)
 
 
 class Backbone(nn.Module):

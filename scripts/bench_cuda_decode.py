@@ -62,7 +62,7 @@ class Variant:
     fused: bool = False  # partition.model.fuse_projections before quantising: q/k/v and gate/up in one call each
     reduce: str = ""  # kernels.int4_triton.REDUCE (where the INT4 GEMV's split-K sums are added); "" = its default
     rope: bool = True  # partition.model.ROPE_FUSED: RoPE + cache write in one kernel (with DECODE_PV triton)
-    prefill: str = ""  # kernels.int4_triton.PREFILL (INT4 rows past the GEMV: "dequant", "fused", "graphed"); "" = default
+    prefill: str = ""  # kernels.int4_triton.PREFILL (INT4 rows past the GEMV: PREFILL_MODES); "" = default
     gemv: tuple[int, int, int] = ()  # kernels.int4_triton (PREFETCH, UNROLL, MIN_STEPS) of the GEMV's loop; () = defaults
 
 
@@ -103,6 +103,7 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-norope", True, buckets=False, quant="int4", fused=True, rope=False),  # RoPE + writes in torch
     Variant("int4-fused-mm", True, buckets=False, quant="int4", fused=True, prefill="fused"),
     Variant("int4-fused-graphed", True, buckets=False, quant="int4", fused=True, prefill="graphed"),
+    Variant("int4-fused-each", True, buckets=False, quant="int4", fused=True, prefill="dequant-each"),  # a launch a weight
     Variant("int4-fused-g32", True, buckets=False, quant="int4", fused=True, group=32),  # a GGUF Q4's blocks
     *(Variant(f"int4-fused-pf{p}-u{u}-s{m}", True, buckets=False, quant="int4", fused=True, gemv=(p, u, m))
       for p, u, m in ((1, 1, 2), (0, 1, 4), (1, 1, 4), (0, 1, 8), (1, 1, 8), (0, 2, 4), (0, 1, 16), (1, 1, 16))),

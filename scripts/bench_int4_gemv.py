@@ -10,6 +10,7 @@ each weight is read once), replayed after warm-up; per-call time = median replay
 
     python scripts/bench_int4_gemv.py --out int4.json                  # Llama-3-8B and SmolLM2 shapes
     python scripts/bench_int4_gemv.py --shapes llama-3-8b --sweep      # + tile / split sweep of the GEMV
+    python scripts/bench_int4_gemv.py --launch                         # host time a call of the prefill forms
 """
 from __future__ import annotations
 
@@ -193,6 +194,40 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
     return out
 
 
+def launch_costs(calls: int = 200) -> list[dict]:
+    """Host time a call (us, median of 5 timed loops of `calls`, no synchronise inside a loop) of each prefill
+    dequantise form on a small weight (256 x 256, so the GPU never holds the host back): what bounds an eager
+    INT4 prefill where the device's CPU is slow. The one-launch form dequantises four weights a call."""
+    n = k = 256
+    q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
+    s = torch.rand(n, k // 32, device="cuda") / 8
+    codes, sb = it.pack(q, s, mins=-s * 8)
+    out = torch.empty((n, k), device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+    forms = {
+        "int4_dequant op (custom op, a weight)": lambda: it.int4_dequant(codes, sb, n, 32, torch.bfloat16),
+        "Triton launch alone (a weight)": lambda: it._dequant_into(codes, sb, out, n, 32),
+        "dequant_many (four weights, one launch)": lambda: it.dequant_many([(codes, sb, n)] * 4, 32, torch.bfloat16),
+        "F.linear bf16 (8 rows)": lambda: F.linear(x, out),
+    }
+    rows = []
+    for name, fn in forms.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        per = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per.append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+        per.sort()
+        rows.append({"form": name, "host_us_per_call": round(per[2], 1), "range": [round(per[0], 1), round(per[-1], 1)]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="llama-3-8b,smollm2-135m")
@@ -200,6 +235,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,16,512")
     ap.add_argument("--sweep", action="store_true", help="tile / split-K sweep of the GEMV at M = 1")
     ap.add_argument("--no-gemlite", action="store_true")
+    ap.add_argument("--launch", action="store_true",
+                    help="only the host time a call of each prefill dequantise form (launch overhead)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -218,6 +255,11 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
             "copy_bandwidth_GB_s": round(bw / 1e9, 1)}
     print(json.dumps(meta), flush=True)
+    if args.launch:
+        rows = launch_costs()
+        if args.out:
+            Path(args.out).write_text(json.dumps({"meta": meta, "launch": rows}, indent=1))
+        return
     rows = []
     for model in args.shapes.split(","):
         for group in (int(g) for g in args.groups.split(",")):

@@ -140,3 +140,40 @@ def test_cuda_int4_fused_projections_match_separate(tiny_checkpoint: Path) -> No
     eager = TorchRunner(model, SliceSpec(0, n, n), 256)
     compiled = TorchRunner(model, SliceSpec(0, n, n), 256, cuda_graphs=True, compile_decode=True)
     _decode_both(eager, compiled, 30, 8, 1e-3)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_int4_prefill_layer_dequantise_matches_per_weight(tiny_checkpoint: Path, monkeypatch,
+                                                               fused: bool) -> None:
+    """PREFILL "dequant": a prefill chunk dequantises each decoder layer's INT4 weights in one launch
+    (kernels.weight_only.hold_prefill_weights), the same values as one launch a weight ("dequant-each"), so the
+    same logits bit for bit; one launch a layer (two where the unfused layer has more than four weights), the
+    held copies dropped after each layer, and decode steps never take it."""
+    from kernels import weight_only
+    from partition.model import fuse_quantized_projections
+
+    if not int4_triton.available():
+        pytest.skip("Triton is not installed: the INT4 layers are tinygemm's")
+    model = load_model(tiny_checkpoint, dtype=torch.bfloat16, device="cuda")
+    quantize_model(model, default_spec(4, 32))
+    if fused:
+        fuse_quantized_projections(model)
+    n = model.config.n_layers
+    ids, pos = np.arange(1, 40, dtype=np.int32)[None] % 300, np.arange(39, dtype=np.int32)[None]
+    monkeypatch.setattr(int4_triton, "PREFILL", "dequant-each")
+    runner = TorchRunner(model, SliceSpec(0, n, n), 64)
+    want = runner.run(ids, pos)
+    want_step = runner.run(np.array([[7]], dtype=np.int32), np.array([[39]], dtype=np.int32))
+    calls = []
+    real = int4_triton.dequant_many
+    monkeypatch.setattr(int4_triton, "dequant_many", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    monkeypatch.setattr(int4_triton, "PREFILL", "dequant")
+    runner = TorchRunner(model, SliceSpec(0, n, n), 64)
+    got = runner.run(ids, pos)
+    assert torch.equal(got, want)
+    assert calls == ([4] if fused else [4, 3]) * n, calls  # fused: qkv, o, gate/up, down; else 7 weights a layer
+    held = [m for m in model.modules() if isinstance(m, weight_only.QuantLinear) and m.prefill_weight is not None]
+    assert held == []
+    calls.clear()
+    step = runner.run(np.array([[7]], dtype=np.int32), np.array([[39]], dtype=np.int32))
+    assert calls == [] and torch.equal(step, want_step)

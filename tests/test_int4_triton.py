@@ -36,6 +36,12 @@ def _reference(w: dict[str, torch.Tensor]) -> torch.Tensor:
     return dequantize(w["q"], s, None, w["g_idx"], b)
 
 
+def test_the_model_knows_the_gemv_row_limit() -> None:
+    from partition.model import INT4_GEMV_MAX_M
+
+    assert INT4_GEMV_MAX_M == it.GEMV_MAX_M
+
+
 def test_pack_round_trips_codes_and_rejects_bad_shapes() -> None:
     w = _weights(24, 96, 32, mins=False, seed=0)
     codes, sb = it.pack(w["q"][:, :64], w["scales"][:, :2], zeros=w["zeros"][:, :2], tile_n=16)
@@ -113,6 +119,21 @@ def check_kernels(device: str) -> None:
                 assert got.shape == (m, n) and got.dtype == dtype
                 err = float((got.double() - want).norm() / want.norm())
                 assert err < (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9), (n, k, group, m, dtype, err)
+    # one launch for up to four weights (a prefill's layer): each the same values as its own dequantise, bit for bit
+    packed = []
+    for seed, (n, k, group, mins, tile_n) in enumerate(cases[:3]):
+        w = _weights(n, 512, 32, mins, seed + 20)
+        codes, sb = it.pack(w["q"], w["scales"], zeros=w.get("zeros"), mins=w.get("mins"), tile_n=tile_n)
+        packed.append((codes.to(device), sb.to(device), n))
+    packed.append(packed[0])
+    for count in (1, 2, 4):
+        for dtype in (torch.float32, tensor_dtypes[0]):
+            outs = it.dequant_many(packed[:count], 32, dtype)
+            assert len(outs) == count
+            for (codes, sb, n), out in zip(packed, outs):
+                assert out.dtype == dtype and torch.equal(out, it.int4_dequant(codes, sb, n, 32, dtype)), (count, n)
+    with pytest.raises(ValueError, match="1 to 4 weights"):
+        it.dequant_many(packed + packed[:1], 32, torch.float32)
     # the split-K sum inside the kernel, both modes: same numbers, scratch left zeroed (so a second call and a
     # graph replay see it as the first did), and the "last" mode's sum in split order repeats bit for bit
     for seed, (n, k, group, mins, tile_n) in enumerate(cases):

@@ -137,27 +137,37 @@ def test_oversized_prompt_is_refused_before_tokenising(svc, client: httpx.Client
 
 
 def test_tokenising_does_not_block_the_event_loop(svc, client: httpx.Client) -> None:
+    # The tokenizer holds until /health has answered (or 10 s pass): were encode() run on the event
+    # loop, /health could not answer while it holds and would time out. No wall-clock threshold, so a
+    # loaded CI machine cannot make it fail.
     api = svc.app.app.state.api
     real = api.tokenizer
+    started, health_answered = threading.Event(), threading.Event()
+    held_until_health = []
 
-    class Slow:
+    class Held:
         vocab_size = real.vocab_size
 
         def encode(self, text: str) -> list[int]:
-            time.sleep(1.5)  # a tokenizer busy with a long prompt
+            started.set()
+            held_until_health.append(health_answered.wait(10))  # a tokenizer busy with a long prompt
             return real.encode(text)
 
-    api.tokenizer = Slow()
+    api.tokenizer = Held()
     try:
         t = threading.Thread(target=lambda: client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}))
         t.start()
-        time.sleep(0.2)
-        t0 = time.monotonic()
-        assert httpx.get(f"{svc.url}/health", timeout=5).status_code == 200
-        waited = time.monotonic() - t0
+        assert started.wait(10), "the completion never reached the tokenizer"
+        try:
+            status = httpx.get(f"{svc.url}/health", timeout=5).status_code
+        except httpx.TimeoutException:
+            status = None
+        health_answered.set()
         t.join(30)
-        assert waited < 1.0, f"/health waited {waited:.2f} s behind a tokenisation"
+        assert status == 200, "/health did not answer while a tokenisation was in progress"
+        assert held_until_health == [True], "the tokenisation ended before /health answered"
     finally:
+        health_answered.set()
         api.tokenizer = real
 
 
