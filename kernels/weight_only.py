@@ -202,14 +202,18 @@ class QuantLinear(nn.Module):
                 f"kernel={self.kernel}" + (", float mins" if self.has_mins else ""))
 
 
+_LAYER_MODES = ("dequant", "dequant-layer")  # the int4_triton.PREFILL modes that dequantise a layer at once
+
+
 def hold_prefill_weights(linears: list, rows: int, dtype: torch.dtype) -> list[QuantLinear]:
-    """For a prefill of `rows` rows (> GEMV_MAX_M) in eager mode with PREFILL "dequant": the int4_triton layers
+    """For a prefill of `rows` rows (> GEMV_MAX_M) in eager mode with PREFILL "dequant" or "dequant-layer": the
+    int4_triton layers
     among `linears` (a decoder layer's projections) dequantised together, one launch per MANY_MAX of a group size
     (`int4_triton.dequant_many`), each held as its `prefill_weight` until `release_prefill_weights`; returns
     the layers it set. Otherwise (decode rows, "dequant-each" / "fused" / "graphed", under torch.compile, on
     other kernels) nothing is held and each layer dequantises its own weight as before. Costs the layer's weights
     at the activations' dtype at once (Llama-3-8B bf16: 436 MB, where one weight at a time peaked at 235 MB)."""
-    if rows <= int4_triton.GEMV_MAX_M or int4_triton.PREFILL != "dequant" or torch.compiler.is_compiling():
+    if rows <= int4_triton.GEMV_MAX_M or int4_triton.PREFILL not in _LAYER_MODES or torch.compiler.is_compiling():
         return []
     by_group: dict[int, list[QuantLinear]] = {}
     for lin in linears:
@@ -229,3 +233,61 @@ def hold_prefill_weights(linears: list, rows: int, dtype: torch.dtype) -> list[Q
 def release_prefill_weights(held: list[QuantLinear]) -> None:
     for lin in held:
         lin.prefill_weight = None
+
+
+class LayerPrefetch:
+    """PREFILL "dequant" over a slice's decoder layers: layer i + 1's int4_triton weights dequantised on a side
+    stream (`hold_prefill_weights`) while layer i runs on the current one. The dequantise is memory-bound and a
+    long prefill's GEMMs compute-bound, so the copy runs under the GEMMs instead of between them. Two layers'
+    copies live at once (Llama-3-8B bf16: 2 x 436 MB). `of(layers, rows, dtype)` is None where it does not
+    apply (decode rows, other modes or kernels, under torch.compile); then each layer holds its own weights.
+
+    Memory order: the copies are allocated on the side stream and read on the current one. Before each
+    dequantise the side stream waits for all the current stream's work queued so far, which includes every
+    read of the block that the allocator hands back (a copy freed by `done`, only ever reused by the side
+    stream's next allocation), so no copy is overwritten while a layer still reads it. record_stream would
+    keep each freed block until the host saw the GPU pass it: a new block a layer while the host runs ahead."""
+
+    _streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __init__(self, layers: list[list], rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.layers, self.rows, self.dtype = layers, rows, dtype
+        self.stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+        self.held: dict[int, list[QuantLinear]] = {}
+        self.ready: dict[int, torch.cuda.Event] = {}
+
+    @classmethod
+    def of(cls, layers: list[list], rows: int, dtype: torch.dtype) -> "LayerPrefetch | None":
+        """layers: each decoder layer's projections, in the order they run."""
+        first = [lin for lin in (layers[0] if layers else []) if isinstance(lin, QuantLinear)]
+        if (not first or first[0].kernel != "int4_triton" or not first[0].weight.is_cuda
+                or int4_triton.PREFILL != "dequant" or rows <= int4_triton.GEMV_MAX_M
+                or torch.compiler.is_compiling()):
+            return None
+        return cls(layers, rows, dtype, first[0].weight.device)
+
+    def _start(self, i: int) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            self.held[i] = hold_prefill_weights(self.layers[i], self.rows, self.dtype)
+            self.ready[i] = torch.cuda.Event()
+            self.ready[i].record(self.stream)
+
+    def begin(self, i: int) -> None:
+        """Before layer i runs: its copies ready on the current stream, layer i + 1's started."""
+        if i not in self.ready:
+            self._start(i)
+        torch.cuda.current_stream(self.stream.device).wait_event(self.ready.pop(i))
+        if i + 1 < len(self.layers):
+            self._start(i + 1)
+
+    def done(self, i: int) -> None:
+        """After layer i's work is queued: its copies dropped (their block goes to layer i + 2)."""
+        release_prefill_weights(self.held.pop(i, []))
+
+    def close(self) -> None:
+        """Every copy dropped (after the last layer, or when a layer raised)."""
+        for held in self.held.values():
+            release_prefill_weights(held)
+        self.held.clear()
+        self.ready.clear()

@@ -188,6 +188,18 @@ def _fused_elementwise(x: Tensor, weight: Tensor | None = None) -> bool:
     return norm_triton.applies(x, weight)
 
 
+def _int4_prefetch(layers: nn.ModuleList, h: Tensor):
+    """A prefill chunk over CUDA INT4 layers (kernels.int4_triton): kernels.weight_only.LayerPrefetch, which
+    dequantises layer i + 1's weights on a side stream while layer i runs; None anywhere else (the decode step,
+    compiled, never gets here with more than INT4_GEMV_MAX_M rows)."""
+    if not layers or h.shape[0] * h.shape[1] <= INT4_GEMV_MAX_M or getattr(
+            layers[0].mlp.down_proj, "kernel", None) != "int4_triton":
+        return None
+    from kernels.weight_only import LayerPrefetch
+
+    return LayerPrefetch.of([layer.projections() for layer in layers], h.shape[0] * h.shape[1], h.dtype)
+
+
 def _triton_decode_shapes(q: Tensor, hd: int, grp: int, pv: str | None = None) -> bool:
     """Where the Triton decode kernels apply: pv (default DECODE_PV) "triton", CUDA, a power-of-two head_dim, at
     most 16 query heads per KV head (kv_triton.BLOCK_H)."""
@@ -407,17 +419,22 @@ class DecoderLayer(nn.Module):
     def _hold_int4(self, x: Tensor) -> list:
         """A prefill chunk on CUDA INT4 weights (kernels.int4_triton): the layer's weights dequantised in one launch
         and held for this call (kernels.weight_only.hold_prefill_weights), instead of one launch per projection;
-        the launches, not the GPU, bound an 8B INT4 prefill on the H200's host. [] for anything else."""
+        the launches, not the GPU, bound an 8B INT4 prefill on the H200's host. [] for anything else, and where
+        the weights are already held (the slice's kernels.weight_only.LayerPrefetch dequantised them ahead)."""
         down = self.mlp.down_proj
-        if getattr(down, "kernel", None) != "int4_triton" or x.shape[0] * x.shape[1] <= INT4_GEMV_MAX_M:
+        if (getattr(down, "kernel", None) != "int4_triton" or x.shape[0] * x.shape[1] <= INT4_GEMV_MAX_M
+                or down.prefill_weight is not None):
             return []
         from kernels.weight_only import hold_prefill_weights
 
+        return hold_prefill_weights(self.projections(), x.shape[0] * x.shape[1], x.dtype)
+
+    def projections(self) -> list[nn.Module]:
+        """The layer's linear layers, in the order they run (fused or not: fuse_projections)."""
         a, m = self.self_attn, self.mlp
-        names = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")
-        linears = [getattr(a, n) for n in names if hasattr(a, n)]
-        linears += [getattr(m, n) for n in ("gate_up_proj", "gate_proj", "up_proj") if hasattr(m, n)] + [down]
-        return hold_prefill_weights(linears, x.shape[0] * x.shape[1], x.dtype)
+        linears = [getattr(a, n) for n in ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj") if hasattr(a, n)]
+        return linears + [getattr(m, n) for n in ("gate_up_proj", "gate_proj", "up_proj") if hasattr(m, n)] + [
+            m.down_proj]
 
 
 class Backbone(nn.Module):
@@ -478,6 +495,24 @@ class SliceModule(nn.Module):
     def n_layers(self) -> int:
         return self.end - self.start
 
+    def _layers(self, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past: tuple[Past, ...], slot: Tensor | None,
+                lengths: Tensor | None, fused: bool, ahead, new: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+        """The decoder layers on h, each layer's (k, v) appended to `new`; returns (h, the last MLP output not
+        yet added or None). ahead: the INT4 prefill's kernels.weight_only.LayerPrefetch, or None."""
+        pending: Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            if ahead is not None:
+                ahead.begin(i)
+            if fused:
+                h, pending, k, v = layer.run_pending(h, pending, cos, sin, mask, past[2 * i], past[2 * i + 1], slot,
+                                                     lengths)
+            else:
+                h, k, v = layer(h, cos, sin, mask, past[2 * i], past[2 * i + 1], slot, lengths)
+            if ahead is not None:
+                ahead.done(i)
+            new += (k, v)
+        return h, pending
+
     def forward(self, x: Tensor, positions: Tensor, *past: Past) -> tuple[Tensor, ...]:
         """The graph that is exported: inputs and outputs only, no options (the legacy ONNX exporter
         turns keyword defaults into extra positional inputs)."""
@@ -509,14 +544,14 @@ class SliceModule(nn.Module):
         # otherwise (the CPU, the ONNX export) each layer is called as a module, so the exported graph and its node
         # names (the TensorRT precision plan keeps "/layers.N/Add" in fp32) stay as they are.
         fused = _fused_elementwise(h)
-        pending: Tensor | None = None
-        for i, layer in enumerate(self.layers):
-            if fused:
-                h, pending, k, v = layer.run_pending(h, pending, cos, sin, mask, past[2 * i], past[2 * i + 1], slot,
-                                                     lengths)
-            else:
-                h, k, v = layer(h, cos, sin, mask, past[2 * i], past[2 * i + 1], slot, lengths)
-            new += (k, v)
+        ahead = _int4_prefetch(self.layers, h) if fused else None
+        if ahead is None:  # (no try block for torch.compile to trace in a decode step)
+            h, pending = self._layers(h, cos, sin, mask, past, slot, lengths, fused, None, new)
+        else:
+            try:
+                h, pending = self._layers(h, cos, sin, mask, past, slot, lengths, fused, ahead, new)
+            finally:
+                ahead.close()
         if self.lm_head is not None:
             if not (self.all_logits if all_logits is None else all_logits):
                 h = h[:, -1:]  # prefill needs the next token only: skip T x vocab logits

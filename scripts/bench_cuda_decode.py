@@ -64,6 +64,7 @@ class Variant:
     rope: bool = True  # partition.model.ROPE_FUSED: RoPE + cache write in one kernel (with DECODE_PV triton)
     prefill: str = ""  # kernels.int4_triton.PREFILL (INT4 rows past the GEMV: PREFILL_MODES); "" = default
     gemv: tuple[int, int, int] = ()  # kernels.int4_triton (PREFETCH, UNROLL, MIN_STEPS) of the GEMV's loop; () = defaults
+    prefill_graphs: bool = True  # with cuda_graphs, the prompt's prefill replayed from the second one on (PrefillGraphs)
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -104,6 +105,11 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-mm", True, buckets=False, quant="int4", fused=True, prefill="fused"),
     Variant("int4-fused-graphed", True, buckets=False, quant="int4", fused=True, prefill="graphed"),
     Variant("int4-fused-each", True, buckets=False, quant="int4", fused=True, prefill="dequant-each"),  # a launch a weight
+    Variant("int4-fused-layer", True, buckets=False, quant="int4", fused=True, prefill="dequant-layer"),  # no side stream
+    Variant("graphs-pe", True, buckets=False, prefill_graphs=False),  # "-pe": the prefill eager
+    Variant("int4-fused-pe", True, buckets=False, quant="int4", fused=True, prefill_graphs=False),
+    Variant("int4-fused-layer-pe", True, buckets=False, quant="int4", fused=True, prefill="dequant-layer",
+            prefill_graphs=False),
     Variant("int4-fused-g32", True, buckets=False, quant="int4", fused=True, group=32),  # a GGUF Q4's blocks
     *(Variant(f"int4-fused-pf{p}-u{u}-s{m}", True, buckets=False, quant="int4", fused=True, gemv=(p, u, m))
       for p, u, m in ((1, 1, 2), (0, 1, 4), (1, 1, 4), (0, 1, 8), (1, 1, 8), (0, 2, 4), (0, 1, 16), (1, 1, 16))),
@@ -179,14 +185,39 @@ def _rebuild_int4(model: Transformer, cuda_int4: str) -> None:
             setattr(model.get_submodule(parent), attr, new)
 
 
+def prefill_timeline(forward: Callable[[], object]) -> dict:
+    """One prefill under torch.profiler: the device's busy time (the union of its kernel and copy intervals on
+    every stream), the sum of their durations (more than busy where streams overlapped), and the wall time; wall
+    minus busy is time the device sat idle, waiting for the host to queue work (the profiler's own cost per
+    launch included, so it reads high)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        forward()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # the union of [a, b) intervals, in us
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    total = sum(b - a for a, b in spans)
+    return {"wall_ms": round(wall_ms, 2), "device_busy_ms": round(busy / 1e3, 2),
+            "kernel_sum_ms": round(total / 1e3, 2), "device_idle_ms": round(wall_ms - busy / 1e3, 2),
+            "device_ops": len(spans)}
+
+
 def run_variant(model: Transformer, v: Variant, prompt_len: int, decode_steps: int, max_seq: int,
-                label: str) -> dict:
+                label: str, timeline: bool = False) -> dict:
     cfg = model.config
     chain = Chain([TorchRunner(model, SliceSpec(0, cfg.n_layers, cfg.n_layers), max_seq,
-                               cuda_graphs=v.cuda_graphs, graph_buckets=v.buckets, compile_decode=v.compile)])
+                               cuda_graphs=v.cuda_graphs, graph_buckets=v.buckets, compile_decode=v.compile,
+                               prefill_graphs=v.prefill_graphs)])
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, prompt_len), dtype=np.int32)
     pos = np.arange(prompt_len, dtype=np.int32)[None]
-    chain.forward(ids, pos)  # warm-up (allocator, kernels)
+    chain.forward(ids, pos)  # warm-up (allocator, kernels); with prefill graphs the first timed one captures
     torch.cuda.synchronize()
     prefills = []
     for _ in range(PREFILL_REPEATS):  # the same slots rewritten each time: the median of a few, not one
@@ -195,6 +226,7 @@ def run_variant(model: Transformer, v: Variant, prompt_len: int, decode_steps: i
         torch.cuda.synchronize()
         prefills.append((time.perf_counter() - t0) * 1e3)
     prefill_ms = sorted(prefills)[len(prefills) // 2]
+    extra = {"prefill_timeline": prefill_timeline(lambda: chain.forward(ids, pos))} if timeline else {}
     token = int(np.argmax(logits[0]))
     times, tokens = [], []
     for step in tqdm(range(decode_steps), desc=f"{label} {v.name}", file=sys.stderr, leave=False):
@@ -217,7 +249,7 @@ def run_variant(model: Transformer, v: Variant, prompt_len: int, decode_steps: i
             "achieved_GB_s": round((weight_bytes + kv_bytes) / step_s / 1e9, 1),
             "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
             "slowest_step_ms": round(max(times) * 1e3, 1),  # a capture (and compile), for graph variants
-            "graphs_captured": sorted(graphs.graphs) if graphs else [], "tokens": tokens}
+            "graphs_captured": sorted(graphs.graphs) if graphs else [], "tokens": tokens, **extra}
 
 
 def profile_step(model: Transformer, prompt_len: int, max_seq: int, steps: int = 10, compile: bool = False) -> dict:
@@ -271,7 +303,7 @@ def _kernel_table(prof, steps: int, wall_s: float) -> dict:
 def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, variants: tuple[Variant, ...],
           long_max_seq: int, bandwidth: float = 0.0, gpt_fast: str | None = None,
           gpt_fast_variants: tuple[str, ...] = (), profile: bool = False,
-          save: Callable[[dict], None] = lambda _: None) -> dict:
+          save: Callable[[dict], None] = lambda _: None, timeline: bool = False) -> dict:
     """Every variant on one shape (bf16 variants share one model; each quantised one gets a fresh
     model of the same seed). A variant that fails is recorded with its error and the run goes on."""
     cfg = config(name)
@@ -298,7 +330,8 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
                 model = make_model(name, dtype, v)
             else:
                 shared = model = shared or make_model(name, dtype, v)
-            rows.append(run_variant(model, v, prompt_len, decode_steps, long_max_seq if v.long_cache else tight, name))
+            rows.append(run_variant(model, v, prompt_len, decode_steps, long_max_seq if v.long_cache else tight, name,
+                                    timeline))
             del model
         except Exception as exc:  # noqa: BLE001 - a benchmark records a failed variant and goes on
             rows.append({"variant": v.name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
@@ -402,6 +435,8 @@ def main() -> None:
     ap.add_argument("--gpt-fast-variants", default="bf16", help="of bf16, int8, int4")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel profile of the last variant's decode step, graphed (compiled if it is)")
+    ap.add_argument("--prefill-timeline", action="store_true",
+                    help="each variant's prefill once more under torch.profiler: device busy vs idle time")
     ap.add_argument("--attention-sweep", action="store_true",
                     help="first time one layer's decode attention per formulation (partition.model.DECODE_PV)")
     ap.add_argument("--decode-pv", default=None,
@@ -450,14 +485,15 @@ def main() -> None:
     for n in args.presets.split(","):
         results.append(bench(n, getattr(torch, args.dtype), args.prompt_len, args.decode_steps, variants,
                              args.long_max_seq, bw, args.gpt_fast, tuple(args.gpt_fast_variants.split(",")),
-                             args.profile, save))
+                             args.profile, save, args.prefill_timeline))
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     if args.json:
         print(json.dumps({"meta": meta, "results": results}, indent=2))
         return
     print(f"{meta['device']}, torch {meta['torch']}, {meta['date']}, copy {meta['copy_bandwidth_GB_s']} GB/s")
-    print(f"{'preset':12} {'variant':20} {'max_seq':>7} {'decode tok/s':>12} {'GB/s':>8} {'% roof':>7} {'x base':>7}")
+    print(f"{'preset':12} {'variant':20} {'max_seq':>7} {'decode tok/s':>12} {'GB/s':>8} {'% roof':>7} {'x base':>7}"
+          f" {'prefill ms':>10}  prefill device busy / idle ms")
     for res in results:
         for r in res["variants"]:
             if "error" in r:
@@ -465,7 +501,9 @@ def main() -> None:
                 continue
             ratio = next((v for k, v in r.items() if k.startswith("x_")), 0.0)
             print(f"{res['preset']:12} {r['variant']:20} {r['max_seq']:7d} {r['decode_tok_s']:12.1f} "
-                  f"{r['achieved_GB_s']:8.1f} {r.get('pct_roofline', 0):7.1f} {ratio:7.2f}")
+                  f"{r['achieved_GB_s']:8.1f} {r.get('pct_roofline', 0):7.1f} {ratio:7.2f} {r['prefill_ms']:10.2f}"
+                  + ("  {device_busy_ms} / {device_idle_ms} (kernels {kernel_sum_ms})".format(**r["prefill_timeline"])
+                     if "prefill_timeline" in r else ""))
 
 
 if __name__ == "__main__":

@@ -93,6 +93,39 @@ def test_cuda_graphs_fp32_batch_rows_and_fallback(tiny_checkpoint: Path) -> None
     assert _captured(graphed) == {(2, 128)}
 
 
+def test_cuda_prefill_graphs_capture_a_length_seen_twice_and_match_eager(tiny_checkpoint: Path) -> None:
+    """PrefillGraphs: a fresh prompt's first prefill of a length runs eager, the second captures, later ones replay,
+    each with eager's logits and cache (the decode after it agrees); a chunk that continues a prompt stays eager;
+    at most `limit` lengths are kept, the least recently used dropped."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    eager, graphed = _pair(tiny_checkpoint, torch.float32, max_seq=128)
+    rng = np.random.default_rng(1)
+
+    def prefill(t: int, start: int = 0) -> None:
+        ids = rng.integers(1, 300, (1, t), dtype=np.int32)
+        pos = np.arange(start, start + t, dtype=np.int32)[None]
+        assert np.abs(eager.forward(ids, pos) - graphed.forward(ids, pos)).max() < 1e-4, (t, start)
+
+    def lengths() -> list[set]:
+        return [set(r.prefill_graphs.graphs) for r in graphed.runners]
+
+    prefill(20)
+    assert lengths() == [set(), set()]  # first sight: eager
+    prefill(20)
+    prefill(20)
+    assert lengths() == [{(1, 20)}, {(1, 20)}]  # both slices: token ids in the first, hidden states in the second
+    for step in range(4):  # decoding on the cache the replayed prefill wrote
+        tok, p = np.array([[step + 3]], dtype=np.int32), np.array([[20 + step]], dtype=np.int32)
+        assert np.abs(eager.forward(tok, p) - graphed.forward(tok, p)).max() < 1e-4, step
+    prefill(10, start=20)  # a continuation chunk: eager, nothing captured
+    assert lengths() == [{(1, 20)}, {(1, 20)}]
+    for r in graphed.runners:
+        r.prefill_graphs.limit = 2
+    for t in (5, 5, 6, 6, 20):
+        prefill(t)
+    assert lengths() == [{(1, 6), (1, 20)}] * 2  # 5 was the least recently used when 6 came
+
+
 def test_cuda_graphs_bf16_greedy_tokens_match_eager(tiny_checkpoint: Path) -> None:
     eager, graphed = _pair(tiny_checkpoint, torch.bfloat16, max_seq=256)
     tok = Tokenizer.from_dir(tiny_checkpoint)

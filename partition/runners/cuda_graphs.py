@@ -18,8 +18,15 @@ Attention over L slots costs L, not the filled length, so L is bucketed: the sma
 >= the longest history + 1 (the new slot; at least `min_bucket`), capped at max_seq. That bounds the waste to 2x the
 history and costs one capture per bucket used (log2(max_seq) at most per batch size).
 
-Only rows 0..B-1 are graphed (the cache views must be fixed); other slot sets, prefill (T > 1) and
-CPU stay eager, and the eager runner remains the reference the graphs are tested against.
+Only rows 0..B-1 are graphed (the cache views must be fixed); other slot sets and CPU stay eager, and the
+eager runner remains the reference the graphs are tested against.
+
+`PrefillGraphs` does the same for a fresh prompt (every row at positions 0..T-1): an eager prefill of an 8B
+model is bound by the host too, ~500 kernels queued from Python at 70-100 us each against 13.6 ms (bf16) or
+17.0 ms (INT4) of device work for 512 tokens on the H200's host (docs/BENCHMARKS.md, "INT4 prefill: where the
+time goes"), and a Jetson's Cortex-A78AE cores queue no faster. One graph per (B, T) seen twice: the first
+prefill of a length runs eager, the second captures it, later ones replay (a prompt of a length never seen
+again costs no capture); at most MAX_PREFILL_GRAPHS lengths are kept, the least recently used dropped.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from partition.model import SliceModule
 
 MIN_BUCKET = 256  # shortest past length captured: below this the attention is noise next to the weights
 WARMUP_STEPS = 2  # eager runs on a side stream before a capture (cuBLAS handles, allocator), per PyTorch's docs
+MAX_PREFILL_GRAPHS = 4  # prompt lengths kept captured (our choice: a benchmark's or a template's few lengths)
 
 
 def past_buckets(max_seq: int, min_bucket: int = MIN_BUCKET) -> tuple[int, ...]:
@@ -53,6 +61,22 @@ def bucket_for(history: int, buckets: tuple[int, ...]) -> int:
         if history <= n:
             return n
     raise ValueError(f"history {history} exceeds the largest past length {buckets[-1]}")
+
+
+def capture(step: Callable[[], Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    """step captured as a graph in `pool`, with its output tensor. Warm-up on a side stream first (PyTorch's
+    CUDA-graph recipe): it runs the real step on the inputs already in the static buffers, and writing the same
+    K/V at the same slots again is idempotent."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_STEPS):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out
 
 
 class DecodeGraphs:
@@ -91,19 +115,7 @@ class DecodeGraphs:
         return lambda: fn(self.x[:b], self.positions[:b])
 
     def _capture(self, b: int, past_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        step = self._step(b, past_len)
-        # Warm-up on a side stream (PyTorch's CUDA-graph recipe). It runs the real step on the inputs
-        # already in the static buffers; writing the same K/V at the same slot again is idempotent.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_STEPS):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = step()
-        return graph, out
+        return capture(self._step(b, past_len), self.pool)
 
     def warm(self, b: int = 1) -> None:
         """Capture (and compile, with compile_step) the first bucket's graph for b rows now, at load, instead of
@@ -128,3 +140,55 @@ class DecodeGraphs:
         graph, out = entry
         graph.replay()
         return out.clone()  # the pool is shared between graphs: hand back a tensor no replay overwrites
+
+
+class PrefillGraphs:
+    """Captured prefills of fresh prompts of one slice over one runner's cache: one graph per (B, T) seen twice
+    (module docstring). Shares the decode graphs' pool: no two graphs run at once and outputs are cloned."""
+
+    def __init__(self, module: SliceModule, cache: list[Tensor], max_batch: int, max_seq: int, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device, pool: Any, limit: int = MAX_PREFILL_GRAPHS) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; this slice is on {device}")
+        self.module, self.cache, self.pool, self.limit = module, cache, pool, limit
+        self.is_last = module.is_last
+        self.x = (torch.zeros((max_batch, max_seq), dtype=torch.int32, device=device) if module.is_first
+                  else torch.zeros((max_batch, max_seq, hidden_size), dtype=dtype, device=device))
+        self.positions = torch.zeros((max_batch, max_seq), dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # in order of last use
+        self.seen: set[tuple[int, int]] = set()
+
+    @staticmethod
+    def applies(positions: np.ndarray) -> bool:
+        """A fresh prompt of more than one token: every row at positions 0..T-1."""
+        return positions.shape[1] > 1 and bool((positions == np.arange(positions.shape[1])).all())
+
+    def _step(self, b: int, t: int) -> Callable[[], Tensor]:
+        past = [c[:b, :, :t] for c in self.cache]  # what the eager in-place prefill attends: slots 0..T-1
+        x, pos, module = self.x[:b, :t], self.positions[:b, :t], self.module
+
+        def step() -> Tensor:
+            out, *_ = module.run(x, pos, *past, cache_in_place=True)
+            return out[:, -1] if self.is_last else out
+
+        return step
+
+    def run(self, x: Any, positions: np.ndarray) -> Tensor | None:
+        """The prefill replayed (captured first if this (B, T) was seen before), or None the first time a (B, T)
+        comes: the caller runs that one eager. Returns what the eager runner would."""
+        b, t = positions.shape
+        key = (b, t)
+        entry = self.graphs.pop(key, None)
+        if entry is None and key not in self.seen:
+            self.seen.add(key)
+            return None
+        self.x[:b, :t].copy_(torch.as_tensor(x))
+        self.positions[:b, :t].copy_(torch.from_numpy(positions))
+        if entry is None:
+            if len(self.graphs) >= self.limit:
+                del self.graphs[next(iter(self.graphs))]  # the least recently used
+            entry = capture(self._step(b, t), self.pool)
+        self.graphs[key] = entry
+        graph, out = entry
+        graph.replay()
+        return out.clone()

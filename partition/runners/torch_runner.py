@@ -2,8 +2,9 @@
 position, so no step ever reallocates or copies the whole cache.
 
 Eager is the reference path. With `cuda_graphs=True` (CUDA only) decode steps of rows 0..B-1 replay a
-captured graph instead (partition/runners/cuda_graphs.py); prefill and any other slot set stay eager,
-and both paths read and write the same cache, so they can alternate freely.
+captured graph instead (partition/runners/cuda_graphs.py), and so does a fresh prompt's prefill of a length
+seen before; other prefills and slot sets stay eager, and both paths read and write the same cache, so they
+can alternate freely.
 
 On CUDA the slice runs in in-place cache mode (partition/model.py): each layer writes its new K/V into
 the cache and attends over it at the model dtype (SDPA for prefill, two batched GEMMs for a decode
@@ -28,7 +29,7 @@ from kernels.kv_quant import Int8KVCache
 from partition.model import SliceModule, Transformer
 from partition.runners.base import KV_CACHE_KINDS, SliceRunner, row_range, write_new_kv
 from partition.slices import SliceSpec
-from partition.runners.cuda_graphs import DecodeGraphs
+from partition.runners.cuda_graphs import DecodeGraphs, PrefillGraphs
 
 
 WARM_PREFILL = 8  # tokens of the load-time warm-up prefill (TorchRunner.warm_up): past the INT4 GEMV's 4 rows
@@ -40,7 +41,7 @@ class TorchRunner(SliceRunner):
     def __init__(self, model: Transformer, spec: SliceSpec, max_seq: int, max_batch: int = 1,
                  cuda_graphs: bool = False, graph_buckets: bool = True, kv_in_place: bool | None = None,
                  compile_decode: bool = False, kv_cache: str = "fp16", kv_group: int = 32,
-                 kv_triton: bool | None = None, kv_qk_int8: bool = False) -> None:
+                 kv_triton: bool | None = None, kv_qk_int8: bool = False, prefill_graphs: bool = True) -> None:
         """cuda_graphs: replay captured graphs for decode (needs a CUDA model: refused on CPU rather
         than silently ignored, so a benchmark never reports eager numbers as graphed ones).
         graph_buckets: capture per power-of-two past length instead of over the whole max_seq buffer.
@@ -51,7 +52,9 @@ class TorchRunner(SliceRunner):
         kv_triton: the Triton kernels for an INT8 cache (None = on exactly for a CUDA model with Triton
         installed; True elsewhere is refused, False keeps the PyTorch reference on the GPU too).
         kv_qk_int8: with the Triton path, decode steps quantise q per (head, group) and run Q.K on the
-        int8 tensor cores (kernels.kv_triton.decode_attention(qk_int8=True)); off by default."""
+        int8 tensor cores (kernels.kv_triton.decode_attention(qk_int8=True)); off by default.
+        prefill_graphs: with cuda_graphs, a fresh prompt's prefill of rows 0..B-1 replays a graph too, from the
+        second prompt of its length on (partition/runners/cuda_graphs.py, PrefillGraphs)."""
         if kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_KINDS)}, got {kv_cache!r}")
         if kv_cache == "int8" and cuda_graphs:
@@ -90,6 +93,9 @@ class TorchRunner(SliceRunner):
         self.kv_in_place = (self.device.type == "cuda" and kv_cache == "fp16") if kv_in_place is None else kv_in_place
         self.graphs = DecodeGraphs(self.module, self.cache, max_batch, max_seq, cfg.hidden_size, self.dtype,
                                    self.device, bucketed=graph_buckets, compile_step=compile_decode) if cuda_graphs else None
+        self.prefill_graphs = (PrefillGraphs(self.module, self.cache, max_batch, max_seq, cfg.hidden_size, self.dtype,
+                                             self.device, self.graphs.pool)
+                               if self.graphs is not None and prefill_graphs and self.kv_in_place else None)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -126,6 +132,11 @@ class TorchRunner(SliceRunner):
         pos = torch.from_numpy(positions).to(self.device)
         x = slice_input(x, self.spec.is_first, self.device, self.dtype)
         span = row_range(rows)
+        if (self.prefill_graphs is not None and rows == list(range(b)) and not all_logits
+                and PrefillGraphs.applies(positions)):
+            out = self.prefill_graphs.run(x, positions)
+            if out is not None:
+                return out
         if self.kv_in_place and span is not None:  # views of the cache up to the last new slot
             past = [c[span, :, :int(positions[:, -1].max()) + 1] for c in self.cache]
             out, *_ = self.module.run(x, pos, *past, cache_in_place=True, all_logits=all_logits)
