@@ -552,10 +552,11 @@ def _(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Tensor:
 # How M > GEMV_MAX_M rows (prefill) run: "dequant" (a bf16 / fp16 copy of the weight, then cuBLAS; the default,
 # measured faster: MM_CONFIG's comment) or "fused" (`int4_mm`: the dequantise inside a Triton GEMM, the weight
 # read once as codes). fp32 activations always take "dequant" (tl.dot's fp32 operands would run as tf32).
-# "dequant" takes a decoder layer's weights in one launch, on a side stream a layer ahead where a slice runs its
-# layers (weight_only.LayerPrefetch, eager prefill); "dequant-layer" one launch a layer in line with the layer
-# (weight_only.hold_prefill_weights), "dequant-each" one launch a weight (the earlier forms, for measurement).
-PREFILL_MODES = ("dequant", "dequant-layer", "dequant-each", "fused", "graphed")  # "graphed": opt-in, slower
+# "dequant" takes a decoder layer's weights in one launch, in line with the layer (weight_only.hold_prefill_weights,
+# eager prefill); "dequant-ahead" the same a layer ahead on a side stream where a slice runs its layers
+# (weight_only.LayerPrefetch: measured slower in an eager prefill, which is host-bound, docs/BENCHMARKS.md "INT4
+# prefill: where the time goes"; opt-in), "dequant-each" one launch a weight (the earlier form, for measurement).
+PREFILL_MODES = ("dequant", "dequant-ahead", "dequant-each", "fused", "graphed")  # "graphed": opt-in, slower
 PREFILL = os.environ.get("ORIN_AGENT_INT4_PREFILL", "dequant")
 if PREFILL not in PREFILL_MODES:
     raise ValueError(f"ORIN_AGENT_INT4_PREFILL={PREFILL!r}: use one of {', '.join(PREFILL_MODES)}")

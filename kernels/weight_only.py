@@ -202,11 +202,11 @@ class QuantLinear(nn.Module):
                 f"kernel={self.kernel}" + (", float mins" if self.has_mins else ""))
 
 
-_LAYER_MODES = ("dequant", "dequant-layer")  # the int4_triton.PREFILL modes that dequantise a layer at once
+_LAYER_MODES = ("dequant", "dequant-ahead")  # the int4_triton.PREFILL modes that dequantise a layer at once
 
 
 def hold_prefill_weights(linears: list, rows: int, dtype: torch.dtype) -> list[QuantLinear]:
-    """For a prefill of `rows` rows (> GEMV_MAX_M) in eager mode with PREFILL "dequant" or "dequant-layer": the
+    """For a prefill of `rows` rows (> GEMV_MAX_M) in eager mode with PREFILL "dequant" or "dequant-ahead": the
     int4_triton layers
     among `linears` (a decoder layer's projections) dequantised together, one launch per MANY_MAX of a group size
     (`int4_triton.dequant_many`), each held as its `prefill_weight` until `release_prefill_weights`; returns
@@ -236,7 +236,7 @@ def release_prefill_weights(held: list[QuantLinear]) -> None:
 
 
 class LayerPrefetch:
-    """PREFILL "dequant" over a slice's decoder layers: layer i + 1's int4_triton weights dequantised on a side
+    """PREFILL "dequant-ahead" over a slice's decoder layers: layer i + 1's int4_triton weights dequantised on a side
     stream (`hold_prefill_weights`) while layer i runs on the current one. The dequantise is memory-bound and a
     long prefill's GEMMs compute-bound, so the copy runs under the GEMMs instead of between them. Two layers'
     copies live at once (Llama-3-8B bf16: 2 x 436 MB). `of(layers, rows, dtype)` is None where it does not
@@ -261,7 +261,7 @@ class LayerPrefetch:
         """layers: each decoder layer's projections, in the order they run."""
         first = [lin for lin in (layers[0] if layers else []) if isinstance(lin, QuantLinear)]
         if (not first or first[0].kernel != "int4_triton" or not first[0].weight.is_cuda
-                or int4_triton.PREFILL != "dequant" or rows <= int4_triton.GEMV_MAX_M
+                or int4_triton.PREFILL != "dequant-ahead" or rows <= int4_triton.GEMV_MAX_M
                 or torch.compiler.is_compiling()):
             return None
         return cls(layers, rows, dtype, first[0].weight.device)

@@ -105,10 +105,10 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-mm", True, buckets=False, quant="int4", fused=True, prefill="fused"),
     Variant("int4-fused-graphed", True, buckets=False, quant="int4", fused=True, prefill="graphed"),
     Variant("int4-fused-each", True, buckets=False, quant="int4", fused=True, prefill="dequant-each"),  # a launch a weight
-    Variant("int4-fused-layer", True, buckets=False, quant="int4", fused=True, prefill="dequant-layer"),  # no side stream
+    Variant("int4-fused-ahead", True, buckets=False, quant="int4", fused=True, prefill="dequant-ahead"),  # side stream
     Variant("graphs-pe", True, buckets=False, prefill_graphs=False),  # "-pe": the prefill eager
     Variant("int4-fused-pe", True, buckets=False, quant="int4", fused=True, prefill_graphs=False),
-    Variant("int4-fused-layer-pe", True, buckets=False, quant="int4", fused=True, prefill="dequant-layer",
+    Variant("int4-fused-ahead-pe", True, buckets=False, quant="int4", fused=True, prefill="dequant-ahead",
             prefill_graphs=False),
     Variant("int4-fused-g32", True, buckets=False, quant="int4", fused=True, group=32),  # a GGUF Q4's blocks
     *(Variant(f"int4-fused-pf{p}-u{u}-s{m}", True, buckets=False, quant="int4", fused=True, gemv=(p, u, m))

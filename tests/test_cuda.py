@@ -98,7 +98,10 @@ def test_cuda_prefill_graphs_capture_a_length_seen_twice_and_match_eager(tiny_ch
     each with eager's logits and cache (the decode after it agrees); a chunk that continues a prompt stays eager;
     at most `limit` lengths are kept, the least recently used dropped."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    eager, graphed = _pair(tiny_checkpoint, torch.float32, max_seq=128)
+    model = load_model(tiny_checkpoint, dtype=torch.float32, device="cuda")
+    specs = even_slices(model.config.n_layers, 2)
+    eager = Chain([TorchRunner(model, s, 128) for s in specs])
+    graphed = Chain([TorchRunner(model, s, 128, cuda_graphs=True, prefill_graphs=True) for s in specs])
     rng = np.random.default_rng(1)
 
     def prefill(t: int, start: int = 0) -> None:

@@ -142,14 +142,14 @@ def test_cuda_int4_fused_projections_match_separate(tiny_checkpoint: Path) -> No
     _decode_both(eager, compiled, 30, 8, 1e-3)
 
 
-@pytest.mark.parametrize("mode", ["dequant-layer", "dequant"])
+@pytest.mark.parametrize("mode", ["dequant", "dequant-ahead"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_cuda_int4_prefill_layer_dequantise_matches_per_weight(tiny_checkpoint: Path, monkeypatch, fused: bool,
                                                                mode: str) -> None:
-    """PREFILL "dequant-layer": a prefill chunk dequantises each decoder layer's INT4 weights in one launch
+    """PREFILL "dequant" (the default): a prefill chunk dequantises each decoder layer's INT4 weights in one launch
     (kernels.weight_only.hold_prefill_weights), the same values as one launch a weight ("dequant-each"), so the
     same logits bit for bit; one launch a layer (two where the unfused layer has more than four weights), the
-    held copies dropped after each layer, and decode steps never take it. "dequant" (the default) does the same
+    held copies dropped after each layer, and decode steps never take it. "dequant-ahead" does the same
     launches a layer ahead on a side stream (kernels.weight_only.LayerPrefetch), with the same logits."""
     from kernels import weight_only
     from partition.model import fuse_quantized_projections
@@ -178,12 +178,12 @@ def test_cuda_int4_prefill_layer_dequantise_matches_per_weight(tiny_checkpoint: 
     runner = TorchRunner(model, SliceSpec(0, n, n), 64)
     got = runner.run(ids, pos)
     assert torch.equal(got, want)
-    in_line = mode == "dequant-layer"  # else every launch on LayerPrefetch's side stream
+    in_line = mode == "dequant"  # else every launch on LayerPrefetch's side stream
     assert calls == [(w, in_line) for w in ([4] if fused else [4, 3])] * n, calls  # fused: qkv, o, gate/up, down
     held = [m for m in model.modules() if isinstance(m, weight_only.QuantLinear) and m.prefill_weight is not None]
     assert held == []
     calls.clear()
     step = runner.run(np.array([[7]], dtype=np.int32), np.array([[39]], dtype=np.int32))
     assert calls == [] and torch.equal(step, want_step)
-    graphed = TorchRunner(model, SliceSpec(0, n, n), 64, cuda_graphs=True)  # the prefill captured the second time
+    graphed = TorchRunner(model, SliceSpec(0, n, n), 64, cuda_graphs=True, prefill_graphs=True)  # captured 2nd time
     assert all(torch.equal(graphed.run(ids, pos), want) for _ in range(3)) and graphed.prefill_graphs.graphs
