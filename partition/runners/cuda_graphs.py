@@ -24,8 +24,8 @@ eager runner remains the reference the graphs are tested against.
 `PrefillGraphs` does the same for a fresh prompt (every row at positions 0..T-1): an eager prefill of an 8B
 model is bound by the host too: 35-64 ms of host time (70-100 us a device op, ~500 of them) against 13.6 ms
 (bf16) or 17.0 ms (INT4) of device work for 512 tokens on the H200's host (docs/BENCHMARKS.md, "INT4 prefill:
-where the time goes"), and a Jetson's Cortex-A78AE cores queue no faster. Opt-in (TorchRunner's
-prefill_graphs) until it is timed on a GPU. One graph per (B, T) seen twice: the first
+where the time goes"), and a Jetson's Cortex-A78AE cores queue no faster. Replayed, the same prefill took
+14.3-14.5 ms (bf16) and 17.5-17.9 ms (INT4). One graph per (B, T) seen twice: the first
 prefill of a length runs eager, the second captures it, later ones replay (a prompt of a length never seen
 again costs no capture); at most MAX_PREFILL_GRAPHS lengths are kept, the least recently used dropped.
 """

@@ -2,9 +2,9 @@
 position, so no step ever reallocates or copies the whole cache.
 
 Eager is the reference path. With `cuda_graphs=True` (CUDA only) decode steps of rows 0..B-1 replay a
-captured graph instead (partition/runners/cuda_graphs.py), and with `prefill_graphs=True` so does a fresh
-prompt's prefill of a length seen before; other prefills and slot sets stay eager, and both paths read and write the same cache, so they
-can alternate freely.
+captured graph instead (partition/runners/cuda_graphs.py), and so does a fresh prompt's prefill of a length
+seen before (`prefill_graphs`); other prefills and slot sets stay eager, and both paths read and write the same
+cache, so they can alternate freely.
 
 On CUDA the slice runs in in-place cache mode (partition/model.py): each layer writes its new K/V into
 the cache and attends over it at the model dtype (SDPA for prefill, two batched GEMMs for a decode
@@ -41,7 +41,7 @@ class TorchRunner(SliceRunner):
     def __init__(self, model: Transformer, spec: SliceSpec, max_seq: int, max_batch: int = 1,
                  cuda_graphs: bool = False, graph_buckets: bool = True, kv_in_place: bool | None = None,
                  compile_decode: bool = False, kv_cache: str = "fp16", kv_group: int = 32,
-                 kv_triton: bool | None = None, kv_qk_int8: bool = False, prefill_graphs: bool = False) -> None:
+                 kv_triton: bool | None = None, kv_qk_int8: bool = False, prefill_graphs: bool = True) -> None:
         """cuda_graphs: replay captured graphs for decode (needs a CUDA model: refused on CPU rather
         than silently ignored, so a benchmark never reports eager numbers as graphed ones).
         graph_buckets: capture per power-of-two past length instead of over the whole max_seq buffer.
@@ -54,8 +54,8 @@ class TorchRunner(SliceRunner):
         kv_qk_int8: with the Triton path, decode steps quantise q per (head, group) and run Q.K on the
         int8 tensor cores (kernels.kv_triton.decode_attention(qk_int8=True)); off by default.
         prefill_graphs: with cuda_graphs, a fresh prompt's prefill of rows 0..B-1 replays a graph too, from the
-        second prompt of its length on (partition/runners/cuda_graphs.py, PrefillGraphs). Off by default until
-        it is timed on a GPU (docs/BENCHMARKS.md, "INT4 prefill: where the time goes")."""
+        second prompt of its length on (partition/runners/cuda_graphs.py, PrefillGraphs; an 8B prefill of 512 tokens
+        2.1-2.6x faster in bf16, 1.7x in INT4 on the H200: docs/BENCHMARKS.md, "INT4 prefill: where the time goes")."""
         if kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_KINDS)}, got {kv_cache!r}")
         if kv_cache == "int8" and cuda_graphs:
