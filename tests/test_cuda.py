@@ -126,7 +126,7 @@ def test_cuda_prefill_graphs_capture_a_length_seen_twice_and_match_eager(tiny_ch
         r.prefill_graphs.limit = 2
     for t in (5, 5, 6, 6, 20):
         prefill(t)
-    assert lengths() == [{(1, 6), (1, 20)}] * 2  # 5 was the least recently used when 6 came
+    assert lengths() == [{(1, 6), (1, 20)}] * 2  # 6 dropped the old 20; 20, seen before, captured again and dropped 5
 
 
 def test_cuda_graphs_bf16_greedy_tokens_match_eager(tiny_checkpoint: Path) -> None:
