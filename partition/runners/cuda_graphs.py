@@ -41,6 +41,7 @@ from partition.model import SliceModule
 
 MIN_BUCKET = 256  # shortest past length captured: below this the attention is noise next to the weights
 WARMUP_STEPS = 2  # eager runs on a side stream before a capture (cuBLAS handles, allocator), per PyTorch's docs
+PREFILL_WARMUP_STEPS = 1  # a prefill's length already ran eager once before its capture (handles, kernels loaded)
 MAX_PREFILL_GRAPHS = 4  # prompt lengths kept captured (our choice: a benchmark's or a template's few lengths)
 
 
@@ -64,14 +65,14 @@ def bucket_for(history: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"history {history} exceeds the largest past length {buckets[-1]}")
 
 
-def capture(step: Callable[[], Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+def capture(step: Callable[[], Tensor], pool: Any, warmup: int = WARMUP_STEPS) -> tuple[torch.cuda.CUDAGraph, Tensor]:
     """step captured as a graph in `pool`, with its output tensor. Warm-up on a side stream first (PyTorch's
     CUDA-graph recipe): it runs the real step on the inputs already in the static buffers, and writing the same
     K/V at the same slots again is idempotent."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(WARMUP_STEPS):
+        for _ in range(warmup):
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -188,7 +189,7 @@ class PrefillGraphs:
         if entry is None:
             if len(self.graphs) >= self.limit:
                 del self.graphs[next(iter(self.graphs))]  # the least recently used
-            entry = capture(self._step(b, t), self.pool)
+            entry = capture(self._step(b, t), self.pool, PREFILL_WARMUP_STEPS)
         self.graphs[key] = entry
         graph, out = entry
         graph.replay()
