@@ -219,7 +219,6 @@ def run_variant(model: Transformer, v: Variant, prompt_len: int, decode_steps: i
     pos = np.arange(prompt_len, dtype=np.int32)[None]
     chain.forward(ids, pos)  # warm-up (allocator, kernels); with prefill graphs the first timed one captures
     torch.cuda.synchronize()
-    reserved = [torch.cuda.memory_reserved()]  # what the prefill graph's capture adds to the allocator's memory
     prefills = []
     for _ in range(PREFILL_REPEATS):  # the same slots rewritten each time: the median of a few, not one
         t0 = time.perf_counter()
@@ -227,7 +226,6 @@ def run_variant(model: Transformer, v: Variant, prompt_len: int, decode_steps: i
         torch.cuda.synchronize()
         prefills.append((time.perf_counter() - t0) * 1e3)
     prefill_ms = sorted(prefills)[len(prefills) // 2]
-    reserved.append(torch.cuda.memory_reserved())
     extra = {"prefill_timeline": prefill_timeline(lambda: chain.forward(ids, pos))} if timeline else {}
     token = int(np.argmax(logits[0]))
     times, tokens = [], []
@@ -246,7 +244,6 @@ def run_variant(model: Transformer, v: Variant, prompt_len: int, decode_steps: i
     torch.cuda.empty_cache()
     return {"variant": v.name, "max_seq": max_seq, "prefill_ms": round(prefill_ms, 2),
             "prefill_ms_range": [round(min(prefills), 2), round(max(prefills), 2)],
-            "prefill_reserved_MB": [round(r / 2 ** 20) for r in reserved],  # after the eager warm-up, after the timed
             "prefill_tok_s": round(prompt_len / prefill_ms * 1e3, 1),
             "decode_ms_per_token": round(step_s * 1e3, 3), "decode_tok_s": round(1 / step_s, 1),
             "achieved_GB_s": round((weight_bytes + kv_bytes) / step_s / 1e9, 1),
