@@ -239,8 +239,9 @@ class LayerPrefetch:
     """PREFILL "dequant-ahead" over a slice's decoder layers: layer i + 1's int4_triton weights dequantised on a side
     stream (`hold_prefill_weights`) while layer i runs on the current one. The dequantise is memory-bound and a
     long prefill's GEMMs compute-bound, so the copy runs under the GEMMs instead of between them. Two layers'
-    copies live at once (Llama-3-8B bf16: 2 x 436 MB). `of(layers, rows, dtype)` is None where it does not
-    apply (decode rows, other modes or kernels, under torch.compile); then each layer holds its own weights.
+    copies live at once (Llama-3-8B bf16: 2 x 436 MB). The caller (partition.model's SliceModule) builds one
+    for a prefill chunk over int4_triton layers; `of` is None in another PREFILL mode or under torch.compile,
+    and then each layer holds its own weights.
 
     Memory order: the copies are allocated on the side stream and read on the current one. Before each
     dequantise the side stream waits for all the current stream's work queued so far, which includes every
@@ -257,14 +258,12 @@ class LayerPrefetch:
         self.ready: dict[int, torch.cuda.Event] = {}
 
     @classmethod
-    def of(cls, layers: list[list], rows: int, dtype: torch.dtype) -> "LayerPrefetch | None":
+    def of(cls, layers: list[list], rows: int, dtype: torch.dtype,
+           device: torch.device) -> "LayerPrefetch | None":
         """layers: each decoder layer's projections, in the order they run."""
-        first = [lin for lin in (layers[0] if layers else []) if isinstance(lin, QuantLinear)]
-        if (not first or first[0].kernel != "int4_triton" or not first[0].weight.is_cuda
-                or int4_triton.PREFILL != "dequant-ahead" or rows <= int4_triton.GEMV_MAX_M
-                or torch.compiler.is_compiling()):
+        if int4_triton.PREFILL != "dequant-ahead" or torch.compiler.is_compiling():
             return None
-        return cls(layers, rows, dtype, first[0].weight.device)
+        return cls(layers, rows, dtype, device)
 
     def _start(self, i: int) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))

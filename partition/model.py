@@ -197,7 +197,7 @@ def _int4_prefetch(layers: nn.ModuleList, h: Tensor):
         return None
     from kernels.weight_only import LayerPrefetch
 
-    return LayerPrefetch.of([layer.projections() for layer in layers], h.shape[0] * h.shape[1], h.dtype)
+    return LayerPrefetch.of([layer.projections() for layer in layers], h.shape[0] * h.shape[1], h.dtype, h.device)
 
 
 def _triton_decode_shapes(q: Tensor, hd: int, grp: int, pv: str | None = None) -> bool:

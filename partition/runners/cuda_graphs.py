@@ -25,7 +25,7 @@ eager runner remains the reference the graphs are tested against.
 model is bound by the host too: 35-64 ms of host time (70-100 us a device op, ~500 of them) against 13.6 ms
 (bf16) or 17.0 ms (INT4) of device work for 512 tokens on the H200's host (docs/BENCHMARKS.md, "INT4 prefill:
 where the time goes"), and a Jetson's Cortex-A78AE cores queue no faster. Replayed, the same prefill took
-14.3-14.5 ms (bf16) and 17.5-17.9 ms (INT4). One graph per (B, T) seen twice: the first
+14.1-14.7 ms (bf16) and 17.5-18.3 ms (INT4) in four leases. One graph per (B, T) seen twice: the first
 prefill of a length runs eager, the second captures it, later ones replay (a prompt of a length never seen
 again costs no capture); at most MAX_PREFILL_GRAPHS lengths are kept, the least recently used dropped.
 """

@@ -130,14 +130,14 @@ class TorchRunner(SliceRunner):
         b, t = positions.shape
         if self.graphs is not None and t == 1 and rows == list(range(b)) and not all_logits:
             return self.graphs.run(x, positions)
+        if (self.prefill_graphs is not None and rows == list(range(b)) and not all_logits
+                and PrefillGraphs.applies(positions)):
+            out = self.prefill_graphs.run(x, positions)  # copies x and positions into its own buffers
+            if out is not None:
+                return out
         pos = torch.from_numpy(positions).to(self.device)
         x = slice_input(x, self.spec.is_first, self.device, self.dtype)
         span = row_range(rows)
-        if (self.prefill_graphs is not None and rows == list(range(b)) and not all_logits
-                and PrefillGraphs.applies(positions)):
-            out = self.prefill_graphs.run(x, positions)
-            if out is not None:
-                return out
         if self.kv_in_place and span is not None:  # views of the cache up to the last new slot
             past = [c[span, :, :int(positions[:, -1].max()) + 1] for c in self.cache]
             out, *_ = self.module.run(x, pos, *past, cache_in_place=True, all_logits=all_logits)
