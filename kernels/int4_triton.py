@@ -122,6 +122,21 @@ def unpack_sb(sb: Tensor, n: int) -> Tensor:
 if triton is not None:
 
     @triton.jit
+    def _dp4a_u4(a, b, c, ASM: tl.constexpr):
+        """c + the dot of a's four unsigned bytes with b's four signed bytes, per int32 element (PTX dp4a.u32.s32:
+        one instruction from sm_61, Orin's sm_87 and Hopper's sm_90 included; it is how llama.cpp's CUDA
+        mat-vec kernels multiply 4-bit weights with int8 activations). ASM False: the same sum in integer ops,
+        for Triton's CPU interpreter, which runs no inline assembly."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = c
+            for i in tl.static_range(4):
+                r += ((a >> (8 * i)) & 255) * ((b << (24 - 8 * i)) >> 24)
+            return r
+
+    @triton.jit
     def _plane_bits(w, w_hi, I: tl.constexpr):
         """Nibble plane I of packed words w (w_hi = w >> 12), its bits alone reinterpreted as fp32: the
         number q * 2^(p - 149) (a denormal, or for p = 20 the smallest normals, where the int -> float
@@ -156,11 +171,12 @@ if triton is not None:
     @triton.jit
     def _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s,
                    GROUP: tl.constexpr, TN: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-                   UNROLL: tl.constexpr):
+                   UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True):
         """(TN,) fp32: x[pid_m] . w[rows of tile pid_t] over the steps of split pid_s (layout: the module
         docstring). PREFETCH: the next step's codes and (s, b) are loaded into registers before this step's
         arithmetic, so a program keeps one DRAM read in flight while it computes (instead of STAGES' shared-
-        memory ring)."""
+        memory ring). ACT8: x_ptr is an activation packed by `act8_quant` (ACT8_FORMAT, as int32 words, row
+        stride stride_xm words); the dot runs on dp4a (`_dp4a_u4`), four weights an instruction."""
         r = tl.arange(0, TN)
         bi = tl.arange(0, 2)
         ji = tl.arange(0, 4)
@@ -171,6 +187,7 @@ if triton is not None:
         # more (a step's two blocks share their group), two for 32, instead of a 16-bit load per value
         sb_tile = sb_ptr.to(tl.pointer_type(tl.int32)) + pid_t.to(tl.int64) * n_groups * TN + r[:, None]  # (TN, 1)
         x_row = x_ptr + pid_m * stride_xm
+        xd_row = (x_row + KS * 16).to(tl.pointer_type(tl.float32))  # ACT8: (d, sum) per block, after the K codes
         acc = tl.zeros((TN, 2), tl.float32)
         lo = pid_s * STEPS_SPLIT
         hi = tl.minimum(lo + STEPS_SPLIT, KS)
@@ -191,19 +208,33 @@ if triton is not None:
             else:
                 w = tl.load(w_tile + st * (TN * 8), eviction_policy="evict_first")  # TN * 32 contiguous bytes
                 sbw = _sb_words(sb_tile, st, bi, GROUP, TN)
-            x0 = tl.load(x_row + xcol).to(tl.float32)
-            w_hi = w >> 12
-            xs = x0
-            t = _plane_bits(w, w_hi, 0) * (x0 * 2.0 ** 49)[None, :, :]
-            for i in tl.static_range(1, 8):
-                xi = tl.load(x_row + xcol + 4 * i).to(tl.float32)
-                t += _plane_bits(w, w_hi, i) * (xi * 2.0 ** (49 - 4 * i + 12 * (i // 6)))[None, :, :]
-                xs += xi
-            dot = tl.sum(t, axis=2)  # (TN, 2): sum over each block of q * x, times 2^-100
-            xsum = tl.sum(xs, axis=1)  # (2,): sum of x over each block
             sv = (sbw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             bv = (sbw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            acc += dot * (sv * 2.0 ** 100) + bv * xsum[None, :]
+            if ACT8:
+                # words (blk, p, j) of the quantised x: byte c holds column 32 blk + 8 c + 4 p + j, which is what
+                # the even (p = 0) and odd (p = 1) nibbles of weight word j hold once spread one to a byte
+                xw = x_row + st * 16 + bi[:, None] * 8 + ji[None, :]  # (2, 4)
+                xa = tl.load(xw)[None, :, :]
+                xb = tl.load(xw + 4)[None, :, :]
+                xdp = xd_row + (st * 2 + bi) * 2
+                xd = tl.load(xdp)  # (2,): the blocks' scales d
+                xsum = tl.load(xdp + 1)  # (2,): the blocks' sums of x
+                t = _dp4a_u4(w & 0x0F0F0F0F, xa, tl.zeros((TN, 2, 4), tl.int32), ASM)
+                t = _dp4a_u4((w >> 4) & 0x0F0F0F0F, xb, t, ASM)
+                dot = tl.sum(t, axis=2).to(tl.float32)  # (TN, 2): sum over each block of q * xq, exact
+                acc += dot * (sv * xd[None, :]) + bv * xsum[None, :]
+            else:
+                x0 = tl.load(x_row + xcol).to(tl.float32)
+                w_hi = w >> 12
+                xs = x0
+                t = _plane_bits(w, w_hi, 0) * (x0 * 2.0 ** 49)[None, :, :]
+                for i in tl.static_range(1, 8):
+                    xi = tl.load(x_row + xcol + 4 * i).to(tl.float32)
+                    t += _plane_bits(w, w_hi, i) * (xi * 2.0 ** (49 - 4 * i + 12 * (i // 6)))[None, :, :]
+                    xs += xi
+                dot = tl.sum(t, axis=2)  # (TN, 2): sum over each block of q * x, times 2^-100
+                xsum = tl.sum(xs, axis=1)  # (2,): sum of x over each block
+                acc += dot * (sv * 2.0 ** 100) + bv * xsum[None, :]
         return tl.sum(acc, axis=1)
 
     @triton.jit
@@ -216,8 +247,8 @@ if triton is not None:
         pid_m = tl.program_id(0)
         pid_t = tl.program_id(1)
         pid_s = tl.program_id(2)
-        out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN, STAGES,
-                         PREFETCH, UNROLL)
+        out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN,
+                         STAGES, PREFETCH, UNROLL)
         rows = pid_t * TN + tl.arange(0, TN)
         if EVEN:
             tl.store(out_ptr + (pid_s * M + pid_m) * N + rows, out)
@@ -228,18 +259,19 @@ if triton is not None:
     def _gemv_reduced_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NT, KS, STEPS_SPLIT, stride_xm,
                              GROUP: tl.constexpr, TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
                              CH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-                             UNROLL: tl.constexpr):
+                             UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True):
         """y[m, rows] = x[m] . w[rows] in y's dtype, the split-K sum done in this kernel (REDUCE_MODES):
         every program of a (row, tile) adds its partial into the fp32 scratch (MODE 1: atomically into
         ws (M, N), which the last program zeroes again; MODE 2: its own slice of ws (SPLIT, M, N), which the
         last program sums in split order, CH splits per load), then counts itself in cnt (M, NT); the
         program that counts last writes y and resets its counter to 0, so the scratch is as it was found
-        after every call (what lets the op declare no mutation, and CUDA graphs replay it)."""
+        after every call (what lets the op declare no mutation, and CUDA graphs replay it). ACT8: x is
+        packed by `act8_quant` (see `_gemv_tile`); y_ptr's dtype is the output's."""
         pid_m = tl.program_id(0)
         pid_t = tl.program_id(1)
         pid_s = tl.program_id(2)
-        out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN, STAGES,
-                         PREFETCH, UNROLL)
+        out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN,
+                         STAGES, PREFETCH, UNROLL, ACT8, ASM)
         rows = pid_t * TN + tl.arange(0, TN)
         ok = rows < N
         y_row = y_ptr + pid_m * N + rows
@@ -384,6 +416,37 @@ if triton is not None:
         rn = n0 + tl.arange(0, BN)
         tl.store(y_ptr + rm.to(tl.int64)[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok & (rn < N)[:, None])
+
+    @triton.jit
+    def act8_store(v, blk0, q_row, K, NB: tl.constexpr):
+        """Quantise NB 32-column blocks of an activation row, blocks blk0 .. blk0 + NB, as llama.cpp's Q8_1 does
+        (d = max |x| / 127 a block, codes round(x / d) to nearest even), into q_row, the row's ACT8_FORMAT bytes
+        (K columns); v: the blocks' NB * 32 fp32 values in column order, 0 past K. Blocks past K are not stored.
+        For the producers of a GEMV's input (RMSNorm, SiLU * up: kernels.norm_triton) and `_act8_kernel`."""
+        vb = tl.reshape(v, (NB, 32))
+        amax = tl.max(tl.abs(vb), axis=1)
+        xsum = tl.sum(vb, axis=1)
+        inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)  # all-zero blocks: codes 0
+        # round to nearest even by adding and taking away 1.5 * 2^23 (|value| <= 127: exact in fp32)
+        r = (vb * inv[:, None] + 12582912.0) - 12582912.0
+        f = tl.arange(0, 32)
+        blk = blk0 + tl.arange(0, NB)
+        ok = blk < K // 32
+        # column f = 8 c + 4 p + j of a block goes to its byte 16 p + 4 j + c
+        byte = blk[:, None] * 32 + (16 * ((f // 4) % 2) + 4 * (f % 4) + f // 8)[None, :]
+        tl.store(q_row + byte, r.to(tl.int32).to(tl.int8), mask=ok[:, None])
+        xd = (q_row + K).to(tl.pointer_type(tl.float32))
+        tl.store(xd + blk * 2, amax / 127.0, mask=ok)
+        tl.store(xd + blk * 2 + 1, xsum, mask=ok)
+
+    @triton.jit
+    def _act8_kernel(x_ptr, q_ptr, K, stride_xm, stride_qm, NB: tl.constexpr):
+        """Row program_id(0)'s blocks program_id(1) * NB .. + NB of x into q's ACT8_FORMAT row (`act8_store`)."""
+        m = tl.program_id(0).to(tl.int64)
+        blk0 = tl.program_id(1) * NB
+        cols = blk0 * 32 + tl.arange(0, NB * 32)
+        v = tl.load(x_ptr + m * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+        act8_store(v, blk0, q_ptr + m * stride_qm, K, NB)
 
 
 @functools.lru_cache(maxsize=8)
@@ -600,18 +663,106 @@ def int4_gemv_reduced(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Ten
                       split: int, mode: int) -> Tensor:
     """x (M, K) @ W^T -> (M, N) in x's dtype, the split-K sum inside the kernel (mode: REDUCE_MODES' 1 or 2).
     ws and cnt (`scratch`) are written during the call and left zeroed: no mutation is visible after it."""
-    m, k = x.shape
+    return _reduced(x, False, x.shape[1], codes, sb, ws, cnt, n, group_size, split, mode, x.dtype)
+
+
+def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int,
+             group_size: int, split: int, mode: int, dtype: torch.dtype) -> Tensor:
+    """Launch `_gemv_reduced_kernel` on x (M, K) in a float dtype, or (act8) on an ACT8_FORMAT activation viewed as
+    int32 words; y (M, N) in dtype."""
+    m = x.shape[0]
     nt, ks, tn, _ = codes.shape
     if m > ws.shape[0] or mode not in (1, 2):
         raise ValueError(f"int4_gemv_reduced takes up to {ws.shape[0]} rows and mode 1 or 2, got {m} rows, mode {mode}")
     warps, _, stages = gemv_config(n, k, 132, tn)
-    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    y = torch.empty((m, n), device=x.device, dtype=dtype)
     part = ws if mode == 1 or split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     _gemv_reduced_kernel[(m, nt, split)](x, codes, sb, y, part, cnt, m, n, nt, ks, -(-ks // split), x.stride(0),
                                          GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
                                          CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
-                                         PREFETCH=PREFETCH, UNROLL=UNROLL, num_warps=warps)
+                                         PREFETCH=PREFETCH, UNROLL=UNROLL, ACT8=act8, ASM=_asm(), num_warps=warps)
     return y
+
+
+def _asm() -> bool:
+    """Whether kernels may use inline PTX (dp4a): not in Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+# How the GEMV (M <= GEMV_MAX_M, in-kernel split-K sum) takes its activation: "exact" (in its own dtype, one fp32
+# FMA a weight, products exact: the default) or "int8" (quantised per 32-column block as llama.cpp's CUDA
+# mat-vec kernels quantise theirs, to Q8_1: `act8_quant`, then four weights a dp4a instruction, `int4_gemv_a8`).
+# "int8" costs one small kernel a GEMV and an activation rounded to 8 bits per block (relative error ~1/254 of the
+# block's largest value a column, against bf16's 2^-9 of each value).
+ACT_MODES = ("exact", "int8")
+ACT = os.environ.get("ORIN_AGENT_INT4_ACT", "exact")
+if ACT not in ACT_MODES:
+    raise ValueError(f"ORIN_AGENT_INT4_ACT={ACT!r}: use one of {', '.join(ACT_MODES)}")
+ACT8_BLOCKS = 32  # 32-column blocks an `_act8_kernel` program quantises
+
+
+def act8_width(k: int) -> int:
+    """Bytes of one ACT8_FORMAT row of K columns: K codes, then (d, sum) fp32 for each of the K / 32 blocks."""
+    return k + k // 4
+
+
+# ACT8_FORMAT: an activation row of K columns (K a multiple of 64) as int8 (M, act8_width(K)): bytes [0, K) the
+# codes, block by block, byte 16 p + 4 j + c of block b holding column 32 b + 8 c + 4 p + j (the columns that the
+# even (p = 0) and odd (p = 1) nibbles of the layout's word j hold, so that one dp4a multiplies four of them); then
+# K / 32 pairs (d, sum of x) in fp32. One tensor, so a producer (kernels.norm_triton) can hand it to
+# QuantLinear in place of x.
+ACT8_FORMAT = "int8 codes + (d, sum) fp32 per 32-column block"
+
+
+@torch.library.custom_op("orin_agent::int4_act8", mutates_args=())
+def act8_quant(x: Tensor) -> Tensor:
+    """x (M, K), K a multiple of 64 -> its ACT8_FORMAT rows, int8 (M, act8_width(K)) (`_act8_kernel`)."""
+    m, k = x.shape
+    if k % 64:
+        raise ValueError(f"act8_quant takes K a multiple of 64, got {k}")
+    q = torch.empty((m, act8_width(k)), device=x.device, dtype=torch.int8)
+    _act8_kernel[(m, triton.cdiv(k // 32, ACT8_BLOCKS))](x, q, k, x.stride(0), q.stride(0), NB=ACT8_BLOCKS,
+                                                         num_warps=4)
+    return q
+
+
+@act8_quant.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], act8_width(x.shape[1])), dtype=torch.int8)
+
+
+def act8_width_inverse(width: int) -> int:
+    """K from an ACT8_FORMAT row's width."""
+    if width % 5 or (width // 5 * 4) % 64:
+        raise ValueError(f"{width} bytes is no ACT8_FORMAT row (K + K / 4, K a multiple of 64)")
+    return width // 5 * 4
+
+
+def act8_unpack(q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """An ACT8_FORMAT activation (M, width) -> (codes int8 (M, K) in column order, d (M, K / 32), sums (M, K / 32))
+    (tests, tools)."""
+    m = q.shape[0]
+    k = act8_width_inverse(q.shape[1])
+    codes = q[:, :k].reshape(m, k // 32, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(m, k)  # (b, p, j, c) -> (b, c, p, j)
+    xd = q[:, k:].contiguous().view(torch.float32).reshape(m, k // 32, 2)
+    return codes, xd[..., 0], xd[..., 1]
+
+
+@torch.library.custom_op("orin_agent::int4_gemv_a8", mutates_args=())
+def int4_gemv_a8(q: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, group_size: int,
+                 split: int, mode: int, dtype: torch.dtype) -> Tensor:
+    """An ACT8_FORMAT activation q (M, width) of x (M, K) @ W^T -> (M, N) in dtype on dp4a, the split-K sum in the
+    kernel as int4_gemv_reduced's (same scratch)."""
+    k = act8_width_inverse(q.shape[1])
+    if k != codes.shape[1] * 64:
+        raise ValueError(f"int4_gemv_a8: the activation has K={k}, the weight {codes.shape[1] * 64}")
+    return _reduced(q.view(torch.int32), True, k, codes, sb, ws, cnt, n, group_size, split, mode, dtype)
+
+
+@int4_gemv_a8.register_fake
+def _(q: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, group_size: int,
+      split: int, mode: int, dtype: torch.dtype) -> Tensor:
+    return q.new_empty((q.shape[0], n), dtype=dtype)
 
 
 @int4_gemv_reduced.register_fake
@@ -623,14 +774,18 @@ def _(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, gro
 def linear(x2: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, split: int,
            ws: Tensor | None = None, cnt: Tensor | None = None) -> Tensor:
     """x2 (M, K) @ W^T -> (M, N) in x2's dtype: the GEMV for M <= GEMV_MAX_M (split-K summed as REDUCE
-    says; "partials" where no scratch is given), else as PREFILL says: dequantise once and F.linear (cuBLAS /
-    inductor's mm; "graphed": the dequantise replayed from a CUDA graph), or the fused `int4_mm`."""
+    says; "partials" where no scratch is given; the activation taken as ACT says where the sum is in the
+    kernel), else as PREFILL says: dequantise once and F.linear (cuBLAS / inductor's mm; "graphed": the
+    dequantise replayed from a CUDA graph), or the fused `int4_mm`."""
     if x2.shape[0] > GEMV_MAX_M:
         if PREFILL == "fused" and x2.dtype in (torch.bfloat16, torch.float16):
             return int4_mm(x2.contiguous(), codes, sb, n, group_size)
         dequant = dequant_graphed if PREFILL == "graphed" else int4_dequant
         return torch.nn.functional.linear(x2, dequant(codes, sb, n, group_size, x2.dtype))
     if REDUCE != "partials" and ws is not None and cnt is not None:
+        if ACT == "int8":
+            return int4_gemv_a8(act8_quant(x2.contiguous()), codes, sb, ws, cnt, n, group_size, split,
+                                REDUCE_MODES[REDUCE], x2.dtype)
         return int4_gemv_reduced(x2.contiguous(), codes, sb, ws, cnt, n, group_size, split, REDUCE_MODES[REDUCE])
     partial = int4_gemv(x2.contiguous(), codes, sb, n, group_size, split)
     return (partial[0] if split == 1 else partial.sum(0)).to(x2.dtype)

@@ -65,6 +65,7 @@ class Variant:
     prefill: str = ""  # kernels.int4_triton.PREFILL (INT4 rows past the GEMV: PREFILL_MODES); "" = default
     gemv: tuple[int, int, int] = ()  # kernels.int4_triton (PREFETCH, UNROLL, MIN_STEPS) of the GEMV's loop; () = defaults
     prefill_graphs: bool = True  # with cuda_graphs, the prompt's prefill replayed from the second one on (PrefillGraphs)
+    act: str = ""  # kernels.int4_triton.ACT (the GEMV's activation: "exact" or "int8" on dp4a); "" = default
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -111,6 +112,11 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-ahead-pe", True, buckets=False, quant="int4", fused=True, prefill="dequant-ahead",
             prefill_graphs=False),
     Variant("int4-fused-g32", True, buckets=False, quant="int4", fused=True, group=32),  # a GGUF Q4's blocks
+    # the GEMV's activation quantised to int8 per 32-column block and multiplied on dp4a (llama.cpp's CUDA formulation)
+    Variant("int4-fused-a8", True, buckets=False, quant="int4", fused=True, act="int8"),
+    Variant("int4-fused-a8-s4", True, buckets=False, quant="int4", fused=True, act="int8", gemv=(0, 1, 4)),
+    Variant("int4-fused-lmhead-a8", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8"),
+    Variant("int4-fused-a8-compile", True, buckets=False, quant="int4", fused=True, act="int8", compile=True),
     *(Variant(f"int4-fused-pf{p}-u{u}-s{m}", True, buckets=False, quant="int4", fused=True, gemv=(p, u, m))
       for p, u, m in ((1, 1, 2), (0, 1, 4), (1, 1, 4), (0, 1, 8), (1, 1, 8), (0, 2, 4), (0, 1, 16), (1, 1, 16))),
     Variant("int4-partials-norope", True, buckets=False, quant="int4", reduce="partials", rope=False),
@@ -315,11 +321,12 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     from kernels import int4_triton
     from partition import model as pm
 
-    default_reduce, default_prefill = int4_triton.REDUCE, int4_triton.PREFILL
+    default_reduce, default_prefill, default_act = int4_triton.REDUCE, int4_triton.PREFILL, int4_triton.ACT
     default_gemv = (int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS)
     for v in variants:
         int4_triton.REDUCE = v.reduce or default_reduce  # both read when the decode step is traced, at its first call
         int4_triton.PREFILL = v.prefill or default_prefill
+        int4_triton.ACT = v.act or default_act
         # the split is chosen when a layer is built, the loop at each launch
         int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = v.gemv or default_gemv
         pm.ROPE_FUSED = v.rope
@@ -341,6 +348,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
             last = variants[-1]  # profiled with its quantisation and compile setting, graphed
             int4_triton.REDUCE, pm.ROPE_FUSED = last.reduce or default_reduce, last.rope
             int4_triton.PREFILL = last.prefill or default_prefill
+            int4_triton.ACT = last.act or default_act
             int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = last.gemv or default_gemv
             model = shared if shared is not None and not last.quant else make_model(name, dtype, last)
             res["profile"] = {"variant": last.name, **profile_step(model, prompt_len, tight, compile=last.compile)}

@@ -78,13 +78,16 @@ def copies_for(nbytes: int) -> int:
 
 
 def _gemv_launch(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, n: int, group: int, warps: int, split: int,
-                 stages: int, prefetch: int, unroll: int, y: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor) -> None:
-    """The GEMV as the model runs it (the split-K sum inside the kernel, atomic) at explicit loop settings."""
+                 stages: int, prefetch: int, unroll: int, y: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor,
+                 act8: bool = False) -> None:
+    """The GEMV as the model runs it (the split-K sum inside the kernel, atomic) at explicit loop settings; with xd,
+    x is an act8_quant activation (int8 activations on dp4a)."""
     nt, ks, tn, _ = codes.shape
+    xw = x.view(torch.int32) if act8 else x
     it._gemv_reduced_kernel[(x.shape[0], nt, split)](
-        x, codes, sb, y, ws, cnt, x.shape[0], n, nt, ks, -(-ks // split), x.stride(0), GROUP=group, TN=tn, SPLIT=split,
-        MODE=1, CH=min(it.REDUCE_CHUNK, it.triton.next_power_of_2(split)), STAGES=stages, PREFETCH=prefetch, UNROLL=unroll,
-        num_warps=warps)
+        xw, codes, sb, y, ws, cnt, x.shape[0], n, nt, ks, -(-ks // split), xw.stride(0),
+        GROUP=group, TN=tn, SPLIT=split, MODE=1, CH=min(it.REDUCE_CHUNK, it.triton.next_power_of_2(split)),
+        STAGES=stages, PREFETCH=prefetch, UNROLL=unroll, ACT8=act8, ASM=True, num_warps=warps)
 
 
 def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sweep: bool, bw: float,
@@ -143,6 +146,17 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
                 sec = graph_time([lambda c=c, b=b, w=w: call(c, b, w) for (c, b), w in zip(mine, scr)], 4 * nc)
                 row(f"triton gemv, sum {mode}", m, sec, int4_bytes, rel(call(codes, sb, it.scratch(n, codes))),
                     split=split)
+            # int8 activations on dp4a (it.ACT "int8"): the quantise + GEMV as `linear` runs them, then each alone
+            a8 = lambda c, b, w: it.int4_gemv_a8(it.act8_quant(x), c, b, w[0], w[1], n, group, split, 1,  # noqa: E731
+                                                 x.dtype)
+            sec = graph_time([lambda c=c, b=b, w=w: a8(c, b, w) for (c, b), w in zip(mine, scr)], 4 * nc)
+            row("triton gemv, int8 act", m, sec, int4_bytes, rel(a8(codes, sb, it.scratch(n, codes))), split=split)
+            xq = it.act8_quant(x)
+            sec = graph_time([lambda c=c, b=b, w=w: it.int4_gemv_a8(xq, c, b, w[0], w[1], n, group, split, 1,
+                                                                    x.dtype) for (c, b), w in zip(mine, scr)], 4 * nc)
+            row("  (int8 act: gemv alone)", m, sec, int4_bytes, split=split)
+            sec = graph_time([lambda: it.act8_quant(x)], 4 * nc)
+            row("  (int8 act: quantise alone)", m, sec, m * k * 2 + m * k + m * k // 4)
         else:
             sec = graph_time([lambda c=c, b=b: it.linear(x, c, b, n, group, split) for c, b in mine], 2 * nc)
             row("triton dequant+F.linear", m, sec, int4_bytes, rel(it.linear(x, codes, sb, n, group, split)))
@@ -188,6 +202,14 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
                             _gemv_launch(x, codes, sb, n, group, warps, sp, 1, prefetch, unroll, y, *it.scratch(n, codes))
                             row(f"  sweep tn{tn} w{warps} s{sp} pf{prefetch} u{unroll}", m, sec, int4_bytes, rel(y),
                                 config=[tn, warps, sp, prefetch, unroll])
+                            if prefetch:
+                                continue
+                            sec = graph_time([lambda c=c, b=b, w=w: _gemv_launch(xq, c, b, n, group, warps, sp, 1, 0,
+                                                                                 unroll, y, w[0], w[1], True)
+                                              for (c, b), w in zip(packed, scr)], 4 * nc)
+                            _gemv_launch(xq, codes, sb, n, group, warps, sp, 1, 0, unroll, y, *it.scratch(n, codes), True)
+                            row(f"  sweep int8 act tn{tn} w{warps} s{sp} u{unroll}", m, sec, int4_bytes, rel(y),
+                                config=[tn, warps, sp, 0, unroll], act="int8")
                 del packed, scr
     del mine, tiny, bfs, gls
     torch.cuda.empty_cache()

@@ -1,7 +1,8 @@
 """kernels/int4_triton.py against the plain dequantise-then-matmul of kernels/weight_only.py: the packed
 layout round-trips, the GEMV and the dequantise kernel match the reference (zero-point and float-min
 forms, groups 32 / 64 / 128, fp32 / bf16 / fp16 activations, several rows, uneven N and split-K, an
-activation spread over many orders of magnitude), and the custom ops trace whole under torch.compile.
+activation spread over many orders of magnitude; int8 activations on dp4a), and the custom ops trace whole
+under torch.compile.
 Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, a fresh process; skipped
 where Triton is not installed); the `cuda` tests in tests/test_cuda_quant.py run them compiled."""
 from __future__ import annotations
@@ -158,6 +159,7 @@ def check_kernels(device: str) -> None:
         it.PREFETCH = default_prefetch
     with pytest.raises(ValueError, match="rows and mode"):
         it.int4_gemv_reduced(torch.zeros(it.GEMV_MAX_M + 1, 256, device=device), codes, sb, ws, cnt, n, 128, 1, 1)
+    check_act8(device, cases)
     # activations over ~40 orders of magnitude of 2 (an outlier channel, tiny values): still fp32-exact products
     w = _weights(64, 256, 32, False, 9)
     codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=32))
@@ -200,6 +202,53 @@ def check_kernels(device: str) -> None:
     it.PREFILL = default
 
 
+def check_act8(device: str, cases: list[tuple[int, int, int, bool, int]]) -> None:
+    """int8 activations on dp4a (ACT "int8"): act8_quant quantises as llama.cpp's Q8_1 (d = max |x| / 127 a 32-column
+    block, codes rounded to nearest), the GEMV is exact (fp32 rounding) given those codes, and `linear` takes that
+    path when ACT says so and the split-K sum is in the kernel."""
+    for seed, (n, k, group, mins, tile_n) in enumerate(cases):
+        w = _weights(n, k, group, mins, seed)
+        codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w.get("zeros"), mins=w.get("mins"),
+                                                   tile_n=tile_n))
+        ws, cnt = it.scratch(n, codes)
+        sbn = it.unpack_sb(sb, n).double()  # (N, G, 2): s and b as the kernel reads them
+        gi = torch.arange(k, device=device) // group
+        wq = w["q"].to(device).double() * sbn[..., 0][:, gi]  # q * s, without b
+        for m in (1, 3):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m))
+            x[:, 5] *= 40.0  # an outlier column: its block's scale is its own
+            x[0, 32:64] = 0.0  # an all-zero block: d = 0, codes 0
+            x = x.to(device=device, dtype=torch.bfloat16)
+            q = it.act8_quant(x)
+            assert q.shape == (m, it.act8_width(k)) and q.dtype == torch.int8
+            qc, dd, ss = it.act8_unpack(q)
+            qc = qc.float()
+            xd = torch.stack([dd, ss], dim=-1)
+            blocks = x.float().reshape(m, k // 32, 32)
+            amax = blocks.abs().amax(-1)
+            assert torch.allclose(xd[..., 0], amax / 127, rtol=1e-6, atol=0)
+            assert torch.allclose(xd[..., 1], blocks.sum(-1), rtol=1e-5, atol=1e-5)
+            want_q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)[..., None]).reshape(m, k)
+            assert float((qc - want_q).abs().max()) <= 1 and float((qc != want_q).float().mean()) < 0.01
+            assert int(qc[0, 32:64].abs().sum()) == 0 and float(xd[0, 1, 0]) == 0
+            xdeq = (qc.reshape(m, k // 32, 32) * xd[..., :1]).reshape(m, k).double()
+            want = xdeq @ wq.T + x.double().reshape(m, k // group, group).sum(-1) @ sbn[..., 1].T
+            exact = x.double() @ _reference(w).double().to(device).T
+            for split, mode in ((1, 1), (4, 1), (2, 2)):
+                got = it.int4_gemv_a8(q, codes, sb, ws, cnt, n, group, split, mode, torch.float32)
+                assert got.shape == (m, n) and got.dtype == torch.float32
+                err = float((got.double() - want).norm() / want.norm())
+                assert err < 1e-6, (n, k, group, m, split, mode, err)
+                assert int(cnt.abs().sum()) == 0 and float(ws.abs().sum()) == 0, (mode, split)
+                # the activation's rounding to 8 bits a block, against the exact product (bf16 x): ~1 %
+                assert float((got.double() - exact).norm() / exact.norm()) < 0.03, (n, k, group, m, split)
+            default = it.ACT
+            it.ACT = "int8"
+            y = it.linear(x, codes, sb, n, group, 4, ws, cnt)
+            assert y.dtype == torch.bfloat16 and float((y.double() - want).norm() / want.norm()) < 2 ** -8
+            it.ACT = default
+
+
 def check_compile(device: str) -> None:
     """The custom ops under torch.compile(fullgraph=True): no graph break, same numbers as eager."""
     w = _weights(64, 256, 32, False, 3)
@@ -226,6 +275,14 @@ def check_compile(device: str) -> None:
         for _ in range(2):
             assert torch.allclose(compiled(x), f(x), atol=1e-5), mode
     it.REDUCE = default
+    default = it.ACT  # int8 activations: the quantise and the dp4a GEMV trace whole too
+    it.ACT = "int8"
+    torch._dynamo.reset()
+    compiled = torch.compile(g, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    x = torch.randn(1, 256, device=device)
+    assert torch.allclose(compiled(x), g(x), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(compiled(x), f(x), rtol=0.05, atol=0.05)  # int8 activations: ~1 % off exact
+    it.ACT = default
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
