@@ -19,6 +19,11 @@ results can differ in the last bit.
 
 Both are torch custom ops (torch.compile treats them as opaque calls); partition.model uses them on CUDA
 where Triton is installed and `partition.model.FUSED_ELEMENTWISE` is on.
+
+The `_a8` forms also write their output quantised for an INT4 GEMV that takes int8 activations
+(kernels.int4_triton's ACT "int8": ACT8_FORMAT, by the same `act8_store` as its `act8_quant`, so the codes equal
+act8_quant's of the returned output bit for bit), which saves that GEMV's separate quantise launch: 129 of them,
+~1.4 us each, in a Llama-3-8B decode step on an H200 (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ import os
 
 import torch
 from torch import Tensor
+
+from kernels import int4_triton
 
 try:
     import triton
@@ -35,6 +42,10 @@ except ImportError:  # CPU-only installs: partition.model keeps its torch formul
     tl = None
 
 SILU_BLOCK = 1024  # columns of the intermediate size per program (SmolLM2's 1536: two programs a row)
+# Columns per program of an RMSNorm that also writes int8 codes: in one program a row, Llama-3-8B's 4096-wide norm
+# with the quantise took 4.8 us a call against 1.9 us without it on an H200 (profiled step, docs/BENCHMARKS.md),
+# more than the separate quantise launch it replaced (1.4 us); 1024 = int4_triton.ACT8_BLOCKS' 32 blocks.
+NORM_ACT8_CHUNK = 1024
 # Triton reads TRITON_INTERPRET when the kernels are defined (this import), so `applies` reads it then too
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -53,11 +64,17 @@ def applies(x: Tensor, weight: Tensor | None = None) -> bool:
 
 
 if triton is not None:
+    from kernels.int4_triton import act8_store
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, sx, sr, sy, sh, N, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-        """Program per row: y = w * norm(x [+ r]); with a residual also h = x + r (the new residual stream)."""
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, q_ptr, sx, sr, sy, sh, sq, N, eps,
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ACT8: tl.constexpr = False,
+                         CHUNK: tl.constexpr = 0):
+        """Program (row, chunk): y = w * norm(x [+ r]); with a residual also h = x + r (the new residual stream);
+        ACT8: also y's ACT8_FORMAT row into q (kernels.int4_triton.act8_store; N a multiple of 64). CHUNK 0: one
+        program a row; else each program writes CHUNK columns of the row (chunk program_id(1)), after the whole
+        row's sum of squares, which every program of the row computes alike (from L2: 8 KB for a 4096-wide bf16
+        row), so that a batch-1 row's quantise is spread over several SMs instead of one."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -65,41 +82,83 @@ if triton is not None:
         if HAS_RES:
             r = tl.load(r_ptr + row * sr + cols, mask=m, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)  # rounded as x + a is
-            tl.store(h_ptr + row * sh + cols, x, mask=m)
+            if CHUNK == 0:
+                tl.store(h_ptr + row * sh + cols, x, mask=m)
         x32 = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
-        normed = (x32 * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * sy + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=m)
+        if CHUNK == 0:
+            normed = (x32 * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            y = (w * normed).to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + row * sy + cols, y, mask=m)
+            if ACT8:
+                act8_store(y.to(tl.float32), 0, q_ptr + row * sq, N, BLOCK // 32)
+        else:
+            c = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+            mc = c < N
+            xc = tl.load(x_ptr + row * sx + c, mask=mc, other=0.0)
+            if HAS_RES:
+                rc = tl.load(r_ptr + row * sr + c, mask=mc, other=0.0)
+                xc = (xc.to(tl.float32) + rc.to(tl.float32)).to(h_ptr.dtype.element_ty)
+                tl.store(h_ptr + row * sh + c, xc, mask=mc)
+            normed = (xc.to(tl.float32) * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(w_ptr + c, mask=mc, other=0.0).to(tl.float32)
+            y = (w * normed).to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + row * sy + c, y, mask=mc)
+            if ACT8:
+                act8_store(y.to(tl.float32), tl.program_id(1) * (CHUNK // 32), q_ptr + row * sq, N, CHUNK // 32)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, y_ptr, sg, sy, inter, BLOCK: tl.constexpr):
-        """Program (row, column block): y = silu(gate) * up, gate and up the two halves of a row of g."""
+    def _silu_mul_kernel(g_ptr, y_ptr, q_ptr, sg, sy, sq, inter, BLOCK: tl.constexpr, ACT8: tl.constexpr = False):
+        """Program (row, column block): y = silu(gate) * up, gate and up the two halves of a row of g; ACT8: also
+        the block's ACT8_FORMAT codes into q's row (inter a multiple of 64)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < inter
         gate = tl.load(g_ptr + row * sg + cols, mask=m, other=0.0).to(tl.float32)
         up = tl.load(g_ptr + row * sg + inter + cols, mask=m, other=0.0).to(tl.float32)
         s = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(y_ptr + row * sy + cols, (s * up).to(y_ptr.dtype.element_ty), mask=m)
+        y = (s * up).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * sy + cols, y, mask=m)
+        if ACT8:
+            act8_store(y.to(tl.float32), tl.program_id(1) * (BLOCK // 32), q_ptr + row * sq, inter,
+                                   BLOCK // 32)
 
 
 def _rows(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _launch_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _act8_rows(x: Tensor, k: int, act8: bool) -> Tensor:
+    """The (rows, act8_width(k)) int8 output of an `_a8` op (a 1-element placeholder without act8)."""
+    if not act8:
+        return torch.empty((1, 1), device=x.device, dtype=torch.int8)
+    if k % 64:
+        raise ValueError(f"int8 activations (ACT8_FORMAT) take a last dim that is a multiple of 64, got {k}")
+    return torch.empty((_rows(x).shape[0], int4_triton.act8_width(k)), device=x.device, dtype=torch.int8)
+
+
+def _launch_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
+                 act8: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     x2 = _rows(x)
     n = x2.shape[1]
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     h = torch.empty(x.shape, device=x.device, dtype=x.dtype) if residual is not None else y
+    q = _act8_rows(x, n, act8)
     r2 = _rows(residual) if residual is not None else x2
     y2, h2 = _rows(y), _rows(h)
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y2, h2, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
-                                     n, eps, HAS_RES=residual is not None, BLOCK=block,
-                                     num_warps=min(8, max(1, block // 256)))
-    return y, h
+    chunk = NORM_ACT8_CHUNK if act8 and block > NORM_ACT8_CHUNK else 0
+    _rms_norm_kernel[(x2.shape[0], triton.cdiv(n, chunk) if chunk else 1)](
+        x2, r2, weight, y2, h2, q, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0), q.stride(0), n, eps,
+        HAS_RES=residual is not None, BLOCK=block, ACT8=act8, CHUNK=chunk, num_warps=min(8, max(1, block // 256)))
+    return y, h, q
+
+
+def _check_residual(x: Tensor, residual: Tensor) -> None:
+    if residual.shape != x.shape or residual.stride(-1) != 1 or residual.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm takes x and residual of one shape and dtype with unit last stride, got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}")
 
 
 @torch.library.custom_op("orin_agent::rms_norm", mutates_args=())
@@ -113,13 +172,27 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("orin_agent::rms_norm_a8", mutates_args=())
+def rms_norm_a8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x, weight, eps), its ACT8_FORMAT codes (rows, act8_width(D))): the module docstring."""
+    y, _, q = _launch_norm(x, None, weight, eps, act8=True)
+    return y, q
+
+
+@rms_norm_a8.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), _fake_act8(x)
+
+
+def _fake_act8(x: Tensor) -> Tensor:
+    return x.new_empty((_rows(x).shape[0], int4_triton.act8_width(x.shape[-1])), dtype=torch.int8)
+
+
 @torch.library.custom_op("orin_agent::add_rms_norm", mutates_args=())
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(weight * RMSNorm(x + residual), x + residual): the post-attention norm and the residual stream it reads."""
-    if residual.shape != x.shape or residual.stride(-1) != 1 or residual.dtype != x.dtype:
-        raise ValueError(f"add_rms_norm takes x and residual of one shape and dtype with unit last stride, got "
-                         f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}")
-    return _launch_norm(x, residual, weight, eps)
+    _check_residual(x, residual)
+    return _launch_norm(x, residual, weight, eps)[:2]
 
 
 @add_rms_norm.register_fake
@@ -127,20 +200,50 @@ def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, 
     return torch.empty_like(x), torch.empty_like(x)
 
 
-@torch.library.custom_op("orin_agent::silu_mul", mutates_args=())
-def silu_mul(gate_up: Tensor) -> Tensor:
-    """silu(gate) * up for gate_up = cat(gate, up) along the last dim (a fused gate/up projection's output)."""
+@torch.library.custom_op("orin_agent::add_rms_norm_a8", mutates_args=())
+def add_rms_norm_a8(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """add_rms_norm's two outputs and the normed one's ACT8_FORMAT codes."""
+    _check_residual(x, residual)
+    return _launch_norm(x, residual, weight, eps, act8=True)
+
+
+@add_rms_norm_a8.register_fake
+def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(x), _fake_act8(x)
+
+
+def _launch_silu(gate_up: Tensor, act8: bool = False) -> tuple[Tensor, Tensor]:
     g2 = _rows(gate_up)
     inter = g2.shape[1] // 2
     if g2.shape[1] % 2:
         raise ValueError(f"silu_mul takes cat(gate, up), an even last dim, got {gate_up.shape[-1]}")
     y = torch.empty((*gate_up.shape[:-1], inter), device=gate_up.device, dtype=gate_up.dtype)
     y2 = _rows(y)
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(inter, SILU_BLOCK))](g2, y2, g2.stride(0), y2.stride(0), inter,
-                                                                    BLOCK=SILU_BLOCK, num_warps=4)
-    return y
+    q = _act8_rows(y, inter, act8)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(inter, SILU_BLOCK))](g2, y2, q, g2.stride(0), y2.stride(0),
+                                                                    q.stride(0), inter, BLOCK=SILU_BLOCK,
+                                                                    ACT8=act8, num_warps=4)
+    return y, q
+
+
+@torch.library.custom_op("orin_agent::silu_mul", mutates_args=())
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up for gate_up = cat(gate, up) along the last dim (a fused gate/up projection's output)."""
+    return _launch_silu(gate_up)[0]
 
 
 @silu_mul.register_fake
 def _(gate_up: Tensor) -> Tensor:
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op("orin_agent::silu_mul_a8", mutates_args=())
+def silu_mul_a8(gate_up: Tensor) -> tuple[Tensor, Tensor]:
+    """(silu_mul(gate_up), its ACT8_FORMAT codes (rows, act8_width(inter)))."""
+    return _launch_silu(gate_up, act8=True)
+
+
+@silu_mul_a8.register_fake
+def _(gate_up: Tensor) -> tuple[Tensor, Tensor]:
+    y = gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+    return y, _fake_act8(y)

@@ -172,7 +172,21 @@ class QuantLinear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self.scales_zeros.dtype), self.weight,
                                                           self.group_size, self.scales_zeros)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def takes_act8(self, x: Tensor) -> bool:
+        """Whether `forward` takes x's rows also as ACT8_FORMAT codes made by x's producer (kernels.norm_triton's
+        `_a8` ops): the Triton INT4 GEMV with int8 activations (int4_triton.ACT "int8"), its split-K sum in the
+        kernel, and at most GEMV_MAX_M rows in x (a decode step; a prefill runs on the float x)."""
+        return (self.kernel == "int4_triton" and int4_triton.ACT == "int8" and int4_triton.REDUCE != "partials"
+                and x.numel() // x.shape[-1] <= int4_triton.GEMV_MAX_M)
+
+    def forward(self, x: Tensor, x8: Tensor | None = None) -> Tensor:
+        """x (..., K) -> (..., N) in x's dtype. x8: x's rows in ACT8_FORMAT, where `takes_act8(x)` (the GEMV then
+        reads x8 only)."""
+        if x8 is not None:
+            y = int4_triton.int4_gemv_a8(x8, self.weight, self.sb, self.gemv_ws, self.gemv_cnt, self.out_features,
+                                         self.group_size, self.split, int4_triton.REDUCE_MODES[int4_triton.REDUCE],
+                                         x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if self.kernel == "reference":
             w = dequantize(self.weight, self.scales, getattr(self, "zeros", None), self.g_idx,
                            getattr(self, "mins", None)).to(x.dtype)

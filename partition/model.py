@@ -88,6 +88,23 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def norm(self, x: Tensor, pending: Tensor | None, act8: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(self(x + pending), x + pending, the first one's ACT8_FORMAT codes or None), pending None for no add.
+        act8: the consumer takes int8 activations (QuantLinear.takes_act8); where the fused kernels apply the
+        codes come from the norm's own kernel (kernels.norm_triton's `_a8` ops), else None."""
+        if act8 and _fused_elementwise(x, self.weight) and (
+                pending is None or (pending.stride(-1) == 1 and pending.dtype == x.dtype)):
+            from kernels import norm_triton
+
+            if pending is None:
+                y, q = norm_triton.rms_norm_a8(x, self.weight, self.eps)
+                return y, x, q
+            return norm_triton.add_rms_norm_a8(pending, x, self.weight, self.eps)
+        if pending is None:
+            return self(x), x, None
+        y, h = self.add_forward(pending, x)
+        return y, h, None
+
     def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(self(x + residual), x + residual): the residual add and the norm that reads it, in one kernel on CUDA."""
         if _fused_elementwise(x, self.weight) and residual.stride(-1) == 1 and residual.dtype == x.dtype:
@@ -178,6 +195,21 @@ ROPE_FUSED = True
 # a graphed batch-1 decode step of a small model is bound by its kernel count (SmolLM2-135M on an H200: ~27 kernels
 # a layer, ~3 us each, docs/BENCHMARKS.md "SmolLM2 on the GPU").
 FUSED_ELEMENTWISE = True
+# Where a decode step's INT4 GEMVs take int8 activations (kernels.int4_triton ACT "int8"), the RMSNorms and SiLU * up
+# before them write the codes too (kernels.norm_triton's `_a8` ops) instead of a quantise launch per GEMV (129 in
+# a Llama-3-8B step, ~1.4 us each on an H200, docs/BENCHMARKS.md). Off: each GEMV quantises its own input.
+ACT8_FUSED = True
+
+
+def _takes_act8(linears: list[nn.Module], x: Tensor) -> bool:
+    """Whether every one of linears takes x's rows as ACT8_FORMAT codes (QuantLinear.takes_act8; x: their input,
+    or anything with its rows)."""
+    return ACT8_FUSED and all(hasattr(lin, "takes_act8") and lin.takes_act8(x) for lin in linears)
+
+
+def _proj(lin: nn.Module, x: Tensor, x8: Tensor | None) -> Tensor:
+    """lin(x), given x's ACT8_FORMAT codes where the caller made them (`_takes_act8`)."""
+    return lin(x) if x8 is None else lin(x, x8)
 
 
 def _fused_elementwise(x: Tensor, weight: Tensor | None = None) -> bool:
@@ -239,17 +271,22 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, kv * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(h * hd, d, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
-                past_v: Past, slot: Tensor | None = None, lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """slot: None for the export formulation (past is the history, concatenated with the new K/V);
-        else the (B, KV, T, hd) int64 write index of in-place cache mode (past is the cache view). lengths: a
-        decode step's (B,) int32 visible slots per row (position + 1), where the caller computed them once for
-        every layer; else a decode step computes them (from the slots on the Triton path, _in_place)."""
+    def input_projections(self) -> list[nn.Module]:
+        return [getattr(self, n) for n in ("qkv_proj", "q_proj", "k_proj", "v_proj") if hasattr(self, n)]
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past, past_v: Past,
+                slot: Tensor | None = None, lengths: Tensor | None = None,
+                x8: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """slot: None for the export formulation (past is the history, concatenated with the new K/V); else the
+        (B, KV, T, hd) int64 write index of in-place cache mode (past is the cache view). lengths: a decode step's
+        (B,) int32 visible slots per row (position + 1), where the caller computed them once for every layer; else
+        a decode step computes them (from the slots on the Triton path, _in_place). x8: x's ACT8_FORMAT codes
+        where its producer made them (`_takes_act8`)."""
         b, t, _ = x.shape
         if hasattr(self, "qkv_proj"):  # fuse_projections: one weight read for the three
-            qx, kx, vx = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            qx, kx, vx = _proj(self.qkv_proj, x, x8).split(self.qkv_sizes, dim=-1)
         else:
-            qx, kx, vx = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qx, kx, vx = _proj(self.q_proj, x, x8), _proj(self.k_proj, x, x8), _proj(self.v_proj, x, x8)
         if slot is not None:  # in-place cache mode: write, then attend over the cache view at model dtype
             return self._in_place(qx, kx, vx, cos, sin, mask, past_k, past_v, slot, lengths)
         q, k, v = self._rotated(qx, kx, vx, cos, sin)
@@ -317,16 +354,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if hasattr(self, "gate_up_proj"):  # fuse_projections
-            gate_up = self.gate_up_proj(x)
-            if _fused_elementwise(gate_up):
-                from kernels.norm_triton import silu_mul
+    def input_projections(self) -> list[nn.Module]:
+        return [getattr(self, n) for n in ("gate_up_proj", "gate_proj", "up_proj") if hasattr(self, n)]
 
-                return self.down_proj(silu_mul(gate_up))
+    def forward(self, x: Tensor, x8: Tensor | None = None) -> Tensor:
+        """x8: x's ACT8_FORMAT codes where its producer made them (`_takes_act8`)."""
+        if hasattr(self, "gate_up_proj"):  # fuse_projections
+            gate_up = _proj(self.gate_up_proj, x, x8)
+            if _fused_elementwise(gate_up):
+                from kernels import norm_triton
+
+                if _takes_act8([self.down_proj], gate_up):  # (gate_up has the rows of down_proj's input)
+                    return self.down_proj(*norm_triton.silu_mul_a8(gate_up))
+                return self.down_proj(norm_triton.silu_mul(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(_proj(self.gate_proj, x, x8)) * _proj(self.up_proj, x, x8))
 
 
 def _cat_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -408,13 +451,10 @@ class DecoderLayer(nn.Module):
 
     def _run(self, x: Tensor, pending: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
              past_v: Past, slot: Tensor | None, lengths: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        if pending is None:
-            normed = self.input_layernorm(x)
-        else:
-            normed, x = self.input_layernorm.add_forward(pending, x)
-        a, k, v = self.self_attn(normed, cos, sin, mask, past_k, past_v, slot, lengths)
-        normed, x = self.post_attention_layernorm.add_forward(a, x)
-        return x, self.mlp(normed), k, v
+        normed, x, x8 = self.input_layernorm.norm(x, pending, _takes_act8(self.self_attn.input_projections(), x))
+        a, k, v = self.self_attn(normed, cos, sin, mask, past_k, past_v, slot, lengths, x8)
+        normed, x, x8 = self.post_attention_layernorm.norm(x, a, _takes_act8(self.mlp.input_projections(), x))
+        return x, self.mlp(normed, x8), k, v
 
     def _hold_int4(self, x: Tensor) -> list:
         """A prefill chunk on CUDA INT4 weights (kernels.int4_triton): the layer's weights dequantised in one launch
@@ -556,6 +596,6 @@ class SliceModule(nn.Module):
             if not (self.all_logits if all_logits is None else all_logits):
                 h = h[:, -1:]  # prefill needs the next token only: skip T x vocab logits
                 pending = pending[:, -1:] if pending is not None else None
-            normed = self.norm(h) if pending is None else self.norm.add_forward(pending, h)[0]
-            return (self.lm_head(normed).float(), *new)  # (B, 1 or T, V)
+            normed, _, x8 = self.norm.norm(h, pending, _takes_act8([self.lm_head], h))
+            return (_proj(self.lm_head, normed, x8).float(), *new)  # (B, 1 or T, V)
         return (h if pending is None else h + pending, *new)

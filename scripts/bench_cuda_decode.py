@@ -66,6 +66,7 @@ class Variant:
     gemv: tuple[int, int, int] = ()  # kernels.int4_triton (PREFETCH, UNROLL, MIN_STEPS) of the GEMV's loop; () = defaults
     prefill_graphs: bool = True  # with cuda_graphs, the prompt's prefill replayed from the second one on (PrefillGraphs)
     act: str = ""  # kernels.int4_triton.ACT (the GEMV's activation: "exact" or "int8" on dp4a); "" = default
+    act8_fused: bool = True  # partition.model.ACT8_FUSED: with act "int8", the norms and SiLU * up write the codes
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -116,6 +117,10 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-a8", True, buckets=False, quant="int4", fused=True, act="int8"),
     Variant("int4-fused-a8-s4", True, buckets=False, quant="int4", fused=True, act="int8", gemv=(0, 1, 4)),
     Variant("int4-fused-lmhead-a8", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8"),
+    # ... each GEMV quantising its own input (a launch a GEMV) instead of taking its producer's codes
+    Variant("int4-fused-a8-unfused", True, buckets=False, quant="int4", fused=True, act="int8", act8_fused=False),
+    Variant("int4-fused-lmhead-a8-unfused", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8",
+            act8_fused=False),
     Variant("int4-fused-a8-compile", True, buckets=False, quant="int4", fused=True, act="int8", compile=True),
     *(Variant(f"int4-fused-pf{p}-u{u}-s{m}", True, buckets=False, quant="int4", fused=True, gemv=(p, u, m))
       for p, u, m in ((1, 1, 2), (0, 1, 4), (1, 1, 4), (0, 1, 8), (1, 1, 8), (0, 2, 4), (0, 1, 16), (1, 1, 16))),
@@ -329,7 +334,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         int4_triton.ACT = v.act or default_act
         # the split is chosen when a layer is built, the loop at each launch
         int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = v.gemv or default_gemv
-        pm.ROPE_FUSED = v.rope
+        pm.ROPE_FUSED, pm.ACT8_FUSED = v.rope, v.act8_fused
         try:
             if v.quant or v.fused:  # a model of its own (the shared one is the plain bf16 model)
                 shared = None
@@ -346,7 +351,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     if profile:
         try:
             last = variants[-1]  # profiled with its quantisation and compile setting, graphed
-            int4_triton.REDUCE, pm.ROPE_FUSED = last.reduce or default_reduce, last.rope
+            int4_triton.REDUCE, pm.ROPE_FUSED, pm.ACT8_FUSED = last.reduce or default_reduce, last.rope, last.act8_fused
             int4_triton.PREFILL = last.prefill or default_prefill
             int4_triton.ACT = last.act or default_act
             int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = last.gemv or default_gemv

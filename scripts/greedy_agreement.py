@@ -5,7 +5,12 @@ its own KV-cache) against torch's fp32 argmax over the same prefix, for each act
 (partition/build/decoder_build.PRECISIONS). The texts default to tests/data/teacher_forced.txt and the three
 held-out ones beside it (tests/data/agreement/README.md says where they come from).
 
-    python3 scripts/greedy_agreement.py [--gguf FILE_OR_ALIAS] [--activations fp32,mixed,int8]
+"a8-emulated" is the CUDA decode's arithmetic with kernels.int4_triton ACT "int8" (the INT4 GEMVs' inputs rounded to
+int8 per 32-column block, llama.cpp's Q8_1), emulated in fp32 torch on the CPU: each 4-bit projection takes its
+input as act8_quant rounds it, its group offsets' sums on the exact input, as int4_gemv_a8 computes them (whose
+products given the codes are exact: tests/test_int4_triton.py); the Q8_0 head keeps exact activations, as on CUDA.
+
+    python3 scripts/greedy_agreement.py [--gguf FILE_OR_ALIAS] [--activations fp32,mixed,int8,a8-emulated]
         [--texts A.txt,B.txt] [--max-tokens 1000] [--json OUT]
 """
 from __future__ import annotations
@@ -40,6 +45,59 @@ def reference_top1(gguf: Path, tokens: Sequence[int]) -> Any:
     return logits[0, :-1].argmax(-1).numpy()
 
 
+EMULATED = "a8-emulated"
+
+
+def act8_round_trip(x: Any) -> Any:
+    """x as kernels.int4_triton.act8_quant rounds it: per 32-column block d = max |x| / 127, round(x / d) * d."""
+    import torch
+
+    b = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    codes = torch.round(b * torch.where(amax > 0, 127 / amax.clamp(min=1e-30), 0))  # to nearest even, as the kernel
+    return (codes * (amax / 127)).reshape(x.shape)
+
+
+def _a8_forward(self: Any, x: Any) -> Any:
+    """A 4-bit reference QuantLinear as int4_gemv_a8 computes it: sum over groups of s q . x8 + b sum(x)."""
+    import torch.nn.functional as F
+
+    g = self.g_idx.long()
+    s = self.scales.float()
+    off = self.mins.float() if hasattr(self, "mins") else -self.zeros.float() * s  # b of w = s q + b
+    xs = x.float().reshape(*x.shape[:-1], -1, self.group_size).sum(-1)
+    y = F.linear(act8_round_trip(x), self.weight.float() * s[:, g]) + xs @ off.T
+    return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+
+def emulated_top1(gguf: Path, tokens: Sequence[int]) -> Any:
+    """reference_top1 with every 4-bit projection's activation int8 as on CUDA with ACT "int8" (module docstring)."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from kernels.weight_only import QuantLinear
+    from partition.gguf.tensors import load_gguf_model
+    from partition.runners.torch_runner import TorchRunner
+    from partition.slices import SliceSpec
+
+    pick = QuantLinear._pick_kernel
+    QuantLinear._pick_kernel = lambda self, *a: "reference"  # codes, scales and offsets kept as the file has them
+    try:
+        model = load_gguf_model(gguf)
+    finally:
+        QuantLinear._pick_kernel = pick
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.bits == 4:
+            m.forward = types.MethodType(_a8_forward, m)
+    n = model.config.n_layers
+    with torch.no_grad():
+        logits = TorchRunner(model, SliceSpec(0, n, n), len(tokens) + 8).run(
+            np.asarray(tokens, np.int32)[None], np.arange(len(tokens), dtype=np.int32)[None], all_logits=True)
+    return logits[0, :-1].argmax(-1).numpy()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,9 +117,9 @@ def main() -> None:
     if gguf is None:
         sys.exit(f"--gguf {a.gguf}: not a GGUF file or alias")
     precisions = [p.strip() for p in a.activations.split(",") if p.strip()]
-    bad = [p for p in precisions if p not in PRECISIONS]
+    bad = [p for p in precisions if p not in PRECISIONS and p != EMULATED]
     if bad:
-        sys.exit(f"--activations {','.join(bad)}: use {', '.join(PRECISIONS)}")
+        sys.exit(f"--activations {','.join(bad)}: use {', '.join(PRECISIONS)} or {EMULATED}")
     texts = [Path(t) for t in a.texts.split(",") if t]
     missing = [str(t) for t in texts if not t.is_file()]
     if missing:
@@ -75,16 +133,19 @@ def main() -> None:
         want = reference_top1(gguf, ids)
         per_text[t.name] = {"positions": int(len(want))}
         for p in precisions:
-            runner = OrtDecoderRunner(ensure_decoder(gguf, p), n_layers, len(ids) + 8)
-            differ = int((teacher_forced_top1(runner, ids) != want).sum())
+            if p == EMULATED:
+                got = emulated_top1(gguf, ids)
+            else:
+                got = teacher_forced_top1(OrtDecoderRunner(ensure_decoder(gguf, p), n_layers, len(ids) + 8), ids)
+            differ = int((got != want).sum())
             per_text[t.name][p] = {"differ": differ, "agreement": 1 - differ / len(want)}
             totals[p][0] += differ
             totals[p][1] += len(want)
-            print(f"{t.name:24s} {p:6s} {100 * (1 - differ / len(want)):6.2f} % ({differ} of {len(want)} differ)",
+            print(f"{t.name:24s} {p:11s} {100 * (1 - differ / len(want)):6.2f} % ({differ} of {len(want)} differ)",
                   flush=True)
     total = {p: {"differ": d, "positions": n, "agreement": 1 - d / n} for p, (d, n) in totals.items()}
     for p, r in total.items():
-        print(f"{'all texts':24s} {p:6s} {100 * r['agreement']:6.2f} % ({r['differ']} of {r['positions']} differ)")
+        print(f"{'all texts':24s} {p:11s} {100 * r['agreement']:6.2f} % ({r['differ']} of {r['positions']} differ)")
     if a.json:
         a.json.write_text(json.dumps({"gguf": str(gguf), "texts": per_text, "total": total}, indent=1) + "\n")
 
