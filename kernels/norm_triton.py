@@ -21,8 +21,9 @@ Both are torch custom ops (torch.compile treats them as opaque calls); partition
 where Triton is installed and `partition.model.FUSED_ELEMENTWISE` is on.
 
 The `_a8` forms also write their output quantised for an INT4 GEMV that takes int8 activations
-(kernels.int4_triton's ACT "int8": ACT8_FORMAT, by the same `act8_store` as its `act8_quant`, so the codes equal
-act8_quant's of the returned output bit for bit), which saves that GEMV's separate quantise launch: 129 of them,
+(kernels.int4_triton's ACT "int8": ACT8_FORMAT, by the same `act8_store` as its `act8_quant`, so the codes and
+scales equal act8_quant's of the returned output bit for bit, the block sums up to their order of addition), which
+saves that GEMV's separate quantise launch: 129 of them,
 ~1.4 us each, in a Llama-3-8B decode step on an H200 (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
@@ -121,8 +122,7 @@ if triton is not None:
         y = (s * up).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * sy + cols, y, mask=m)
         if ACT8:
-            act8_store(y.to(tl.float32), tl.program_id(1) * (BLOCK // 32), q_ptr + row * sq, inter,
-                                   BLOCK // 32)
+            act8_store(y.to(tl.float32), tl.program_id(1) * (BLOCK // 32), q_ptr + row * sq, inter, BLOCK // 32)
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -136,6 +136,10 @@ def _act8_rows(x: Tensor, k: int, act8: bool) -> Tensor:
     if k % 64:
         raise ValueError(f"int8 activations (ACT8_FORMAT) take a last dim that is a multiple of 64, got {k}")
     return torch.empty((_rows(x).shape[0], int4_triton.act8_width(k)), device=x.device, dtype=torch.int8)
+
+
+def _fake_act8(x: Tensor) -> Tensor:
+    return x.new_empty((_rows(x).shape[0], int4_triton.act8_width(x.shape[-1])), dtype=torch.int8)
 
 
 def _launch_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
@@ -182,10 +186,6 @@ def rms_norm_a8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 @rms_norm_a8.register_fake
 def _(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x), _fake_act8(x)
-
-
-def _fake_act8(x: Tensor) -> Tensor:
-    return x.new_empty((_rows(x).shape[0], int4_triton.act8_width(x.shape[-1])), dtype=torch.int8)
 
 
 @torch.library.custom_op("orin_agent::add_rms_norm", mutates_args=())
