@@ -41,7 +41,11 @@ setup(
         # accelerate: transformers' GGUF loader needs it (tests hold partition/gguf against it)
         # pytest < 9.2: schemathesis 4.32.5 (the newest) reads pytest's Function._nodeid, gone in pytest 9.2.0
         # (AttributeError: 'Function' object has no attribute '_nodeid'); 9.1.1 runs it (the slow tests).
-        "test": ["pytest>=8,<9.2", "hypothesis>=6.100", "transformers>=4.45", "accelerate>=0.26", "openai>=1.30",
+        # transformers < 5.25: 5.25.0 requires Hugging Face's `kernels` package (kernels>=0.19.1,<0.20), whose
+        # top-level module `kernels` is shadowed by this project's kernels/ (a fixed top-level folder): transformers
+        # then fails at import (cannot import name 'CUDAProperties' from 'kernels'), and so do setuptools builds
+        # that load its entry points (No module named 'kernels._internals'); 5.24.0 requires no such package.
+        "test": ["pytest>=8,<9.2", "hypothesis>=6.100", "transformers>=4.45,<5.25", "accelerate>=0.26", "openai>=1.30",
                  "vermin>=1.6", "tomli>=2.0", "schemathesis>=4.0"],  # the 3.10 checks run under 3.11 too
         # TensorRT itself comes from JetPack's apt packages (python3-libnvinfer), never pip.
         "jetson": ["jetson-stats>=4.2"],
