@@ -692,8 +692,10 @@ def _asm() -> bool:
 # How the GEMV (M <= GEMV_MAX_M, in-kernel split-K sum) takes its activation: "exact" (in its own dtype, one fp32
 # FMA a weight, products exact: the default) or "int8" (quantised per 32-column block as llama.cpp's CUDA
 # mat-vec kernels quantise theirs, to Q8_1: `act8_quant`, then four weights a dp4a instruction, `int4_gemv_a8`).
-# "int8" costs one small kernel a GEMV and an activation rounded to 8 bits per block (relative error ~1/254 of the
-# block's largest value a column, against bf16's 2^-9 of each value).
+# "int8" costs a quantise (its own small kernel, or inside the kernel that makes the activation: kernels.norm_triton's
+# `_a8` ops, partition.model.ACT8_FUSED) and an activation rounded to 8 bits per block (relative error ~1/254 of the
+# block's largest value a column, against bf16's 2^-9 of each value; SmolLM2's greedy tokens 93.5 % those of exact
+# activations, docs/BENCHMARKS.md): opt-in.
 ACT_MODES = ("exact", "int8")
 ACT = os.environ.get("ORIN_AGENT_INT4_ACT", "exact")
 if ACT not in ACT_MODES:

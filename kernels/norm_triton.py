@@ -87,14 +87,9 @@ if triton is not None:
                 tl.store(h_ptr + row * sh + cols, x, mask=m)
         x32 = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
-        if CHUNK == 0:
-            normed = (x32 * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
-            w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-            y = (w * normed).to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + row * sy + cols, y, mask=m)
-            if ACT8:
-                act8_store(y.to(tl.float32), 0, q_ptr + row * sq, N, BLOCK // 32)
-        else:
+        if CHUNK == 0:  # the whole row: the columns this program writes are the ones it summed
+            c, mc, xc = cols, m, x32
+        else:  # this program's CHUNK columns, loaded (and added) again
             c = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
             mc = c < N
             xc = tl.load(x_ptr + row * sx + c, mask=mc, other=0.0)
@@ -102,12 +97,14 @@ if triton is not None:
                 rc = tl.load(r_ptr + row * sr + c, mask=mc, other=0.0)
                 xc = (xc.to(tl.float32) + rc.to(tl.float32)).to(h_ptr.dtype.element_ty)
                 tl.store(h_ptr + row * sh + c, xc, mask=mc)
-            normed = (xc.to(tl.float32) * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
-            w = tl.load(w_ptr + c, mask=mc, other=0.0).to(tl.float32)
-            y = (w * normed).to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + row * sy + c, y, mask=mc)
-            if ACT8:
-                act8_store(y.to(tl.float32), tl.program_id(1) * (CHUNK // 32), q_ptr + row * sq, N, CHUNK // 32)
+            xc = xc.to(tl.float32)
+        normed = (xc * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=mc, other=0.0).to(tl.float32)
+        y = (w * normed).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * sy + c, y, mask=mc)
+        if ACT8:
+            nb: tl.constexpr = (BLOCK if CHUNK == 0 else CHUNK) // 32
+            act8_store(y.to(tl.float32), tl.program_id(1) * nb, q_ptr + row * sq, N, nb)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, y_ptr, q_ptr, sg, sy, sq, inter, BLOCK: tl.constexpr, ACT8: tl.constexpr = False):

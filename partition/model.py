@@ -78,8 +78,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def _fused(self, x: Tensor, residual: Tensor | None = None) -> bool:
+        """Whether the norm of x (+ residual) runs as one kernel (kernels.norm_triton, FUSED_ELEMENTWISE)."""
+        return _fused_elementwise(x, self.weight) and (
+            residual is None or (residual.stride(-1) == 1 and residual.dtype == x.dtype))
+
     def forward(self, x: Tensor) -> Tensor:
-        if _fused_elementwise(x, self.weight):
+        if self._fused(x):
             from kernels.norm_triton import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
@@ -92,8 +97,7 @@ class RMSNorm(nn.Module):
         """(self(x + pending), x + pending, the first one's ACT8_FORMAT codes or None), pending None for no add.
         act8: the consumer takes int8 activations (QuantLinear.takes_act8); where the fused kernels apply the
         codes come from the norm's own kernel (kernels.norm_triton's `_a8` ops), else None."""
-        if act8 and _fused_elementwise(x, self.weight) and (
-                pending is None or (pending.stride(-1) == 1 and pending.dtype == x.dtype)):
+        if act8 and (self._fused(x) if pending is None else self._fused(pending, x)):
             from kernels import norm_triton
 
             if pending is None:
@@ -107,7 +111,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(self(x + residual), x + residual): the residual add and the norm that reads it, in one kernel on CUDA."""
-        if _fused_elementwise(x, self.weight) and residual.stride(-1) == 1 and residual.dtype == x.dtype:
+        if self._fused(x, residual):
             from kernels.norm_triton import add_rms_norm
 
             return add_rms_norm(x, residual, self.weight, self.eps)

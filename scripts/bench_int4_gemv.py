@@ -80,8 +80,8 @@ def copies_for(nbytes: int) -> int:
 def _gemv_launch(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, n: int, group: int, warps: int, split: int,
                  stages: int, prefetch: int, unroll: int, y: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor,
                  act8: bool = False) -> None:
-    """The GEMV as the model runs it (the split-K sum inside the kernel, atomic) at explicit loop settings; with xd,
-    x is an act8_quant activation (int8 activations on dp4a)."""
+    """The GEMV as the model runs it (the split-K sum inside the kernel, atomic) at explicit loop settings; act8: x
+    is an act8_quant activation (int8 activations on dp4a)."""
     nt, ks, tn, _ = codes.shape
     xw = x.view(torch.int32) if act8 else x
     it._gemv_reduced_kernel[(x.shape[0], nt, split)](

@@ -30,14 +30,19 @@ TEXTS = [DATA / "teacher_forced.txt", *sorted((DATA / "agreement").glob("*.txt")
 
 def reference_top1(gguf: Path, tokens: Sequence[int]) -> Any:
     """The dequantised float model's argmax after every prefix of `tokens` (positions 0 .. len-2), in fp32."""
+    from partition.gguf.tensors import load_gguf_model
+
+    return _top1(load_gguf_model(gguf, dequantize=True), tokens)
+
+
+def _top1(model: Any, tokens: Sequence[int]) -> Any:
+    """A torch model's argmax after every prefix of `tokens` (positions 0 .. len-2), one prefill of them all."""
     import numpy as np
     import torch
 
-    from partition.gguf.tensors import load_gguf_model
     from partition.runners.torch_runner import TorchRunner
     from partition.slices import SliceSpec
 
-    model = load_gguf_model(gguf, dequantize=True)
     n = model.config.n_layers
     with torch.no_grad():
         logits = TorchRunner(model, SliceSpec(0, n, n), len(tokens) + 8).run(
@@ -74,13 +79,8 @@ def emulated_top1(gguf: Path, tokens: Sequence[int]) -> Any:
     """reference_top1 with every 4-bit projection's activation int8 as on CUDA with ACT "int8" (module docstring)."""
     import types
 
-    import numpy as np
-    import torch
-
     from kernels.weight_only import QuantLinear
     from partition.gguf.tensors import load_gguf_model
-    from partition.runners.torch_runner import TorchRunner
-    from partition.slices import SliceSpec
 
     pick = QuantLinear._pick_kernel
     QuantLinear._pick_kernel = lambda self, *a: "reference"  # codes, scales and offsets kept as the file has them
@@ -91,11 +91,7 @@ def emulated_top1(gguf: Path, tokens: Sequence[int]) -> Any:
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.bits == 4:
             m.forward = types.MethodType(_a8_forward, m)
-    n = model.config.n_layers
-    with torch.no_grad():
-        logits = TorchRunner(model, SliceSpec(0, n, n), len(tokens) + 8).run(
-            np.asarray(tokens, np.int32)[None], np.arange(len(tokens), dtype=np.int32)[None], all_logits=True)
-    return logits[0, :-1].argmax(-1).numpy()
+    return _top1(model, tokens)
 
 
 def main() -> None:

@@ -27,6 +27,21 @@ from kv_kernel_sass import compile_kernel, cuobjdump, main_loop_opcodes, resourc
 SHAPE = (14336, 4096)  # Llama-3-8B gate/up projection (N, K): the configuration gemv_config picks for it
 
 
+INTEGER_OPS = ("LOP3", "SHF", "IMAD", "IADD3", "LEA", "PRMT", "SGXT", "ISETP", "MOV", "IDP")  # IDP: dp4a
+
+
+def _loop_row(kern, name: str, arch: int, tn: int, warps: int, split: int) -> dict[str, object]:
+    """A GEMV kernel's row: its resources and its main loop's instructions per packed weight of a thread."""
+    from kernels.int4_triton import STEP_WORDS
+
+    ops = main_loop_opcodes(cuobjdump(kern, "-sass"))
+    weights = tn * STEP_WORDS * 8 / (warps * 32)  # packed weights per thread per loop step
+    return {"kernel": name, "arch": f"sm_{arch}", "tile_n": tn, "warps": warps, "split": split, **resources(kern),
+            "loop_instructions": sum(ops.values()), "per_weight": round(sum(ops.values()) / weights, 2),
+            "integer_per_weight": round(sum(v for o, v in ops.items() if o in INTEGER_OPS) / weights, 2),
+            "top_opcodes": dict(ops.most_common(10))}
+
+
 def report(arch: int, group: int) -> list[dict[str, object]]:
     import kernels.int4_triton as it
 
@@ -39,16 +54,7 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
         kern = compile_kernel(it._gemv_kernel, ptrs, {"GROUP": group, "TN": tn, "EVEN": even, "STAGES": stages,
                                                      "PREFETCH": it.PREFETCH, "UNROLL": it.UNROLL},
                               arch, warps, stages)
-        ops = main_loop_opcodes(cuobjdump(kern, "-sass"))
-        weights = tn * it.STEP_WORDS * 8 / (warps * 32)  # packed weights per thread per loop step
-        rows.append({"kernel": f"gemv {act}{'' if even else ' N%TN'}", "arch": f"sm_{arch}", "tile_n": tn,
-                     "warps": warps, "split": split, **resources(kern),
-                     "loop_instructions": sum(ops.values()),
-                     "per_weight": round(sum(ops.values()) / weights, 2),
-                     "integer_per_weight": round(sum(v for o, v in ops.items()
-                                                     if o in ("LOP3", "SHF", "IMAD", "IADD3", "LEA", "PRMT",
-                                                              "SGXT", "ISETP", "MOV")) / weights, 2),
-                     "top_opcodes": dict(ops.most_common(10))})
+        rows.append(_loop_row(kern, f"gemv {act}{'' if even else ' N%TN'}", arch, tn, warps, split))
     # the GEMV as the model runs it (split-K sum in the kernel, atomic): the activation exact (bf16) or quantised to
     # int8 per block and multiplied on dp4a (it.ACT "int8")
     for act8 in (False, True):
@@ -58,19 +64,12 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
                               {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": 1, "CH": min(it.REDUCE_CHUNK, split),
                                "STAGES": stages, "PREFETCH": 0, "UNROLL": 1, "ACT8": act8, "ASM": True},
                               arch, warps, stages)
-        ops = main_loop_opcodes(cuobjdump(kern, "-sass"))
-        weights = tn * it.STEP_WORDS * 8 / (warps * 32)
-        rows.append({"kernel": f"gemv {'int8 act, dp4a' if act8 else 'bf16 act'}, atomic sum", "arch": f"sm_{arch}",
-                     "tile_n": tn, "warps": warps, "split": split, **resources(kern),
-                     "loop_instructions": sum(ops.values()), "per_weight": round(sum(ops.values()) / weights, 2),
-                     "integer_per_weight": round(sum(v for o, v in ops.items()
-                                                     if o in ("LOP3", "SHF", "IMAD", "IADD3", "LEA", "PRMT",
-                                                              "SGXT", "ISETP", "MOV", "IDP")) / weights, 2),
-                     "top_opcodes": dict(ops.most_common(10))})
+        rows.append(_loop_row(kern, f"gemv {'int8 act, dp4a' if act8 else 'bf16 act'}, atomic sum", arch, tn,
+                              warps, split))
     # the split-K sum inside the kernel (it.REDUCE_MODES), and the loop that loads the next step ahead (it.PREFETCH)
     for mode, name, prefetch in ((1, "atomic", 0), (2, "last", 0), (1, "atomic, next step prefetched", 1)):
-        ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16", "y_ptr": "*bf16",
-                "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+        ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+                "cnt_ptr": "*i32"}
         kern = compile_kernel(it._gemv_reduced_kernel, ptrs,
                               {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": mode,
                                "CH": min(it.REDUCE_CHUNK, split), "STAGES": stages, "PREFETCH": prefetch, "UNROLL": 1,
