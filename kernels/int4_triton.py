@@ -58,6 +58,8 @@ except ImportError:  # CPU-only installs: QuantLinear uses tinygemm / the refere
     triton = None
     tl = None
 
+from kernels import pdl
+
 BLOCK_COLS = 32  # columns per 4-word block of the packed layout
 STEP_WORDS = 8  # packed words per row per GEMV step: two blocks, 32 bytes (a whole sector)
 TILE_N = 512  # rows per tile for N >= 4096 (128 below): one GEMV step reads tile * 32 contiguous bytes
@@ -171,12 +173,16 @@ if triton is not None:
     @triton.jit
     def _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s,
                    GROUP: tl.constexpr, TN: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-                   UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True):
+                   UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True,
+                   PDL: tl.constexpr = False):
         """(TN,) fp32: x[pid_m] . w[rows of tile pid_t] over the steps of split pid_s (layout: the module
         docstring). PREFETCH: the next step's codes and (s, b) are loaded into registers before this step's
         arithmetic, so a program keeps one DRAM read in flight while it computes (instead of STAGES' shared-
         memory ring). ACT8: x_ptr is an activation packed by `act8_quant` (ACT8_FORMAT, as int32 words, row
-        stride stride_xm words); the dot runs on dp4a (`_dp4a_u4`), four weights an instruction."""
+        stride stride_xm words); the dot runs on dp4a (`_dp4a_u4`), four weights an instruction.
+        PDL (kernels.pdl): the wait for the kernels before comes after the first step's codes and (s, b) are
+        loaded (with PREFETCH; without it, first thing) and before the activation's first load: the weights no kernel
+        writes."""
         r = tl.arange(0, TN)
         bi = tl.arange(0, 2)
         ji = tl.arange(0, 4)
@@ -195,6 +201,7 @@ if triton is not None:
             nx = tl.minimum(lo, KS - 1)
             w_next = tl.load(w_tile + nx * (TN * 8), eviction_policy="evict_first")
             sb_next = _sb_words(sb_tile, nx, bi, GROUP, TN)
+        pdl.wait(PDL)
         # cp.async ring: STAGES - 1 steps in flight; UNROLL > 1: that many steps a loop iteration (their loads issued
         # together where the registers allow)
         for st in tl.range(lo, hi, num_stages=STAGES, loop_unroll_factor=UNROLL):
@@ -240,15 +247,16 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, sb_ptr, out_ptr, M, N, KS, STEPS_SPLIT, stride_xm,
                      GROUP: tl.constexpr, TN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
-                     PREFETCH: tl.constexpr, UNROLL: tl.constexpr):
+                     PREFETCH: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
         """out[split, m, rows] = partial sums of x[m] . w[rows] over this split's steps. Grid: (M, tiles,
         split); M fastest, so the programs of one weight tile run together and a second row's read of it
         hits L2. EVEN: N a multiple of TN (no store mask)."""
+        pdl.trigger(PDL)
         pid_m = tl.program_id(0)
         pid_t = tl.program_id(1)
         pid_s = tl.program_id(2)
         out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN,
-                         STAGES, PREFETCH, UNROLL)
+                         STAGES, PREFETCH, UNROLL, PDL=PDL)
         rows = pid_t * TN + tl.arange(0, TN)
         if EVEN:
             tl.store(out_ptr + (pid_s * M + pid_m) * N + rows, out)
@@ -259,19 +267,21 @@ if triton is not None:
     def _gemv_reduced_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NT, KS, STEPS_SPLIT, stride_xm,
                              GROUP: tl.constexpr, TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
                              CH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-                             UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True):
+                             UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True,
+                             PDL: tl.constexpr = False):
         """y[m, rows] = x[m] . w[rows] in y's dtype, the split-K sum done in this kernel (REDUCE_MODES):
         every program of a (row, tile) adds its partial into the fp32 scratch (MODE 1: atomically into
         ws (M, N), which the last program zeroes again; MODE 2: its own slice of ws (SPLIT, M, N), which the
         last program sums in split order, CH splits per load), then counts itself in cnt (M, NT); the
         program that counts last writes y and resets its counter to 0, so the scratch is as it was found
         after every call (what lets the op declare no mutation, and CUDA graphs replay it). ACT8: x is
-        packed by `act8_quant` (see `_gemv_tile`); y_ptr's dtype is the output's."""
+        packed by `act8_quant` (see `_gemv_tile`); y_ptr's dtype is the output's. PDL: kernels.pdl."""
+        pdl.trigger(PDL)
         pid_m = tl.program_id(0)
         pid_t = tl.program_id(1)
         pid_s = tl.program_id(2)
         out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN,
-                         STAGES, PREFETCH, UNROLL, ACT8, ASM)
+                         STAGES, PREFETCH, UNROLL, ACT8, ASM, PDL)
         rows = pid_t * TN + tl.arange(0, TN)
         ok = rows < N
         y_row = y_ptr + pid_m * N + rows
@@ -440,8 +450,9 @@ if triton is not None:
         tl.store(xd + blk * 2 + 1, xsum, mask=ok)
 
     @triton.jit
-    def _act8_kernel(x_ptr, q_ptr, K, stride_xm, stride_qm, NB: tl.constexpr):
+    def _act8_kernel(x_ptr, q_ptr, K, stride_xm, stride_qm, NB: tl.constexpr, PDL: tl.constexpr = False):
         """Row program_id(0)'s blocks program_id(1) * NB .. + NB of x into q's ACT8_FORMAT row (`act8_store`)."""
+        pdl.start(PDL)
         m = tl.program_id(0).to(tl.int64)
         blk0 = tl.program_id(1) * NB
         cols = blk0 * 32 + tl.arange(0, NB * 32)
@@ -485,8 +496,10 @@ def int4_gemv(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, spl
     nt, ks, tn, _ = codes.shape
     warps, _, stages = gemv_config(n, k, 132, tn)
     out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    on = pdl.launch_args(x, m)  # with PDL the loop loads its first step ahead of the wait (kernels.pdl)
     _gemv_kernel[(m, nt, split)](x, codes, sb, out, m, n, ks, -(-ks // split), x.stride(0), GROUP=group_size,
-                                 TN=tn, EVEN=n % tn == 0, STAGES=stages, PREFETCH=PREFETCH, UNROLL=UNROLL, num_warps=warps)
+                                 TN=tn, EVEN=n % tn == 0, STAGES=stages, PREFETCH=1 if on else PREFETCH,
+                                 UNROLL=UNROLL, num_warps=warps, **on)
     return out
 
 
@@ -677,10 +690,12 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
     warps, _, stages = gemv_config(n, k, 132, tn)
     y = torch.empty((m, n), device=x.device, dtype=dtype)
     part = ws if mode == 1 or split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    on = pdl.launch_args(x, m)  # with PDL the loop loads its first step ahead of the wait (kernels.pdl)
     _gemv_reduced_kernel[(m, nt, split)](x, codes, sb, y, part, cnt, m, n, nt, ks, -(-ks // split), x.stride(0),
                                          GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
                                          CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
-                                         PREFETCH=PREFETCH, UNROLL=UNROLL, ACT8=act8, ASM=_asm(), num_warps=warps)
+                                         PREFETCH=1 if on else PREFETCH, UNROLL=UNROLL, ACT8=act8, ASM=_asm(),
+                                         num_warps=warps, **on)
     return y
 
 
@@ -701,6 +716,12 @@ ACT = os.environ.get("ORIN_AGENT_INT4_ACT", "exact")
 if ACT not in ACT_MODES:
     raise ValueError(f"ORIN_AGENT_INT4_ACT={ACT!r}: use one of {', '.join(ACT_MODES)}")
 ACT8_BLOCKS = 32  # 32-column blocks an `_act8_kernel` program quantises
+
+
+@pdl.measured_slower
+def _int8_activations() -> bool:
+    """With int8 activations the decode step measured 2.5-7 % slower with PDL on an H200 (kernels.pdl)."""
+    return ACT == "int8"
 
 
 def act8_width(k: int) -> int:
@@ -724,7 +745,7 @@ def act8_quant(x: Tensor) -> Tensor:
         raise ValueError(f"act8_quant takes K a multiple of 64, got {k}")
     q = torch.empty((m, act8_width(k)), device=x.device, dtype=torch.int8)
     _act8_kernel[(m, triton.cdiv(k // 32, ACT8_BLOCKS))](x, q, k, x.stride(0), q.stride(0), NB=ACT8_BLOCKS,
-                                                         num_warps=4)
+                                                         num_warps=4, **pdl.launch_args(x, m))
     return q
 
 

@@ -46,6 +46,8 @@ except ImportError:  # CPU-only installs: the reference in kernels.kv_quant is t
     triton = None
     tl = None
 
+from kernels import pdl
+
 BLOCK_H = 16  # query heads of one KV head, padded to tl.dot's smallest M
 # The V cache's token tile for the decode kernel (Int8KVCache(token_tile=...)): 16 slots of a channel in
 # one 16-byte run, the width of one async copy. 4 / 8 / 16 / 32 measured on an H200 (docs/BENCHMARKS.md).
@@ -152,11 +154,13 @@ if triton is not None:
     def _decode_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
                              sq_b, sq_h, sk_b, sk_h, sk_s, so_b, so_h, so_sp, sm_b, sm_h, sm_scale, split_len,
                              HPK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                             HAS_ROWS: tl.constexpr = True):
+                             HAS_ROWS: tl.constexpr = True, PDL: tl.constexpr = False):
         """FP16 / BF16 cache: one (row, KV head, split) per program, its HPK query heads as the rows of tl.dot.
         The dots take fp16 operands with fp32 accumulation: a bf16 value within fp16's range (|x| < 65504, the
         normal range from 6e-5) converts exactly (8 significant bits into 11), the probabilities keep 3 bits
-        more than bf16 would; Triton's interpreter also runs only this form (its bf16 tl.dot returns garbage)."""
+        more than bf16 would; Triton's interpreter also runs only this form (its bf16 tl.dot returns garbage).
+        PDL: kernels.pdl."""
+        pdl.start(PDL)
         b, kvh, sp, lo, hi = _split_bounds(len_ptr, split_len)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HD)
@@ -274,11 +278,12 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, kn_ptr, vn_ptr, n_splits, sm_scale, sq_b, sq_h, sn_b, sn_h,
                       H: tl.constexpr, HPK: tl.constexpr, HD: tl.constexpr, BLOCK_S: tl.constexpr,
-                      HAS_NEW: tl.constexpr):
+                      HAS_NEW: tl.constexpr, PDL: tl.constexpr = False):
         """One (b, head): out = sum_j exp(m_j - M) o_j / sum_j exp(m_j - M) l_j over the splits (flash-
         decoding's reduction); o (B, H, splits, HD), m and l (B, H, splits), contiguous. HAS_NEW: the
         step's own K/V (B, KV, HD), unquantised, join as one more term, as the reference attention
-        concatenates the fresh K/V to the dequantised past."""
+        concatenates the fresh K/V to the dequantised past. PDL: kernels.pdl."""
+        pdl.start(PDL)
         pid = tl.program_id(0)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, HD)
@@ -386,7 +391,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     else:
         _decode_split_kernel[(b, kv, n_splits)](
             q, k, v, lengths, rows, o, m, l_sum, *common, *out_strides, HPK=hpk, HD=hd, BLOCK_H=BLOCK_H,
-            BLOCK_N=block_n, HAS_ROWS=has_rows, num_warps=num_warps, num_stages=num_stages)
+            BLOCK_N=block_n, HAS_ROWS=has_rows, num_warps=num_warps, num_stages=num_stages,
+            **pdl.launch_args(q, b))
     # Merge the splits: out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j (empty splits: m = -inf).
     out = torch.empty((b, h, hd), dtype=out_dtype, device=q.device)
     has_new = k_new is not None
@@ -394,7 +400,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     vn = v_new.contiguous() if has_new else q
     _merge_kernel[(b * h,)](o, m, l_sum, out, q, kn, vn, n_splits, 1.0 / math.sqrt(hd), q.stride(0), q.stride(1),
                             kn.stride(0), kn.stride(1), H=h, HPK=hpk, HD=hd,
-                            BLOCK_S=max(2, triton.next_power_of_2(n_splits)), HAS_NEW=has_new)
+                            BLOCK_S=max(2, triton.next_power_of_2(n_splits)), HAS_NEW=has_new,
+                            **pdl.launch_args(q, b))
     return out
 
 

@@ -33,7 +33,7 @@ import os
 import torch
 from torch import Tensor
 
-from kernels import int4_triton
+from kernels import int4_triton, pdl
 
 try:
     import triton
@@ -70,12 +70,13 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, q_ptr, sx, sr, sy, sh, sq, N, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ACT8: tl.constexpr = False,
-                         CHUNK: tl.constexpr = 0):
+                         CHUNK: tl.constexpr = 0, PDL: tl.constexpr = False):
         """Program (row, chunk): y = w * norm(x [+ r]); with a residual also h = x + r (the new residual stream);
         ACT8: also y's ACT8_FORMAT row into q (kernels.int4_triton.act8_store; N a multiple of 64). CHUNK 0: one
         program a row; else each program writes CHUNK columns of the row (chunk program_id(1)), after the whole
         row's sum of squares, which every program of the row computes alike (from L2: 8 KB for a 4096-wide bf16
-        row), so that a batch-1 row's quantise is spread over several SMs instead of one."""
+        row), so that a batch-1 row's quantise is spread over several SMs instead of one. PDL: kernels.pdl."""
+        pdl.start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -107,9 +108,11 @@ if triton is not None:
             act8_store(y.to(tl.float32), tl.program_id(1) * nb, q_ptr + row * sq, N, nb)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, y_ptr, q_ptr, sg, sy, sq, inter, BLOCK: tl.constexpr, ACT8: tl.constexpr = False):
+    def _silu_mul_kernel(g_ptr, y_ptr, q_ptr, sg, sy, sq, inter, BLOCK: tl.constexpr, ACT8: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
         """Program (row, column block): y = silu(gate) * up, gate and up the two halves of a row of g; ACT8: also
-        the block's ACT8_FORMAT codes into q's row (inter a multiple of 64)."""
+        the block's ACT8_FORMAT codes into q's row (inter a multiple of 64). PDL: kernels.pdl."""
+        pdl.start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < inter
@@ -152,7 +155,8 @@ def _launch_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     chunk = NORM_ACT8_CHUNK if act8 and block > NORM_ACT8_CHUNK else 0
     _rms_norm_kernel[(x2.shape[0], triton.cdiv(n, chunk) if chunk else 1)](
         x2, r2, weight, y2, h2, q, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0), q.stride(0), n, eps,
-        HAS_RES=residual is not None, BLOCK=block, ACT8=act8, CHUNK=chunk, num_warps=min(8, max(1, block // 256)))
+        HAS_RES=residual is not None, BLOCK=block, ACT8=act8, CHUNK=chunk, num_warps=min(8, max(1, block // 256)),
+        **pdl.launch_args(x, x2.shape[0]))
     return y, h, q
 
 
@@ -219,7 +223,8 @@ def _launch_silu(gate_up: Tensor, act8: bool = False) -> tuple[Tensor, Tensor]:
     q = _act8_rows(y, inter, act8)
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(inter, SILU_BLOCK))](g2, y2, q, g2.stride(0), y2.stride(0),
                                                                     q.stride(0), inter, BLOCK=SILU_BLOCK,
-                                                                    ACT8=act8, num_warps=4)
+                                                                    ACT8=act8, num_warps=4,
+                                                                    **pdl.launch_args(gate_up, g2.shape[0]))
     return y, q
 
 

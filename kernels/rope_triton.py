@@ -31,6 +31,8 @@ except ImportError:  # CPU-only installs: partition.model keeps its torch formul
     triton = None
     tl = None
 
+from kernels import pdl
+
 
 def available() -> bool:
     return triton is not None
@@ -41,10 +43,11 @@ if triton is not None:
     @triton.jit
     def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, qo_ptr, T,
                            sq_b, sq_t, sk_b, sk_t, sv_b, sv_t, sc_b, sc_t, sp_b, sp_t, skc_b, skc_h, skc_s,
-                           svc_b, svc_h, svc_s, H: tl.constexpr, HD: tl.constexpr):
+                           svc_b, svc_h, svc_s, H: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr = False):
         """Program (b * T + t, head): head < H rotates token t's q head into qo (B, H, T, HD); H <= head < H + KV
         rotates its k head (head - H) into kc[b, head - H, pos[b, t]] and copies its v head into vc at the
-        same slot."""
+        same slot. PDL: kernels.pdl."""
+        pdl.start(PDL)
         bt = tl.program_id(0)
         b = bt // T
         t = bt % T
@@ -100,7 +103,7 @@ def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positi
                                         cos.stride(0), cos.stride(1), positions.stride(0), positions.stride(1),
                                         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                                        H=h, HD=hd, num_warps=1)
+                                        H=h, HD=hd, num_warps=1, **pdl.launch_args(q, b * t))
     return out
 
 

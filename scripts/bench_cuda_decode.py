@@ -67,6 +67,7 @@ class Variant:
     prefill_graphs: bool = True  # with cuda_graphs, the prompt's prefill replayed from the second one on (PrefillGraphs)
     act: str = ""  # kernels.int4_triton.ACT (the GEMV's activation: "exact" or "int8" on dp4a); "" = default
     act8_fused: bool = True  # partition.model.ACT8_FUSED: with act "int8", the norms and SiLU * up write the codes
+    pdl: str = ""  # kernels.pdl.MODE (programmatic dependent launch of the step's Triton kernels); "" = its default
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -122,6 +123,15 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-lmhead-a8-unfused", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8",
             act8_fused=False),
     Variant("int4-fused-a8-compile", True, buckets=False, quant="int4", fused=True, act="int8", compile=True),
+    # without programmatic dependent launch (kernels.pdl: on by default where the GPU has it, sm_90 and newer)
+    Variant("graphs-compile-nopdl", True, buckets=False, compile=True, pdl="off"),
+    Variant("int4-fused-nopdl", True, buckets=False, quant="int4", fused=True, pdl="off"),
+    Variant("int4-fused-lmhead", True, buckets=False, quant="int4", fused=True, lm_head=True),
+    Variant("int4-fused-lmhead-nopdl", True, buckets=False, quant="int4", fused=True, lm_head=True, pdl="off"),
+    Variant("int4-fused-nopdl-pf1", True, buckets=False, quant="int4", fused=True, gemv=(1, 1, 2), pdl="off"),
+    # int8 activations with PDL ("auto" leaves it off there: measured slower)
+    Variant("int4-fused-lmhead-a8-pdl", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8",
+            pdl="on"),
     *(Variant(f"int4-fused-pf{p}-u{u}-s{m}", True, buckets=False, quant="int4", fused=True, gemv=(p, u, m))
       for p, u, m in ((1, 1, 2), (0, 1, 4), (1, 1, 4), (0, 1, 8), (1, 1, 8), (0, 2, 4), (0, 1, 16), (1, 1, 16))),
     Variant("int4-partials-norope", True, buckets=False, quant="int4", reduce="partials", rope=False),
@@ -323,9 +333,10 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
            "prompt_tokens": prompt_len, "decode_steps": decode_steps, "variants": []}
     rows: list[dict] = res["variants"]
     shared: Transformer | None = None
-    from kernels import int4_triton
+    from kernels import int4_triton, pdl
     from partition import model as pm
 
+    default_pdl = pdl.MODE
     default_reduce, default_prefill, default_act = int4_triton.REDUCE, int4_triton.PREFILL, int4_triton.ACT
     default_gemv = (int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS)
     for v in variants:
@@ -335,6 +346,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         # the split is chosen when a layer is built, the loop at each launch
         int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = v.gemv or default_gemv
         pm.ROPE_FUSED, pm.ACT8_FUSED = v.rope, v.act8_fused
+        pdl.MODE = v.pdl or default_pdl  # read at each launch: a graph keeps what its capture launched
         try:
             if v.quant or v.fused:  # a model of its own (the shared one is the plain bf16 model)
                 shared = None
@@ -355,6 +367,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
             int4_triton.PREFILL = last.prefill or default_prefill
             int4_triton.ACT = last.act or default_act
             int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = last.gemv or default_gemv
+            pdl.MODE = last.pdl or default_pdl
             model = shared if shared is not None and not last.quant else make_model(name, dtype, last)
             res["profile"] = {"variant": last.name, **profile_step(model, prompt_len, tight, compile=last.compile)}
             del model

@@ -66,6 +66,13 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
                               arch, warps, stages)
         rows.append(_loop_row(kern, f"gemv {'int8 act, dp4a' if act8 else 'bf16 act'}, atomic sum", arch, tn,
                               warps, split))
+    if arch >= 90:  # as it launches with programmatic dependent launch (kernels.pdl: sm_90 and newer only)
+        kern = compile_kernel(it._gemv_reduced_kernel, ptrs | {"x_ptr": "*bf16"},
+                              {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": 1, "CH": min(it.REDUCE_CHUNK, split),
+                               "STAGES": stages, "PREFETCH": 1, "UNROLL": 1, "ACT8": False, "ASM": True, "PDL": True},
+                              arch, warps, stages)
+        rows.append(_loop_row(kern, "gemv bf16 act, atomic sum, PDL (first step ahead of the wait)", arch, tn, warps,
+                              split))
     # the split-K sum inside the kernel (it.REDUCE_MODES), and the loop that loads the next step ahead (it.PREFETCH)
     for mode, name, prefetch in ((1, "atomic", 0), (2, "last", 0), (1, "atomic, next step prefetched", 1)):
         ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16", "y_ptr": "*bf16", "ws_ptr": "*fp32",

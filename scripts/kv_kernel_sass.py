@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import inspect
 import os
 import re
 import subprocess
@@ -32,6 +33,9 @@ def compile_kernel(fn, ptr_types: dict[str, str], consts: dict[str, object], arc
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # constexpr parameters left out take their defaults, as a launch does (kernels.pdl's PDL: False)
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
+              **consts}
     sig = {n: "constexpr" if n in consts else ptr_types.get(n, "fp32" if n == "sm_scale" else "i32")
            for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
