@@ -106,9 +106,9 @@ def launch_args(x: Tensor, rows: int = 1) -> dict[str, bool]:
 
 
 if triton is not None:
-    # The two PTX instructions as inline assembly with side effects (Triton's own tl.extra.cuda.gdc_* are that in
-    # some releases and their own ops in others, and one release marks the trigger pure, which lets the compiler
-    # drop it as unused): one spelling for every Triton this runs on.
+    # The two PTX instructions as inline assembly with side effects: Triton's own tl.extra.cuda.gdc_* are inline
+    # assembly in some releases and ops of their own in others, and one release declares the trigger pure
+    # (is_pure=True, which lets a compiler drop it as an unused value). One spelling for every Triton this runs on.
 
     @triton.jit
     def trigger(PDL: tl.constexpr):
