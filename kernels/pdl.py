@@ -12,8 +12,8 @@ Why: a batch-1 decode step is a chain of ~11 kernels a layer, most of them small
 read waited behind the norm or SiLU before it: on an H200 a Llama-3-8B INT4 step spent 0.38 ms of 2.47 between
 ~366 launches (docs/BENCHMARKS.md, "INT8 activations on dp4a"). Here every kernel of the decode step triggers its
 dependents first thing (`start` / `trigger`), and the INT4 GEMV loads its first step of codes and scales, which
-no kernel writes, before it waits (kernels.int4_triton `_gemv_tile` with PREFETCH, which the GEMV takes whenever it
-launches with PDL): the next weight stream starts while the small kernel before it runs.
+no kernel writes, before it waits (kernels.int4_triton `_gemv_tile`: with PDL its loop is PREFETCH's, whatever
+PREFETCH says): the next weight stream starts while the small kernel before it runs.
 
 Measured on an H200 (docs/BENCHMARKS.md, "Programmatic dependent launch"; scripts/bench_pdl.py and
 bench_cuda_decode.py):

@@ -69,7 +69,7 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
     if arch >= 90:  # as it launches with programmatic dependent launch (kernels.pdl: sm_90 and newer only)
         kern = compile_kernel(it._gemv_reduced_kernel, ptrs | {"x_ptr": "*bf16"},
                               {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": 1, "CH": min(it.REDUCE_CHUNK, split),
-                               "STAGES": stages, "PREFETCH": 1, "UNROLL": 1, "ACT8": False, "ASM": True, "PDL": True},
+                               "STAGES": stages, "PREFETCH": 0, "UNROLL": 1, "ACT8": False, "ASM": True, "PDL": True},
                               arch, warps, stages)
         rows.append(_loop_row(kern, "gemv bf16 act, atomic sum, PDL (first step ahead of the wait)", arch, tn, warps,
                               split))
