@@ -474,18 +474,30 @@ def _sm_count(device_index: int) -> int:
 PREFETCH = int(os.environ.get("ORIN_AGENT_INT4_PREFETCH", "0"))
 UNROLL = int(os.environ.get("ORIN_AGENT_INT4_UNROLL", "1"))  # steps a loop iteration (tl.range's loop_unroll_factor)
 MIN_STEPS = int(os.environ.get("ORIN_AGENT_INT4_MIN_STEPS", "2"))
+# The split-K rule for a GEMV whose loop loads a step ahead (AHEAD: PREFETCH or PDL, `_gemv_tile`): at most 8
+# programs per SM (not 16), and a split that divides the steps (no program left with nothing to read, which still
+# adds its zeros atomically and counts). Measured on an H200 (docs/BENCHMARKS.md, "Where the INT4 GEMV's time goes",
+# scripts/bench_gemv_anatomy.py, the loop loading ahead): Llama-3-8B gate/up 24.52 us at split 32 -> 23.19 at 16,
+# down 14.41 at 64 (224 steps: 8 of 64 programs idle) -> 13.79 at 32, q/k/v and o unchanged; without loading
+# ahead (Orin: no PDL, PREFETCH 0) down was faster at 64 (14.58 us against 16.07), so the loop without it keeps
+# the dense rule. 0: the dense rule everywhere (for measurement).
+AHEAD_SPLIT = int(os.environ.get("ORIN_AGENT_INT4_AHEAD_SPLIT", "1"))
 
 
-def gemv_config(n: int, k: int, sms: int, tile_n: int | None = None) -> tuple[int, int, int]:
+def gemv_config(n: int, k: int, sms: int, tile_n: int | None = None, ahead: bool = False) -> tuple[int, int, int]:
     """(num_warps, split, stages) for an (N, K) weight on a GPU of `sms` multiprocessors. Each step is a
     dependent load + ~0.3 us of arithmetic, so short programs and many of them win: split-K (a power of
     two) down to 2 steps per split, up to ~16 programs per SM. On an H200 (sweeps in docs/BENCHMARKS.md)
     this picked the best of 4 tile / split settings for every Llama-3-8B shape; a cp.async pipeline
-    (stages > 1) measured 1.3-1.6x slower, so the loop is plain."""
+    (stages > 1) measured 1.3-1.6x slower, so the loop is plain. `ahead`: the loop loads a step ahead
+    (AHEAD_SPLIT's rule: up to 8 programs per SM, a split that divides the steps)."""
     ks = k // (8 * STEP_WORDS)
     tiles = -(-n // (tile_rows(n) if tile_n is None else tile_n))
+    ahead = ahead and bool(AHEAD_SPLIT)
+    per_sm = 8 if ahead else 16
     split = 1
-    while ks // (split * 2) >= MIN_STEPS and tiles * split * 2 <= 16 * sms:
+    while (ks // (split * 2) >= MIN_STEPS and tiles * split * 2 <= per_sm * sms
+           and not (ahead and ks % (split * 2))):
         split *= 2
     return 4, split, 1
 
@@ -640,9 +652,10 @@ if PREFILL not in PREFILL_MODES:
 
 def gemv_split(n: int, k: int, device: torch.device) -> int:
     """The split-K factor of an (N, K) weight's GEMV on `device`: chosen once, when the layer is built,
-    so that nothing under torch.compile queries the device."""
+    so that nothing under torch.compile queries the device. Whether its loop will load ahead (PREFETCH, or PDL
+    on a decode launch) is read here too: a setting changed after the build leaves a valid, untuned split."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 132
-    return gemv_config(n, k, sms)[1]
+    return gemv_config(n, k, sms, ahead=bool(PREFETCH) or pdl.enabled_on(device, 1))[1]
 
 
 # Where the GEMV's split-K partial sums are added up: "partials" (the op returns (split, M, N) fp32 and

@@ -91,12 +91,17 @@ def _measured_faster(rows: int) -> bool:
     return rows <= DECODE_MAX_ROWS and not any(rule() for rule in _SLOWER)
 
 
-def enabled(x: Tensor, rows: int = 1) -> bool:
-    """Whether a kernel on x's device, over `rows` token rows, launches with PDL: MODE "on", or "auto" where it
+def enabled_on(device: torch.device, rows: int = 1) -> bool:
+    """Whether a kernel on `device`, over `rows` token rows, launches with PDL: MODE "on", or "auto" where it
     measured faster; a CUDA device of compute capability >= 9.0; a Triton that supports it."""
-    return (MODE != "off" and x.is_cuda and triton_supports()
-            and _device_supports(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return (MODE != "off" and device.type == "cuda" and triton_supports()
+            and _device_supports(device.index if device.index is not None else torch.cuda.current_device())
             and (MODE == "on" or _measured_faster(rows)))
+
+
+def enabled(x: Tensor, rows: int = 1) -> bool:
+    """`enabled_on` x's device."""
+    return enabled_on(x.device, rows)
 
 
 def launch_args(x: Tensor, rows: int = 1) -> dict[str, bool]:

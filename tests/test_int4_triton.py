@@ -73,6 +73,30 @@ def test_gemv_config_fills_the_gpu_with_short_splits() -> None:
     assert it.gemv_split(1024, 4096, torch.device("cpu")) == it.gemv_config(1024, 4096, 132)[1]
 
 
+def test_gemv_split_with_the_loop_loading_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under PDL or PREFETCH (the loop loads a step ahead) a split keeps at most 8 programs an SM and divides the
+    steps: the H200 anatomy's best splits for Llama-3-8B (docs/BENCHMARKS.md); without, the dense rule's."""
+    from kernels import pdl
+
+    for (n, k), (dense, ahead) in {(28672, 4096): (32, 16), (4096, 14336): (64, 32), (6144, 4096): (32, 32),
+                                   (4096, 4096): (32, 32), (576, 1536): (8, 8)}.items():
+        assert (it.gemv_config(n, k, 132)[1], it.gemv_config(n, k, 132, ahead=True)[1]) == (dense, ahead), (n, k)
+        assert (k // 64) % ahead == 0 and -(-n // it.tile_rows(n)) * ahead <= 8 * 132
+    monkeypatch.setattr(it, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(pdl, "triton_supports", lambda: True)
+    cuda = torch.device("cuda", 0)
+    for capability, prefetch, rule, split in (((9, 0), 0, 1, 32), ((9, 0), 0, 0, 64), ((8, 7), 0, 1, 64),
+                                              ((8, 7), 1, 1, 32)):
+        monkeypatch.setattr(pdl, "_device_supports", lambda index, c=capability: c >= pdl.MIN_CAPABILITY)
+        monkeypatch.setattr(it, "PREFETCH", prefetch)
+        monkeypatch.setattr(it, "AHEAD_SPLIT", rule)
+        assert it.gemv_split(4096, 14336, cuda) == split, (capability, prefetch, rule)
+    monkeypatch.setattr(pdl, "MODE", "off")  # PDL off, PREFETCH 0: the dense rule on Hopper too
+    monkeypatch.setattr(it, "PREFETCH", 0)
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    assert it.gemv_split(4096, 14336, cuda) == 64
+
+
 def test_fake_impls_give_shapes_and_dtypes_without_running_a_kernel() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
