@@ -163,6 +163,22 @@ if triton is not None:
             return v.to(tl.float32, bitcast=True) - 2.0 ** (35 - 4 * I)
 
     @triton.jit
+    def _ld_b32(ptr, ASM: tl.constexpr):
+        """A load of 32-bit words as inline PTX, which Triton's coalescing pass leaves in the layout its users
+        want (a tl.load of (s, b) words takes a layout of 4 rows a thread, which the GEMV's products then meet
+        through shared memory and two barriers a step). ASM False: tl.load (the CPU interpreter)."""
+        if ASM:
+            return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.load(ptr)
+
+    @triton.jit
+    def _sb_words_rb(sb_tile, st, bi, GROUP: tl.constexpr, TN: tl.constexpr, ASM: tl.constexpr):
+        """Step st's packed (s, b) words per row and block, (TN, 2), loaded by `_ld_b32`."""
+        return _ld_b32(sb_tile + (((st * 2 + bi) * 32) // GROUP)[None, :] * TN, ASM)
+
+    @triton.jit
     def _sb_words(sb_tile, st, bi, GROUP: tl.constexpr, TN: tl.constexpr):
         """Step st's packed (s, b) words per row: (TN, 1) when its two blocks share a group, else (TN, 2)."""
         if GROUP >= 64:
@@ -174,7 +190,7 @@ if triton is not None:
     def _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s,
                    GROUP: tl.constexpr, TN: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                    UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True,
-                   PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = False, CHAIN: tl.constexpr = True):
         """(TN,) fp32: x[pid_m] . w[rows of tile pid_t] over the steps of split pid_s (layout: the module
         docstring). PREFETCH: the next step's codes and (s, b) are loaded into registers before this step's
         arithmetic, so a program keeps one DRAM read in flight while it computes (instead of STAGES' shared-
@@ -182,7 +198,8 @@ if triton is not None:
         stride stride_xm words); the dot runs on dp4a (`_dp4a_u4`), four weights an instruction.
         PDL (kernels.pdl): the loop is PREFETCH's whatever PREFETCH says, and the wait for the kernels before comes
         after the first step's codes and (s, b) are loaded, before the activation's first load: the weights no kernel
-        writes (with the wait first instead, the step measured 4 % slower than without PDL on an H200)."""
+        writes (with the wait first instead, the step measured 4 % slower than without PDL on an H200).
+        CHAIN: the exact arithmetic's form, LOOP's "chain" (else "planes")."""
         r = tl.arange(0, TN)
         bi = tl.arange(0, 2)
         ji = tl.arange(0, 4)
@@ -198,10 +215,14 @@ if triton is not None:
         lo = pid_s * STEPS_SPLIT
         hi = tl.minimum(lo + STEPS_SPLIT, KS)
         AHEAD: tl.constexpr = PREFETCH or PDL
+        SB_RB: tl.constexpr = CHAIN  # (s, b) a row and block, in the products' layout (`_ld_b32`)
         if AHEAD:  # addresses clamped into the split (no masks): the last step re-reads its own chunk from L2
             nx = tl.minimum(lo, KS - 1)
             w_next = tl.load(w_tile + nx * (TN * 8), eviction_policy="evict_first")
-            sb_next = _sb_words(sb_tile, nx, bi, GROUP, TN)
+            if SB_RB:
+                sb_next = _sb_words_rb(sb_tile, nx, bi, GROUP, TN, ASM)
+            else:
+                sb_next = _sb_words(sb_tile, nx, bi, GROUP, TN)
         pdl.wait(PDL)
         # cp.async ring: STAGES - 1 steps in flight; UNROLL > 1: that many steps a loop iteration (their loads issued
         # together where the registers allow)
@@ -212,10 +233,16 @@ if triton is not None:
                 w, sbw = w_next, sb_next
                 nx = tl.minimum(st + 1, hi - 1)
                 w_next = tl.load(w_tile + nx * (TN * 8), eviction_policy="evict_first")
-                sb_next = _sb_words(sb_tile, nx, bi, GROUP, TN)
+                if SB_RB:
+                    sb_next = _sb_words_rb(sb_tile, nx, bi, GROUP, TN, ASM)
+                else:
+                    sb_next = _sb_words(sb_tile, nx, bi, GROUP, TN)
             else:
                 w = tl.load(w_tile + st * (TN * 8), eviction_policy="evict_first")  # TN * 32 contiguous bytes
-                sbw = _sb_words(sb_tile, st, bi, GROUP, TN)
+                if SB_RB:
+                    sbw = _sb_words_rb(sb_tile, st, bi, GROUP, TN, ASM)
+                else:
+                    sbw = _sb_words(sb_tile, st, bi, GROUP, TN)
             sv = (sbw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             bv = (sbw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             if ACT8:
@@ -231,7 +258,32 @@ if triton is not None:
                 t = _dp4a_u4((w >> 4) & 0x0F0F0F0F, xb, t, ASM)
                 dot = tl.sum(t, axis=2).to(tl.float32)  # (TN, 2): sum over each block of q * xq, exact
                 acc += dot * (sv * xd[None, :]) + bv * xsum[None, :]
-            else:
+            elif CHAIN:
+                w_hi = w >> 12
+                # the step's four words j of a row and block apart, (TN, 2) each (a thread holds all four)
+                wa, wb = tl.split(tl.reshape(w, (TN, 2, 2, 2)))
+                w0, w2 = tl.split(wa)
+                w1, w3 = tl.split(wb)
+                ha, hb = tl.split(tl.reshape(w_hi, (TN, 2, 2, 2)))
+                h0, h2 = tl.split(ha)
+                h1, h3 = tl.split(hb)
+                dot = tl.zeros((TN, 2), tl.float32)
+                xs = tl.zeros((2, 4), tl.float32)
+                for i in tl.static_range(8):
+                    xi = tl.load(x_row + xcol + 4 * i).to(tl.float32)
+                    xs += xi
+                    xw = tl.broadcast_to((xi * 2.0 ** (49 - 4 * i + 12 * (i // 6)))[None, :, :], (TN, 2, 4))
+                    xa, xb = tl.split(tl.reshape(xw, (TN, 2, 2, 2)))  # as the words: the same registers
+                    x0, x2 = tl.split(xa)
+                    x1, x3 = tl.split(xb)
+                    # one chain of fused multiply-adds a row and block (tl.fma: whatever fp fusion says)
+                    dot = tl.fma(_plane_bits(w0, h0, i), x0, dot)
+                    dot = tl.fma(_plane_bits(w1, h1, i), x1, dot)
+                    dot = tl.fma(_plane_bits(w2, h2, i), x2, dot)
+                    dot = tl.fma(_plane_bits(w3, h3, i), x3, dot)
+                xsum = tl.sum(xs, axis=1)  # (2,): sum of x over each block
+                acc = tl.fma(dot, sv * 2.0 ** 100, tl.fma(bv, xsum[None, :], acc))  # dot: q . x times 2^-100
+            else:  # the earlier form (LOOP "planes"): a chain a word, summed over the words, (s, b) a row
                 x0 = tl.load(x_row + xcol).to(tl.float32)
                 w_hi = w >> 12
                 xs = x0
@@ -248,7 +300,8 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, sb_ptr, out_ptr, M, N, KS, STEPS_SPLIT, stride_xm,
                      GROUP: tl.constexpr, TN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
-                     PREFETCH: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
+                     PREFETCH: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False,
+                     ASM: tl.constexpr = True, CHAIN: tl.constexpr = True):
         """out[split, m, rows] = partial sums of x[m] . w[rows] over this split's steps. Grid: (M, tiles,
         split); M fastest, so the programs of one weight tile run together and a second row's read of it
         hits L2. EVEN: N a multiple of TN (no store mask)."""
@@ -257,7 +310,7 @@ if triton is not None:
         pid_t = tl.program_id(1)
         pid_s = tl.program_id(2)
         out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN,
-                         STAGES, PREFETCH, UNROLL, PDL=PDL)
+                         STAGES, PREFETCH, UNROLL, ASM=ASM, PDL=PDL, CHAIN=CHAIN)
         rows = pid_t * TN + tl.arange(0, TN)
         if EVEN:
             tl.store(out_ptr + (pid_s * M + pid_m) * N + rows, out)
@@ -269,7 +322,7 @@ if triton is not None:
                              GROUP: tl.constexpr, TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
                              CH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                              UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True,
-                             PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False, CHAIN: tl.constexpr = True):
         """y[m, rows] = x[m] . w[rows] in y's dtype, the split-K sum done in this kernel (REDUCE_MODES):
         every program of a (row, tile) adds its partial into the fp32 scratch (MODE 1: atomically into
         ws (M, N), which the last program zeroes again; MODE 2: its own slice of ws (SPLIT, M, N), which the
@@ -282,7 +335,7 @@ if triton is not None:
         pid_t = tl.program_id(1)
         pid_s = tl.program_id(2)
         out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN,
-                         STAGES, PREFETCH, UNROLL, ACT8, ASM, PDL)
+                         STAGES, PREFETCH, UNROLL, ACT8, ASM, PDL, CHAIN)
         rows = pid_t * TN + tl.arange(0, TN)
         ok = rows < N
         y_row = y_ptr + pid_m * N + rows
@@ -472,6 +525,18 @@ def _sm_count(device_index: int) -> int:
 # Measured on an H200 (docs/BENCHMARKS.md, seventh session): PREFETCH 1 +1.3 / +2.2 % at model level, inside the
 # leases' spread, so off by default.
 PREFETCH = int(os.environ.get("ORIN_AGENT_INT4_PREFETCH", "0"))
+# The GEMV loop's form, read at each launch: "chain" (the exact arithmetic as one fused multiply-add chain a row
+# and block over the step's 32 weights, tl.fma whatever Triton's fp fusion default, and the (s, b) words loaded in
+# the products' layout by inline PTX, `_ld_b32`, for int8 activations too) or "planes" (the earlier form: a chain a
+# word, summed over the words, and (s, b) loaded as tl.load lays them out, 4 rows a thread, which the products met
+# through shared memory and two barriers a step). sm_90 SASS of the Llama-3-8B gate/up GEMV as it launches with
+# PDL (scripts/int4_kernel_sass.py, Triton 3.9): planes 787 loop instructions, 128 registers, 2 BAR.SYNC a step;
+# chain 774, 96, none (int8 activations: 274 -> 291, 2 BAR -> none). With fp fusion off (TRITON_DEFAULT_FP_FUSION=0,
+# Triton 3.10's announced default) planes was 1004 instructions, an FMUL + FADD for every FFMA.
+LOOP_FORMS = ("chain", "planes")
+LOOP = os.environ.get("ORIN_AGENT_INT4_LOOP", "chain")
+if LOOP not in LOOP_FORMS:
+    raise ValueError(f"ORIN_AGENT_INT4_LOOP={LOOP!r}: use one of {', '.join(LOOP_FORMS)}")
 UNROLL = int(os.environ.get("ORIN_AGENT_INT4_UNROLL", "1"))  # steps a loop iteration (tl.range's loop_unroll_factor)
 MIN_STEPS = int(os.environ.get("ORIN_AGENT_INT4_MIN_STEPS", "2"))
 # The split-K rule for a GEMV whose loop loads a step ahead (AHEAD: PREFETCH or PDL, `_gemv_tile`): at most 8
@@ -511,7 +576,7 @@ def int4_gemv(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, spl
     out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     _gemv_kernel[(m, nt, split)](x, codes, sb, out, m, n, ks, -(-ks // split), x.stride(0), GROUP=group_size,
                                  TN=tn, EVEN=n % tn == 0, STAGES=stages, PREFETCH=PREFETCH, UNROLL=UNROLL,
-                                 num_warps=warps, **pdl.launch_args(x, m))
+                                 ASM=_asm(), CHAIN=LOOP == "chain", num_warps=warps, **pdl.launch_args(x, m))
     return out
 
 
@@ -706,7 +771,8 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
     _gemv_reduced_kernel[(m, nt, split)](x, codes, sb, y, part, cnt, m, n, nt, ks, -(-ks // split), x.stride(0),
                                          GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
                                          CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
-                                         PREFETCH=PREFETCH, UNROLL=UNROLL, ACT8=act8, ASM=_asm(), num_warps=warps,
+                                         PREFETCH=PREFETCH, UNROLL=UNROLL, ACT8=act8, ASM=_asm(),
+                                         CHAIN=LOOP == "chain", num_warps=warps,
                                          **pdl.launch_args(x, m))
     return y
 

@@ -69,6 +69,7 @@ class Variant:
     act8_fused: bool = True  # partition.model.ACT8_FUSED: with act "int8", the norms and SiLU * up write the codes
     pdl: str = ""  # kernels.pdl.MODE (programmatic dependent launch of the step's Triton kernels); "" = its default
     ahead_split: int = -1  # kernels.int4_triton.AHEAD_SPLIT (0: the dense split-K rule under PDL too); -1 = default
+    loop: str = ""  # kernels.int4_triton.LOOP (the exact GEMV's arithmetic: "chain" or "planes"); "" = its default
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -131,6 +132,9 @@ VARIANTS = {v.name: v for v in (
     # the GEMVs split as without loading ahead (kernels.int4_triton AHEAD_SPLIT 0)
     Variant("int4-fused-dense", True, buckets=False, quant="int4", fused=True, ahead_split=0),
     Variant("int4-fused-lmhead-dense", True, buckets=False, quant="int4", fused=True, lm_head=True, ahead_split=0),
+    # the GEMV's earlier arithmetic (kernels.int4_triton LOOP "planes"), alone and with the dense split
+    Variant("int4-fused-planes", True, buckets=False, quant="int4", fused=True, loop="planes"),
+    Variant("int4-fused-planes-dense", True, buckets=False, quant="int4", fused=True, loop="planes", ahead_split=0),
     Variant("int4-fused-lmhead-nopdl", True, buckets=False, quant="int4", fused=True, lm_head=True, pdl="off"),
     Variant("int4-fused-nopdl-pf1", True, buckets=False, quant="int4", fused=True, gemv=(1, 1, 2), pdl="off"),
     # int8 activations with PDL ("auto" leaves it off there: measured slower)
@@ -343,7 +347,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     default_pdl = pdl.MODE
     default_reduce, default_prefill, default_act = int4_triton.REDUCE, int4_triton.PREFILL, int4_triton.ACT
     default_gemv = (int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS)
-    default_ahead_split = int4_triton.AHEAD_SPLIT
+    default_ahead_split, default_loop = int4_triton.AHEAD_SPLIT, int4_triton.LOOP
     for v in variants:
         int4_triton.REDUCE = v.reduce or default_reduce  # both read when the decode step is traced, at its first call
         int4_triton.PREFILL = v.prefill or default_prefill
@@ -351,6 +355,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         # the split is chosen when a layer is built, the loop at each launch
         int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = v.gemv or default_gemv
         int4_triton.AHEAD_SPLIT = default_ahead_split if v.ahead_split < 0 else v.ahead_split
+        int4_triton.LOOP = v.loop or default_loop  # read at each launch (a graph keeps its capture's)
         pm.ROPE_FUSED, pm.ACT8_FUSED = v.rope, v.act8_fused
         pdl.MODE = v.pdl or default_pdl  # read at each launch: a graph keeps what its capture launched
         try:
@@ -374,6 +379,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
             int4_triton.ACT = last.act or default_act
             int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = last.gemv or default_gemv
             int4_triton.AHEAD_SPLIT = default_ahead_split if last.ahead_split < 0 else last.ahead_split
+            int4_triton.LOOP = last.loop or default_loop
             pdl.MODE = last.pdl or default_pdl
             model = shared if shared is not None and not last.quant else make_model(name, dtype, last)
             res["profile"] = {"variant": last.name, **profile_step(model, prompt_len, tight, compile=last.compile)}

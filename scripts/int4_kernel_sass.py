@@ -38,6 +38,7 @@ def _loop_row(kern, name: str, arch: int, tn: int, warps: int, split: int) -> di
     weights = tn * STEP_WORDS * 8 / (warps * 32)  # packed weights per thread per loop step
     return {"kernel": name, "arch": f"sm_{arch}", "tile_n": tn, "warps": warps, "split": split, **resources(kern),
             "loop_instructions": sum(ops.values()), "per_weight": round(sum(ops.values()) / weights, 2),
+            "loop_barriers": ops.get("BAR", 0),  # a layout change through shared memory inside the loop
             "integer_per_weight": round(sum(v for o, v in ops.items() if o in INTEGER_OPS) / weights, 2),
             "top_opcodes": dict(ops.most_common(10))}
 
@@ -73,6 +74,11 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
                               arch, warps, stages)
         rows.append(_loop_row(kern, "gemv bf16 act, atomic sum, PDL (first step ahead of the wait)", arch, tn, warps,
                               split))
+        kern = compile_kernel(it._gemv_reduced_kernel, ptrs | {"x_ptr": "*bf16"},
+                              {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": 1, "CH": min(it.REDUCE_CHUNK, split),
+                               "STAGES": stages, "PREFETCH": 0, "UNROLL": 1, "ACT8": False, "ASM": True, "PDL": True,
+                               "CHAIN": False}, arch, warps, stages)
+        rows.append(_loop_row(kern, "the same, the earlier arithmetic (LOOP planes)", arch, tn, warps, split))
     # the split-K sum inside the kernel (it.REDUCE_MODES), and the loop that loads the next step ahead (it.PREFETCH)
     for mode, name, prefetch in ((1, "atomic", 0), (2, "last", 0), (1, "atomic, next step prefetched", 1)):
         ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
@@ -118,7 +124,7 @@ def main() -> None:
         return
     for r in rows:
         extra = (f"{r['loop_instructions']:>4} loop instr  {r['per_weight']:.2f}/weight "
-                 f"({r['integer_per_weight']:.2f} int)  {r['top_opcodes']}" if "per_weight" in r
+                 f"({r['integer_per_weight']:.2f} int)  {r['loop_barriers']} BAR  {r['top_opcodes']}" if "per_weight" in r
                  else "  ".join(f"{key} {r[key]}" for key in ("atomics", "fences_barriers", "global_stores",
                                                               "tensor_core_ops") if key in r))
         print(f"{r['kernel']:<13} {r['arch']}  {r['registers']:>3} regs  {r['stack_bytes']:>3} B stack  {extra}")

@@ -116,7 +116,7 @@ def check_kernels(device: str) -> None:
     # bf16 tensor-core operands only on the GPU: Triton 3.9's interpreter multiplies bf16 dot operands as their
     # raw bits (a 16 x 16 bf16 tl.dot alone is off by ~2.5e10 there, fp16 exact)
     tensor_dtypes = (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,)
-    default_prefetch = it.PREFETCH
+    default_prefetch, default_loop = it.PREFETCH, it.LOOP
     cases = [(40, 256, 32, False, 32), (64, 512, 128, True, 64), (300, 384, 64, False, 128), (520, 1024, 128, False, 512)]
     for seed, (n, k, group, mins, tile_n) in enumerate(cases):
         w = _weights(n, k, group, mins, seed)
@@ -130,12 +130,14 @@ def check_kernels(device: str) -> None:
         for m, dtype, split in ((1, torch.bfloat16, 1), (3, torch.float32, 3), (2, torch.float16, 2), (1, torch.float32, 4)):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
             want = x.double() @ ref.double().T
-            for prefetch in (0, 1):  # both loops (the next step's codes loaded ahead or not); empty splits included
-                it.PREFETCH = prefetch
+            # both loops (the next step's codes loaded ahead or not), both forms of the arithmetic (LOOP); empty
+            # splits included
+            for prefetch, loop in ((0, "chain"), (1, "chain"), (1, "planes")):
+                it.PREFETCH, it.LOOP = prefetch, loop
                 got = it.int4_gemv(x, codes, sb, n, group, split).sum(0)
                 err = float((got.double() - want).norm() / want.norm())
-                assert err < 1e-6, (n, k, group, m, dtype, split, prefetch, err)  # fp32 rounding: products are exact
-            it.PREFETCH = default_prefetch
+                assert err < 1e-6, (n, k, group, m, dtype, split, prefetch, loop, err)  # fp32 rounding: exact products
+            it.PREFETCH, it.LOOP = default_prefetch, default_loop
         for m in (5, 130):  # the GEMM with the dequantise inside (prefill rows): operands in x's dtype, fp32 sums
             for dtype in tensor_dtypes:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
@@ -167,20 +169,21 @@ def check_kernels(device: str) -> None:
                                                    tile_n=tile_n))
         ws, cnt = it.scratch(n, codes)
         ref = _reference(w).to(device)
-        for mode, prefetch in ((1, 0), (2, 0), (1, 1), (2, 1)):
-            it.PREFETCH = prefetch
+        for mode, prefetch, loop in ((1, 0, "chain"), (2, 0, "chain"), (1, 1, "chain"), (2, 1, "chain"),
+                                     (1, 1, "planes")):
+            it.PREFETCH, it.LOOP = prefetch, loop
             for m, dtype, split in ((1, torch.float32, 1), (3, torch.float32, 4), (2, torch.bfloat16, 2), (1, torch.float32, 16)):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
                 want = x.double() @ ref.double().T
                 got = it.int4_gemv_reduced(x, codes, sb, ws, cnt, n, group, split, mode)
                 assert got.shape == (m, n) and got.dtype == dtype
                 err = float((got.double() - want).norm() / want.norm())
-                assert err < (1e-6 if dtype == torch.float32 else 2 ** -8), (n, k, mode, m, dtype, split, err)
+                assert err < (1e-6 if dtype == torch.float32 else 2 ** -8), (n, k, mode, loop, m, dtype, split, err)
                 assert int(cnt.abs().sum()) == 0 and float(ws.abs().sum()) == 0, (mode, split)
                 again = it.int4_gemv_reduced(x, codes, sb, ws, cnt, n, group, split, mode)
                 if mode == 2 or device == "cpu":  # the interpreter runs programs in order: atomics too
                     assert torch.equal(again, got), (mode, split)
-        it.PREFETCH = default_prefetch
+        it.PREFETCH, it.LOOP = default_prefetch, default_loop
     with pytest.raises(ValueError, match="rows and mode"):
         it.int4_gemv_reduced(torch.zeros(it.GEMV_MAX_M + 1, 256, device=device), codes, sb, ws, cnt, n, 128, 1, 1)
     check_act8(device, cases)
