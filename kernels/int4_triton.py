@@ -190,7 +190,7 @@ if triton is not None:
     def _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s,
                    GROUP: tl.constexpr, TN: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                    UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True,
-                   PDL: tl.constexpr = False, CHAIN: tl.constexpr = True):
+                   PDL: tl.constexpr = False, CHAIN: tl.constexpr = False):
         """(TN,) fp32: x[pid_m] . w[rows of tile pid_t] over the steps of split pid_s (layout: the module
         docstring). PREFETCH: the next step's codes and (s, b) are loaded into registers before this step's
         arithmetic, so a program keeps one DRAM read in flight while it computes (instead of STAGES' shared-
@@ -199,7 +199,7 @@ if triton is not None:
         PDL (kernels.pdl): the loop is PREFETCH's whatever PREFETCH says, and the wait for the kernels before comes
         after the first step's codes and (s, b) are loaded, before the activation's first load: the weights no kernel
         writes (with the wait first instead, the step measured 4 % slower than without PDL on an H200).
-        CHAIN: the exact arithmetic's form, LOOP's "chain" (else "planes")."""
+        CHAIN: the loop's form, LOOP's "chain" (else "planes")."""
         r = tl.arange(0, TN)
         bi = tl.arange(0, 2)
         ji = tl.arange(0, 4)
@@ -283,7 +283,7 @@ if triton is not None:
                     dot = tl.fma(_plane_bits(w3, h3, i), x3, dot)
                 xsum = tl.sum(xs, axis=1)  # (2,): sum of x over each block
                 acc = tl.fma(dot, sv * 2.0 ** 100, tl.fma(bv, xsum[None, :], acc))  # dot: q . x times 2^-100
-            else:  # the earlier form (LOOP "planes"): a chain a word, summed over the words, (s, b) a row
+            else:  # LOOP "planes": a chain a word, summed over the words, (s, b) as tl.load lays them out
                 x0 = tl.load(x_row + xcol).to(tl.float32)
                 w_hi = w >> 12
                 xs = x0
@@ -301,7 +301,7 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, sb_ptr, out_ptr, M, N, KS, STEPS_SPLIT, stride_xm,
                      GROUP: tl.constexpr, TN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
                      PREFETCH: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False,
-                     ASM: tl.constexpr = True, CHAIN: tl.constexpr = True):
+                     ASM: tl.constexpr = True, CHAIN: tl.constexpr = False):
         """out[split, m, rows] = partial sums of x[m] . w[rows] over this split's steps. Grid: (M, tiles,
         split); M fastest, so the programs of one weight tile run together and a second row's read of it
         hits L2. EVEN: N a multiple of TN (no store mask)."""
@@ -322,7 +322,7 @@ if triton is not None:
                              GROUP: tl.constexpr, TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
                              CH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                              UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True,
-                             PDL: tl.constexpr = False, CHAIN: tl.constexpr = True):
+                             PDL: tl.constexpr = False, CHAIN: tl.constexpr = False):
         """y[m, rows] = x[m] . w[rows] in y's dtype, the split-K sum done in this kernel (REDUCE_MODES):
         every program of a (row, tile) adds its partial into the fp32 scratch (MODE 1: atomically into
         ws (M, N), which the last program zeroes again; MODE 2: its own slice of ws (SPLIT, M, N), which the
@@ -525,16 +525,21 @@ def _sm_count(device_index: int) -> int:
 # Measured on an H200 (docs/BENCHMARKS.md, seventh session): PREFETCH 1 +1.3 / +2.2 % at model level, inside the
 # leases' spread, so off by default.
 PREFETCH = int(os.environ.get("ORIN_AGENT_INT4_PREFETCH", "0"))
-# The GEMV loop's form, read at each launch: "chain" (the exact arithmetic as one fused multiply-add chain a row
-# and block over the step's 32 weights, tl.fma whatever Triton's fp fusion default, and the (s, b) words loaded in
-# the products' layout by inline PTX, `_ld_b32`, for int8 activations too) or "planes" (the earlier form: a chain a
-# word, summed over the words, and (s, b) loaded as tl.load lays them out, 4 rows a thread, which the products met
-# through shared memory and two barriers a step). sm_90 SASS of the Llama-3-8B gate/up GEMV as it launches with
-# PDL (scripts/int4_kernel_sass.py, Triton 3.9): planes 787 loop instructions, 128 registers, 2 BAR.SYNC a step;
-# chain 774, 96, none (int8 activations: 274 -> 291, 2 BAR -> none). With fp fusion off (TRITON_DEFAULT_FP_FUSION=0,
-# Triton 3.10's announced default) planes was 1004 instructions, an FMUL + FADD for every FFMA.
-LOOP_FORMS = ("chain", "planes")
-LOOP = os.environ.get("ORIN_AGENT_INT4_LOOP", "chain")
+# The GEMV loop's form, read at each launch: "planes" (the default: a fused multiply-add chain a word over its 8
+# nibbles, summed over the words, and the (s, b) words loaded as tl.load lays them out, 4 rows a thread, which
+# the products meet through shared memory and two barriers a step) or "chain" (opt-in: the exact arithmetic as one
+# chain a row and block over the step's 32 weights, and (s, b) loaded in the products' layout by inline PTX,
+# `_ld_b32`, for int8 activations too). sm_90 SASS of the Llama-3-8B gate/up GEMV as it launches with PDL
+# (scripts/int4_kernel_sass.py, Triton 3.9): planes 787 loop instructions, 128 registers, 2 BAR.SYNC a step; chain
+# 774, 96, none (int8 activations: 274 -> 291, 2 BAR -> none). "chain" stays opt-in until a GPU has run it: its
+# inline load has run only as the interpreter's tl.load, and neither form's time on it is measured
+# (docs/BENCHMARKS.md, "Where the INT4 GEMV's time goes").
+# FP_FUSION: the GEMV launches ask for fp contraction, which makes the "planes" chains FFMAs, instead of taking
+# Triton's default, which Triton 3.9 warns turns off in 3.10: with TRITON_DEFAULT_FP_FUSION=0 that loop compiled to
+# 1004 instructions (an FMUL + FADD for every FFMA), and with enable_fp_fusion=True to 787 again.
+FP_FUSION = True
+LOOP_FORMS = ("planes", "chain")
+LOOP = os.environ.get("ORIN_AGENT_INT4_LOOP", "planes")
 if LOOP not in LOOP_FORMS:
     raise ValueError(f"ORIN_AGENT_INT4_LOOP={LOOP!r}: use one of {', '.join(LOOP_FORMS)}")
 UNROLL = int(os.environ.get("ORIN_AGENT_INT4_UNROLL", "1"))  # steps a loop iteration (tl.range's loop_unroll_factor)
@@ -576,7 +581,8 @@ def int4_gemv(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, spl
     out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     _gemv_kernel[(m, nt, split)](x, codes, sb, out, m, n, ks, -(-ks // split), x.stride(0), GROUP=group_size,
                                  TN=tn, EVEN=n % tn == 0, STAGES=stages, PREFETCH=PREFETCH, UNROLL=UNROLL,
-                                 ASM=_asm(), CHAIN=LOOP == "chain", num_warps=warps, **pdl.launch_args(x, m))
+                                 ASM=_asm(), CHAIN=LOOP == "chain", num_warps=warps, enable_fp_fusion=FP_FUSION,
+                                 **pdl.launch_args(x, m))
     return out
 
 
@@ -772,7 +778,7 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
                                          GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
                                          CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
                                          PREFETCH=PREFETCH, UNROLL=UNROLL, ACT8=act8, ASM=_asm(),
-                                         CHAIN=LOOP == "chain", num_warps=warps,
+                                         CHAIN=LOOP == "chain", num_warps=warps, enable_fp_fusion=FP_FUSION,
                                          **pdl.launch_args(x, m))
     return y
 

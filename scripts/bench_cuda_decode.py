@@ -132,9 +132,10 @@ VARIANTS = {v.name: v for v in (
     # the GEMVs split as without loading ahead (kernels.int4_triton AHEAD_SPLIT 0)
     Variant("int4-fused-dense", True, buckets=False, quant="int4", fused=True, ahead_split=0),
     Variant("int4-fused-lmhead-dense", True, buckets=False, quant="int4", fused=True, lm_head=True, ahead_split=0),
-    # the GEMV's earlier arithmetic (kernels.int4_triton LOOP "planes"), alone and with the dense split
-    Variant("int4-fused-planes", True, buckets=False, quant="int4", fused=True, loop="planes"),
-    Variant("int4-fused-planes-dense", True, buckets=False, quant="int4", fused=True, loop="planes", ahead_split=0),
+    # the GEMV loop's opt-in form (kernels.int4_triton LOOP "chain"), alone, with the dense split, with the INT4 head
+    Variant("int4-fused-chain", True, buckets=False, quant="int4", fused=True, loop="chain"),
+    Variant("int4-fused-chain-dense", True, buckets=False, quant="int4", fused=True, loop="chain", ahead_split=0),
+    Variant("int4-fused-lmhead-chain", True, buckets=False, quant="int4", fused=True, lm_head=True, loop="chain"),
     Variant("int4-fused-lmhead-nopdl", True, buckets=False, quant="int4", fused=True, lm_head=True, pdl="off"),
     Variant("int4-fused-nopdl-pf1", True, buckets=False, quant="int4", fused=True, gemv=(1, 1, 2), pdl="off"),
     # int8 activations with PDL ("auto" leaves it off there: measured slower)

@@ -79,16 +79,17 @@ def copies_for(nbytes: int) -> int:
 
 def _gemv_launch(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, n: int, group: int, warps: int, split: int,
                  stages: int, prefetch: int, unroll: int, y: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor,
-                 act8: bool = False, chain: bool = True) -> None:
+                 act8: bool = False, chain: bool | None = None) -> None:
     """The GEMV as the model runs it (the split-K sum inside the kernel, atomic) at explicit loop settings; act8: x
-    is an act8_quant activation (int8 activations on dp4a); chain: the exact arithmetic's form (it.LOOP "chain",
-    else "planes")."""
+    is an act8_quant activation (int8 activations on dp4a); chain: the loop's form (it.LOOP "chain", else "planes";
+    None: it.LOOP's)."""
     nt, ks, tn, _ = codes.shape
     xw = x.view(torch.int32) if act8 else x
     it._gemv_reduced_kernel[(x.shape[0], nt, split)](
         xw, codes, sb, y, ws, cnt, x.shape[0], n, nt, ks, -(-ks // split), xw.stride(0),
         GROUP=group, TN=tn, SPLIT=split, MODE=1, CH=min(it.REDUCE_CHUNK, it.triton.next_power_of_2(split)),
-        STAGES=stages, PREFETCH=prefetch, UNROLL=unroll, ACT8=act8, ASM=True, CHAIN=chain, num_warps=warps)
+        STAGES=stages, PREFETCH=prefetch, UNROLL=unroll, ACT8=act8, ASM=True,
+        CHAIN=it.LOOP == "chain" if chain is None else chain, num_warps=warps, enable_fp_fusion=it.FP_FUSION)
 
 
 def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sweep: bool, bw: float,

@@ -58,15 +58,17 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
         rows.append(_loop_row(kern, f"gemv {act}{'' if even else ' N%TN'}", arch, tn, warps, split))
     # the GEMV as the model runs it (split-K sum in the kernel, atomic): the activation exact (bf16) or quantised to
     # int8 per block and multiplied on dp4a (it.ACT "int8")
-    for act8 in (False, True):
-        ptrs = {"x_ptr": "*i32" if act8 else "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16",
-                "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-        kern = compile_kernel(it._gemv_reduced_kernel, ptrs,
-                              {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": 1, "CH": min(it.REDUCE_CHUNK, split),
-                               "STAGES": stages, "PREFETCH": 0, "UNROLL": 1, "ACT8": act8, "ASM": True},
-                              arch, warps, stages)
-        rows.append(_loop_row(kern, f"gemv {'int8 act, dp4a' if act8 else 'bf16 act'}, atomic sum", arch, tn,
-                              warps, split))
+    # in both loop forms (it.LOOP: "planes", the default, or "chain")
+    for chain in (False, True):
+        for act8 in (False, True):
+            ptrs = {"x_ptr": "*i32" if act8 else "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16",
+                    "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+            kern = compile_kernel(it._gemv_reduced_kernel, ptrs,
+                                  {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": 1,
+                                   "CH": min(it.REDUCE_CHUNK, split), "STAGES": stages, "PREFETCH": 0, "UNROLL": 1,
+                                   "ACT8": act8, "ASM": True, "CHAIN": chain}, arch, warps, stages)
+            rows.append(_loop_row(kern, f"gemv {'int8 act, dp4a' if act8 else 'bf16 act'}, atomic sum"
+                                        f"{', LOOP chain' if chain else ''}", arch, tn, warps, split))
     if arch >= 90:  # as it launches with programmatic dependent launch (kernels.pdl: sm_90 and newer only)
         kern = compile_kernel(it._gemv_reduced_kernel, ptrs | {"x_ptr": "*bf16"},
                               {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": 1, "CH": min(it.REDUCE_CHUNK, split),
@@ -77,8 +79,8 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
         kern = compile_kernel(it._gemv_reduced_kernel, ptrs | {"x_ptr": "*bf16"},
                               {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": 1, "CH": min(it.REDUCE_CHUNK, split),
                                "STAGES": stages, "PREFETCH": 0, "UNROLL": 1, "ACT8": False, "ASM": True, "PDL": True,
-                               "CHAIN": False}, arch, warps, stages)
-        rows.append(_loop_row(kern, "the same, the earlier arithmetic (LOOP planes)", arch, tn, warps, split))
+                               "CHAIN": True}, arch, warps, stages)
+        rows.append(_loop_row(kern, "the same, LOOP chain (opt-in)", arch, tn, warps, split))
     # the split-K sum inside the kernel (it.REDUCE_MODES), and the loop that loads the next step ahead (it.PREFETCH)
     for mode, name, prefetch in ((1, "atomic", 0), (2, "last", 0), (1, "atomic, next step prefetched", 1)):
         ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
@@ -124,7 +126,8 @@ def main() -> None:
         return
     for r in rows:
         extra = (f"{r['loop_instructions']:>4} loop instr  {r['per_weight']:.2f}/weight "
-                 f"({r['integer_per_weight']:.2f} int)  {r['loop_barriers']} BAR  {r['top_opcodes']}" if "per_weight" in r
+                 f"({r['integer_per_weight']:.2f} int)  {r['loop_barriers']} BAR  {r['top_opcodes']}"
+                 if "per_weight" in r
                  else "  ".join(f"{key} {r[key]}" for key in ("atomics", "fences_barriers", "global_stores",
                                                               "tensor_core_ops") if key in r))
         print(f"{r['kernel']:<13} {r['arch']}  {r['registers']:>3} regs  {r['stack_bytes']:>3} B stack  {extra}")
