@@ -174,17 +174,17 @@ if triton is not None:
             return tl.load(ptr)
 
     @triton.jit
-    def _sb_words_rb(sb_tile, st, bi, GROUP: tl.constexpr, TN: tl.constexpr, ASM: tl.constexpr):
-        """Step st's packed (s, b) words per row and block, (TN, 2), loaded by `_ld_b32`."""
-        return _ld_b32(sb_tile + (((st * 2 + bi) * 32) // GROUP)[None, :] * TN, ASM)
-
-    @triton.jit
-    def _sb_words(sb_tile, st, bi, GROUP: tl.constexpr, TN: tl.constexpr):
-        """Step st's packed (s, b) words per row: (TN, 1) when its two blocks share a group, else (TN, 2)."""
-        if GROUP >= 64:
-            return tl.load(sb_tile + ((st * 64) // GROUP) * TN)
+    def _sb_words(sb_tile, st, bi, GROUP: tl.constexpr, TN: tl.constexpr, RB: tl.constexpr = False,
+                  ASM: tl.constexpr = True):
+        """Step st's packed (s, b) words per row: (TN, 1) when its two blocks share a group, else (TN, 2).
+        RB: (TN, 2) a row and block either way, loaded by `_ld_b32` (in the products' layout)."""
+        if RB:
+            words = _ld_b32(sb_tile + (((st * 2 + bi) * 32) // GROUP)[None, :] * TN, ASM)
+        elif GROUP >= 64:
+            words = tl.load(sb_tile + ((st * 64) // GROUP) * TN)
         else:
-            return tl.load(sb_tile + (((st * 2 + bi) * 32) // GROUP)[None, :] * TN)
+            words = tl.load(sb_tile + (((st * 2 + bi) * 32) // GROUP)[None, :] * TN)
+        return words
 
     @triton.jit
     def _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s,
@@ -215,14 +215,10 @@ if triton is not None:
         lo = pid_s * STEPS_SPLIT
         hi = tl.minimum(lo + STEPS_SPLIT, KS)
         AHEAD: tl.constexpr = PREFETCH or PDL
-        SB_RB: tl.constexpr = CHAIN  # (s, b) a row and block, in the products' layout (`_ld_b32`)
         if AHEAD:  # addresses clamped into the split (no masks): the last step re-reads its own chunk from L2
             nx = tl.minimum(lo, KS - 1)
             w_next = tl.load(w_tile + nx * (TN * 8), eviction_policy="evict_first")
-            if SB_RB:
-                sb_next = _sb_words_rb(sb_tile, nx, bi, GROUP, TN, ASM)
-            else:
-                sb_next = _sb_words(sb_tile, nx, bi, GROUP, TN)
+            sb_next = _sb_words(sb_tile, nx, bi, GROUP, TN, CHAIN, ASM)
         pdl.wait(PDL)
         # cp.async ring: STAGES - 1 steps in flight; UNROLL > 1: that many steps a loop iteration (their loads issued
         # together where the registers allow)
@@ -233,16 +229,10 @@ if triton is not None:
                 w, sbw = w_next, sb_next
                 nx = tl.minimum(st + 1, hi - 1)
                 w_next = tl.load(w_tile + nx * (TN * 8), eviction_policy="evict_first")
-                if SB_RB:
-                    sb_next = _sb_words_rb(sb_tile, nx, bi, GROUP, TN, ASM)
-                else:
-                    sb_next = _sb_words(sb_tile, nx, bi, GROUP, TN)
+                sb_next = _sb_words(sb_tile, nx, bi, GROUP, TN, CHAIN, ASM)
             else:
                 w = tl.load(w_tile + st * (TN * 8), eviction_policy="evict_first")  # TN * 32 contiguous bytes
-                if SB_RB:
-                    sbw = _sb_words_rb(sb_tile, st, bi, GROUP, TN, ASM)
-                else:
-                    sbw = _sb_words(sb_tile, st, bi, GROUP, TN)
+                sbw = _sb_words(sb_tile, st, bi, GROUP, TN, CHAIN, ASM)
             sv = (sbw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             bv = (sbw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             if ACT8:

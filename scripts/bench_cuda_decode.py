@@ -69,7 +69,7 @@ class Variant:
     act8_fused: bool = True  # partition.model.ACT8_FUSED: with act "int8", the norms and SiLU * up write the codes
     pdl: str = ""  # kernels.pdl.MODE (programmatic dependent launch of the step's Triton kernels); "" = its default
     ahead_split: int = -1  # kernels.int4_triton.AHEAD_SPLIT (0: the dense split-K rule under PDL too); -1 = default
-    loop: str = ""  # kernels.int4_triton.LOOP (the exact GEMV's arithmetic: "chain" or "planes"); "" = its default
+    loop: str = ""  # kernels.int4_triton.LOOP (the GEMV loop's form: "planes" or "chain"); "" = its default
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases

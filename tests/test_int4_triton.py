@@ -132,7 +132,7 @@ def check_kernels(device: str) -> None:
             want = x.double() @ ref.double().T
             # both loops (the next step's codes loaded ahead or not), both forms of the arithmetic (LOOP); empty
             # splits included
-            for prefetch, loop in ((0, "chain"), (1, "chain"), (1, "planes")):
+            for prefetch, loop in ((0, "planes"), (1, "planes"), (0, "chain"), (1, "chain")):
                 it.PREFETCH, it.LOOP = prefetch, loop
                 got = it.int4_gemv(x, codes, sb, n, group, split).sum(0)
                 err = float((got.double() - want).norm() / want.norm())
@@ -169,8 +169,8 @@ def check_kernels(device: str) -> None:
                                                    tile_n=tile_n))
         ws, cnt = it.scratch(n, codes)
         ref = _reference(w).to(device)
-        for mode, prefetch, loop in ((1, 0, "chain"), (2, 0, "chain"), (1, 1, "chain"), (2, 1, "chain"),
-                                     (1, 1, "planes")):
+        for mode, prefetch, loop in ((1, 0, "planes"), (2, 0, "planes"), (1, 1, "planes"), (2, 1, "planes"),
+                                     (1, 0, "chain"), (1, 1, "chain")):
             it.PREFETCH, it.LOOP = prefetch, loop
             for m, dtype, split in ((1, torch.float32, 1), (3, torch.float32, 4), (2, torch.bfloat16, 2), (1, torch.float32, 16)):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
