@@ -534,14 +534,14 @@ if LOOP not in LOOP_FORMS:
     raise ValueError(f"ORIN_AGENT_INT4_LOOP={LOOP!r}: use one of {', '.join(LOOP_FORMS)}")
 UNROLL = int(os.environ.get("ORIN_AGENT_INT4_UNROLL", "1"))  # steps a loop iteration (tl.range's loop_unroll_factor)
 MIN_STEPS = int(os.environ.get("ORIN_AGENT_INT4_MIN_STEPS", "2"))
-# The split-K rule for a GEMV whose loop loads a step ahead (AHEAD: PREFETCH or PDL, `_gemv_tile`): at most 8
-# programs per SM (not 16), and a split that divides the steps (no program left with nothing to read, which still
-# adds its zeros atomically and counts). Measured on an H200 (docs/BENCHMARKS.md, "Where the INT4 GEMV's time goes",
-# scripts/bench_gemv_anatomy.py, the loop loading ahead): Llama-3-8B gate/up 24.52 us at split 32 -> 23.19 at 16,
-# down 14.41 at 64 (224 steps: 8 of 64 programs idle) -> 13.79 at 32, q/k/v and o unchanged; without loading
-# ahead (Orin: no PDL, PREFETCH 0) down was faster at 64 (14.58 us against 16.07), so the loop without it keeps
-# the dense rule. 0: the dense rule everywhere (for measurement).
-AHEAD_SPLIT = int(os.environ.get("ORIN_AGENT_INT4_AHEAD_SPLIT", "1"))
+# The split-K rule for a GEMV whose loop loads a step ahead (AHEAD: PREFETCH or PDL, `_gemv_tile`), opt-in
+# (ORIN_AGENT_INT4_AHEAD_SPLIT=1): at most 8 programs per SM (not 16), and a split that divides the steps. Per
+# kernel, on an H200 (docs/BENCHMARKS.md, "Where the INT4 GEMV's time goes", scripts/bench_gemv_anatomy.py, the loop
+# loading ahead): Llama-3-8B gate/up 24.52 us at split 32 -> 23.19 at 16, down 14.41 at 64 -> 13.79 at 32. But the
+# first model-level run of it (H100, 2026-12-06, bench_cuda_decode, Llama-3-8B INT4, PDL on, two interleaved runs
+# each) decoded 286.1 / 287.0 tok/s with it against 307.7 / 320.7 with the dense rule, so the dense rule is the
+# default on every GPU (Orin, without PDL, was always on it: there down was faster at 64, 14.58 us against 16.07).
+AHEAD_SPLIT = int(os.environ.get("ORIN_AGENT_INT4_AHEAD_SPLIT", "0"))
 
 
 def gemv_config(n: int, k: int, sms: int, tile_n: int | None = None, ahead: bool = False) -> tuple[int, int, int]:

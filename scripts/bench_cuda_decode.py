@@ -129,8 +129,10 @@ VARIANTS = {v.name: v for v in (
     Variant("graphs-compile-nopdl", True, buckets=False, compile=True, pdl="off"),
     Variant("int4-fused-nopdl", True, buckets=False, quant="int4", fused=True, pdl="off"),
     Variant("int4-fused-lmhead", True, buckets=False, quant="int4", fused=True, lm_head=True),
-    # the GEMVs split as without loading ahead (kernels.int4_triton AHEAD_SPLIT 0)
+    # the GEMVs split as without loading ahead (kernels.int4_triton AHEAD_SPLIT 0, the default), and by the opt-in
+    # rule for a loop that loads ahead (AHEAD_SPLIT 1)
     Variant("int4-fused-dense", True, buckets=False, quant="int4", fused=True, ahead_split=0),
+    Variant("int4-fused-ahead", True, buckets=False, quant="int4", fused=True, ahead_split=1),
     Variant("int4-fused-lmhead-dense", True, buckets=False, quant="int4", fused=True, lm_head=True, ahead_split=0),
     # the GEMV loop's opt-in form (kernels.int4_triton LOOP "chain"), alone, with the dense split, with the INT4 head
     Variant("int4-fused-chain", True, buckets=False, quant="int4", fused=True, loop="chain"),

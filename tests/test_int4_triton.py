@@ -74,9 +74,13 @@ def test_gemv_config_fills_the_gpu_with_short_splits() -> None:
 
 
 def test_gemv_split_with_the_loop_loading_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under PDL or PREFETCH (the loop loads a step ahead) a split keeps at most 8 programs an SM and divides the
-    steps: the H200 anatomy's best splits for Llama-3-8B (docs/BENCHMARKS.md); without, the dense rule's."""
+    """With AHEAD_SPLIT on (opt-in), under PDL or PREFETCH (the loop loads a step ahead) a split keeps at most 8
+    programs an SM and divides the steps: the H200 anatomy's best splits for Llama-3-8B (docs/BENCHMARKS.md);
+    without, and by default, the dense rule's."""
     from kernels import pdl
+
+    assert it.AHEAD_SPLIT == 0 and it.gemv_config(28672, 4096, 132, ahead=True)[1] == 32  # the default: dense
+    monkeypatch.setattr(it, "AHEAD_SPLIT", 1)
 
     for (n, k), (dense, ahead) in {(28672, 4096): (32, 16), (4096, 14336): (64, 32), (6144, 4096): (32, 32),
                                    (4096, 4096): (32, 32), (576, 1536): (8, 8)}.items():
