@@ -106,13 +106,14 @@ def edge_chain(cfg: ServiceConfig) -> Chain:
 def load_core(model: Path, backend: str = "torch", slices: str | None = None, max_seq: int | None = None,
               device: str = "cpu", cuda_graphs: bool | None = None, chain: Chain | None = None,
               exits: bool = False, kv_cache: str = "fp16", kv_blocks: int | None = None,
-              block_size: int = 16, dtype: str = "fp32", activations: str = "fp32",
+              block_size: int = 16, dtype: str = "fp32", activations: str = "auto",
               spinning: bool | None = None) -> EngineCore:
     """An `EngineCore` on one cache row of a checkpoint's chain (or on ``chain``, e.g. one whose deep
     slice is an edge server): single requests, stepped directly. exits: cut the chain at the model's
     exit heads (agent.engine.speculative), for requests that speculate or exit early. dtype: the float
     parts' (partition.checkpoint.DTYPES; the exit heads run fp32). activations: the ONNX Runtime decoder
-    graph's for a quantised model ("fp32" | "mixed" | "int8", partition.build.decoder_build.PRECISIONS). spinning: ONNX
+    graph's for a quantised model ("auto" | "fp32" | "split" | "mixed" | "int8", partition.runners.ort_runner.ACTIVATIONS;
+    "auto": partition.runners.precision_choice). spinning: ONNX
     Runtime's pool (None: the runner's measured default, partition.runners.ort_runner.OrtOptions)."""
     from partition.runners import load_chain
     from partition.runners.ort_runner import OrtOptions
@@ -134,6 +135,14 @@ def load_core(model: Path, backend: str = "torch", slices: str | None = None, ma
                            cuda_graphs=cuda_graphs, kv_cache=kv_cache, kv_blocks=kv_blocks, block_size=block_size,
                            dtype=dtype, options=OrtOptions(activations=activations, spinning=spinning))
     return EngineCore(ChainExecutor(chain), tokenizer, scheduler=paged_scheduler(chain, tokenizer))
+
+
+def decoder_precision(core: EngineCore) -> str | None:
+    """The activation precision the core's one-graph ONNX Runtime decoder runs ("auto" resolved), else None."""
+    from partition.runners.ort_decoder_runner import OrtDecoderRunner
+
+    runners = getattr(getattr(core.executor, "chain", None), "runners", [])
+    return runners[0].options.activations if len(runners) == 1 and isinstance(runners[0], OrtDecoderRunner) else None
 
 
 def paged_scheduler(chain: Chain, tokenizer: Tokenizer) -> PagedScheduler | None:

@@ -10,7 +10,7 @@ int8 per 32-column block, llama.cpp's Q8_1), emulated in fp32 torch on the CPU: 
 input as act8_quant rounds it, its group offsets' sums on the exact input, as int4_gemv_a8 computes them (whose
 products given the codes are exact: tests/test_int4_triton.py); the Q8_0 head keeps exact activations, as on CUDA.
 
-    python3 scripts/greedy_agreement.py [--gguf FILE_OR_ALIAS] [--activations fp32,mixed,int8,a8-emulated]
+    python3 scripts/greedy_agreement.py [--gguf FILE_OR_ALIAS] [--activations fp32,split,mixed,int8,a8-emulated]
         [--texts A.txt,B.txt] [--max-tokens 1000] [--json OUT]
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default="smollm2-135m-instruct", help="GGUF file or alias")
-    ap.add_argument("--activations", default="fp32,mixed,int8", help="comma-separated decoder precisions")
+    ap.add_argument("--activations", default="fp32,split,mixed,int8", help="comma-separated decoder precisions")
     ap.add_argument("--texts", default=",".join(str(t) for t in TEXTS), help="comma-separated text files")
     ap.add_argument("--max-tokens", type=int, default=1000, help="positions per text at most")
     ap.add_argument("--json", type=Path)

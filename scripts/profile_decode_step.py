@@ -145,7 +145,7 @@ def project_step(gguf: Path, activations: str, steps: int, threads: int, prompt:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, required=True)
-    ap.add_argument("--activations", default="fp32", choices=("fp32", "mixed", "int8"))
+    ap.add_argument("--activations", default="fp32", choices=("fp32", "mixed", "int8", "split"))
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-python", help="python with llama-cpp-python; absent: the project's side only")

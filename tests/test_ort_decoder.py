@@ -186,11 +186,12 @@ def test_auto_backend_choice(tmp_path: Path) -> None:
 
 @requires_smollm2
 def test_gguf_decoder_greedy_equals_the_dequantised_float_model() -> None:
-    """SmolLM2-135M Q4_1 through the decoder graph at the precisions that claim it (the default, fp32, and
-    "mixed"): its greedy token equals the dequantised float model's (torch, fp32) on >= 99 % of the
-    teacher-forced positions of tests/data/teacher_forced.txt (517: prose, a recipe, Python). int8 activations
-    (precision "int8") reach 96.9 % there: docs/BENCHMARKS.md."""
-    from partition.build.decoder_build import DEFAULT_PRECISION, PRECISIONS
+    """SmolLM2-135M Q4_1 through the decoder graph at the exact precisions (fp32 and split, between which "auto"
+    picks): its greedy token equals the dequantised float model's (torch, fp32) on >= 99 % of the
+    teacher-forced positions of tests/data/teacher_forced.txt (517: prose, a recipe, Python); all 517 measured, one
+    near-tie flip allowed for another CPU's kernels. int8 activations (precision "int8") reach 96.9 % there and
+    "mixed" 98.1-99.0 %, by CPU (docs/BENCHMARKS.md): neither is held to it."""
+    from partition.build.decoder_build import EXACT_PRECISIONS, PRECISIONS
     from partition.build.ort_decoder import weights_from_gguf
     from partition.gguf.tensors import load_gguf_model
     from partition.runners.ort_decoder_runner import teacher_forced_top1
@@ -207,12 +208,12 @@ def test_gguf_decoder_greedy_equals_the_dequantised_float_model() -> None:
     want = logits[0, :-1].argmax(-1).numpy()
     del ref, ref_model, logits
     weights = weights_from_gguf(gguf)
-    for precision in sorted({DEFAULT_PRECISION, "mixed"}):
+    for precision in EXACT_PRECISIONS:
         level, rescore = PRECISIONS[precision]
         runner = OrtDecoderRunner(build_decoder(weights, 1024, level, rescore_top=rescore).SerializeToString(),
                                   weights.config.n_layers, 1024)
         agree = float((teacher_forced_top1(runner, tokens) == want).mean())
-        assert agree >= 0.99, f"{precision}: greedy agreement {agree:.3f} over {len(want)} positions"
+        assert agree >= 0.998, f"{precision}: greedy agreement {agree:.3f} over {len(want)} positions"
 
 
 def test_cache_grows_past_its_first_capacity() -> None:
@@ -245,7 +246,7 @@ def test_quantised_generate_runs_without_torch(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from partition.build.decoder_build import ensure_decoder
+    from partition.build.decoder_build import EXACT_PRECISIONS, ensure_decoder
     from partition.quantize import quantize_checkpoint
 
     save_model(random_model(TINY, seed=6), tmp_path / "float")
@@ -253,7 +254,8 @@ def test_quantised_generate_runs_without_torch(tmp_path: Path) -> None:
         (tmp_path / "float" / f.name).write_bytes(f.read_bytes())
     quantize_checkpoint(tmp_path / "float", tmp_path / "int4", QuantSpec(4, 32, False))
     cache = tmp_path / "cache"
-    ensure_decoder(tmp_path / "int4", cache_dir=cache)  # reading GPTQ codes needs torch: built once, here
+    for precision in EXACT_PRECISIONS:  # reading GPTQ codes needs torch: built once, here ("auto" times both)
+        ensure_decoder(tmp_path / "int4", precision, cache_dir=cache)
     code = f"""
 import sys, json
 sys.modules["torch"] = None  # any import of torch now fails

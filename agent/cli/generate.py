@@ -44,17 +44,18 @@ def generate(
                                      edge_tls_ca="", edge_tls_cert="", edge_tls_key=""),
     board: str = typer.Option("orin-nano-8gb", "--board", help="With --device-layers auto: this device's "
                               "board in the planner's cost model."),
-    activations: str = typer.Option("fp32", "--activations", help="A quantised model on the ONNX Runtime decoder "
-                                    "(the CPU default): fp32 (greedy tokens equal the dequantised model's), mixed "
-                                    "(int8 in the gate/up projection only: ~98.7 % of its greedy tokens) or int8 (~25 % "
-                                    "faster than fp32, about llama.cpp's fidelity: docs/BENCHMARKS.md)."),
+    activations: str = typer.Option("auto", "--activations", help="A quantised model on the ONNX Runtime decoder "
+                                    "(the CPU default): auto (the faster exact one on this CPU, measured once and "
+                                    "cached), fp32 or split (both: greedy tokens equal the dequantised model's), "
+                                    "mixed (int8 in the gate/up projection only: ~98.7 % of its greedy tokens) or "
+                                    "int8 (fastest, about llama.cpp's fidelity, ~96.8 %: docs/BENCHMARKS.md)."),
     spin: Optional[bool] = typer.Option(None, "--spin/--no-spin", help="ONNX Runtime's thread pool spins between "
                                         "ops (default: on for the decoder graph, 1.3-1.4x decode on 2 quiet cores; "
                                         "--no-spin on a CPU shared with other work)."),
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
     from agent.engine.types import Finished, SamplingParams
-    from agent.model_load import load_core
+    from agent.model_load import decoder_precision, load_core
     from agent.chat import chat_text
     from partition.gguf.folder import resolve_model
     from partition.runners.backend_choice import resolve_backend
@@ -109,7 +110,8 @@ def generate(
             from partition.offload.offload_chain import offload_stats, offload_summary
         if as_json:
             print_json({"prompt": prompt, "text": "".join(pieces), "backend": backend, "model": str(given),
-                        "chat": chat, "dtype": dtype, "slices": slices, "kv_cache": kv_cache, "kv_blocks": kv_blocks,
+                        "chat": chat, "dtype": dtype, "activations": decoder_precision(core), "slices": slices,
+                        "kv_cache": kv_cache, "kv_blocks": kv_blocks,
                         "prompt_tokens": u.prompt_tokens,
                         "completion_tokens": u.completion_tokens, "prefill_ms": round(prefill_ms, 3),
                         "decode_tok_s": round(decode_tok_s, 3), "finish_reason": done.reason,

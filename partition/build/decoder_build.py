@@ -17,11 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, DecoderWeights, QuantWeight, build_decoder, \
+from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, ACCURACY_SPLIT, DecoderWeights, QuantWeight, build_decoder, \
     weights_from_gguf
 from partition.digest import sha256
 
-FORMAT = 4  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
+FORMAT = 5  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
 GRAPH = "decoder.onnx"
 MAX_ROPE = 1 << 17  # rotary cache rows are cheap (64 floats each for head_dim 128): cover any context
 
@@ -139,13 +139,21 @@ def _checkpoint_weights(model_dir: Path) -> DecoderWeights:
 #   "fp32": fp32 activations (level 0) in every layer (8-bit codes: the split input x = x_hi + x_lo through the
 #           int8 kernel, ort_decoder._Graph.linear): 100 % on every text.
 #   "mixed": int8 activations in the fused gate/up projection only (half of a layer's weights), fp32 elsewhere:
-#           99.0 % on teacher_forced.txt, but 97.8 % on code and 98.7 % over all four.
+#           99.0 % on teacher_forced.txt, but 97.8 % on code and 98.7 % over all four (AVX-512 machines; 98.1 % on
+#           teacher_forced.txt on an AVX2-only AMD EPYC, 2026-12-06).
 #   "int8": int8 activations everywhere (level 4, MLAS's VNNI kernels), ~25 % less CPU per token here, 96.8 %
 #           over all four
 #           (llama.cpp, which also quantises activations to 8 bits: 97.1 % on teacher_forced.txt).
+#   "split": every 4-bit projection through the int8 kernel on two rows, x and x - int8(x) (ort_decoder._Graph
+#           ._split_input): 100 % on every text (2026-12-06), the int8 kernel's speed plus ~11 small nodes per
+#           layer input; faster than "fp32" where MLAS's fp32 kernel is slow (AVX2 without AVX-512: 12.6 against
+#           17.1 ms a SmolLM2 step on a 2-core AMD EPYC, docs/BENCHMARKS.md).
+#   "auto" (the default): the faster of the exact ones, measured once per model and machine
+#           (partition/runners/precision_choice.py).
 PRECISIONS: dict[str, tuple[int | dict[str, int], int]] = {
     "fp32": (ACCURACY_FP32, 32), "mixed": ({"default": ACCURACY_FP32, "gate_up": ACCURACY_INT8}, 32),
-    "int8": (ACCURACY_INT8, 32)}
+    "int8": (ACCURACY_INT8, 32), "split": (ACCURACY_SPLIT, 32)}
+EXACT_PRECISIONS = ("fp32", "split")  # greedy tokens equal to the dequantised model's on all 2137 positions
 DEFAULT_PRECISION = "fp32"
 
 

@@ -208,10 +208,12 @@ class _Graph:
             self.node("Add", [out, self.const(f"{prefix}.bias", np.asarray(bias, np.float32))], [y], f"{prefix}.add")
 
     def _split_input(self, x: str, k: int, block: int, rank: int) -> tuple[str, str]:
-        """x (..., K) -> (x in blocks (..., K / block, block), [x_hi; x_lo] concatenated along the row axis).
-        x_hi = round(x / s) * s with s = max|x| / 127 per block is exactly what MatMulNBits' int8 path
-        (accuracy_level 4) quantises a block to, so that pass is exact; x_lo = x - x_hi (|x_lo| <= s / 2) loses
-        only its own int8 rounding, ~1/254 of plain int8 activations' error. Built once per input tensor."""
+        """x (..., K) -> (x in blocks (..., K / block, block), [x; x_lo] concatenated along the row axis).
+        MatMulNBits' int8 path (accuracy_level 4) rounds a block of x to x_hi = round(x / s) * s, s = max|x| / 127
+        (MLAS's QuantizeARow); x_lo = x - x_hi (|x_lo| <= s / 2) is built here on the same grid, so the row pair
+        [x; x_lo] through that path loses only x_lo's own int8 rounding, ~1/254 of plain int8 activations' error.
+        x goes in itself (the kernel finds the same x_hi), so no x_hi is reshaped or copied; the pair is joined
+        in block form and flattened once. Built once per input tensor: 11 nodes."""
         key = f"{x}.split{block}"
         if key in self.split_cache:
             return self.split_cache[key]
@@ -227,17 +229,17 @@ class _Graph:
         self.node("Round", [f"{key}.q"], [f"{key}.k"], f"{key}.round")
         self.node("Mul", [f"{key}.k", sc], [f"{key}.hib"], f"{key}.hi")
         self.node("Sub", [xb, f"{key}.hib"], [f"{key}.lob"], f"{key}.lo")
-        flat = self.const(f"{key}.flat", np.array(lead + [k], np.int64))
-        self.node("Reshape", [f"{key}.hib", flat], [f"{key}.hi_x"], f"{key}.hi_reshape")
-        self.node("Reshape", [f"{key}.lob", flat], [f"{key}.lo_x"], f"{key}.lo_reshape")
-        self.node("Concat", [f"{key}.hi_x", f"{key}.lo_x"], [f"{key}.cat"], f"{key}.concat", axis=rank - 2)
+        # rows axis: -3 of the block form (..., T, G, block); flattened back to (..., 2T, K)
+        self.node("Concat", [xb, f"{key}.lob"], [f"{key}.catb"], f"{key}.concat", axis=-3)
+        flat = self.const(f"{key}.flat", np.array([0] * (rank - 2) + [-1, k], np.int64))
+        self.node("Reshape", [f"{key}.catb", flat], [f"{key}.cat"], f"{key}.cat_reshape")
         self.split_cache[key] = (xb, f"{key}.cat")
         return self.split_cache[key]
 
     def _split_linear(self, prefix: str, x: str, y: str, w: Linear, rank: int) -> None:
         """y = x @ w^T at ACCURACY_SPLIT (and for 8-bit codes with fp32 activations): one MatMulNBits (int8 path)
-        over [x_hi; x_lo] (two rows per row of x, one copy of the weights), the halves summed; a 4-bit weight's
-        float minimum as a block-sum term on x itself, in fp32."""
+        over [x; x_lo] (two rows per row of x, one read of the weights), the halves summed; a 4-bit weight's
+        float minimum as a block-sum term on x itself, in fp32, summed in the same node."""
         assert isinstance(w, QuantWeight) and (w.bits == 4 or w.mins is None)
         n, k = w.codes.shape
         xb, cat = self._split_input(x, k, w.group, rank)
@@ -248,14 +250,14 @@ class _Graph:
             nb, r = nbits_weight(w.codes, w.scales, w.zeros, w.bits, w.group), None
         self.add(matmul_nbits_node(prefix, cat, f"{prefix}.both", nb, ACCURACY_INT8))
         self.node("Split", [f"{prefix}.both"], [f"{prefix}.hi_y", f"{prefix}.lo_y"], f"{prefix}.split", axis=rank - 2)
-        main = y if r is None else f"{prefix}.main"
-        self.node("Add", [f"{prefix}.hi_y", f"{prefix}.lo_y"], [main], f"{prefix}.sum")
+        terms = [f"{prefix}.hi_y", f"{prefix}.lo_y"]
         if r is not None:
             self.node("ReduceSum", [xb, self.const(f"{prefix}.last_axis", np.array([-1], np.int64))], [f"{prefix}.xsum"],
                       f"{prefix}.blocksum", keepdims=0)
             self.node("MatMul", [f"{prefix}.xsum", self.const(f"{prefix}.offsetT", np.ascontiguousarray(r.T))],
                       [f"{prefix}.off"], f"{prefix}.offset_mm")
-            self.node("Add", [main, f"{prefix}.off"], [y], f"{prefix}.add")
+            terms.append(f"{prefix}.off")
+        self.node("Sum", terms, [y], f"{prefix}.sum")
 
     def _int8_as_two_int4(self, prefix: str, x: str, y: str, w: QuantWeight, rank: int, level: int) -> None:
         """An 8-bit weight with fp32 activations. MatMulNBits has no prepacked fp32 kernel for 8 bits in

@@ -14,8 +14,9 @@ CPU decode path are measured (docs/BENCHMARKS.md, scripts/bench_peer.py).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -23,6 +24,9 @@ import onnxruntime as ort
 from partition.runners.base import SliceRunner, row_range
 from partition.runners.ort_runner import OrtOptions, resolve_providers, session_options
 from partition.slices import SliceSpec
+
+if TYPE_CHECKING:
+    from partition.runners.precision_choice import PrecisionChoice
 
 
 INITIAL_CAPACITY = 256  # KV slots allocated at first; the cache doubles from there
@@ -152,12 +156,35 @@ def load_decoder_runner(model: str | Path, n_layers: int, max_seq: int, max_batc
                         options: OrtOptions | None = None, cache_dir: str | Path | None = None,
                         log: Any = None) -> OrtDecoderRunner:
     """The decoder graph of a quantised model (built and cached on first use,
-    partition/build/decoder_build.py) in a runner."""
+    partition/build/decoder_build.py) in a runner; activations "auto" resolved first (`resolve_precision`)."""
     from partition.build.decoder_build import ensure_decoder
 
     options = options or OrtOptions()
+    if options.activations == "auto":
+        options = replace(options, activations=resolve_precision(model, n_layers, providers, options, cache_dir,
+                                                                 log).precision)
     path = ensure_decoder(model, options.activations, cache_dir=cache_dir, log=log)
     return OrtDecoderRunner(path, n_layers, max_seq, max_batch, providers, options)
+
+
+def resolve_precision(model: str | Path, n_layers: int,
+                      providers: Sequence[str | tuple[str, dict[str, Any]]] | None = None,
+                      options: OrtOptions | None = None, cache_dir: str | Path | None = None,
+                      log: Any = None) -> PrecisionChoice:
+    """What activations "auto" stands for with this model, these providers and threads: the measured-fastest of
+    decoder_build.EXACT_PRECISIONS on this machine (partition/runners/precision_choice.py; cached)."""
+    from partition.build.decoder_build import EXACT_PRECISIONS, _source_key, default_cache_dir, ensure_decoder
+    from partition.runners.precision_choice import choose_precision
+
+    options = options or OrtOptions()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+
+    def make_runner(precision: str) -> OrtDecoderRunner:
+        path = ensure_decoder(model, precision, cache_dir=root, log=log)
+        return OrtDecoderRunner(path, n_layers, 256, 1, providers, replace(options, activations=precision))
+
+    return choose_precision(Path(model), _source_key(Path(model)), make_runner, EXACT_PRECISIONS, options.threads,
+                            root, log)
 
 
 def teacher_forced_top1(runner: SliceRunner, tokens: Sequence[int], prefill: int = 1) -> np.ndarray:

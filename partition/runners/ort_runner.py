@@ -39,6 +39,9 @@ class ProviderUnavailable(ValueError):
     """An execution provider was asked for that this onnxruntime build does not have."""
 
 
+ACTIVATIONS = ("auto", "fp32", "split", "mixed", "int8")  # decoder_build.PRECISIONS and "auto"
+
+
 @dataclass(frozen=True)
 class OrtOptions:
     """Session settings. threads=None: one per CPU core the process may use (2 here). spinning=None: the
@@ -53,16 +56,17 @@ class OrtOptions:
     io_binding: bool = True
     spinning: bool | None = None
     graph_optimization: str = "all"  # "basic" | "extended" | "all"
-    # a quantised model's one-graph decoder (partition/build/decoder_build.py PRECISIONS): "fp32", "mixed" or "int8"
-    activations: str = "fp32"
+    # a quantised model's one-graph decoder (partition/build/decoder_build.py PRECISIONS): "fp32", "split", "mixed" or
+    # "int8"; "auto": the faster exact one on this machine, measured once (partition/runners/precision_choice.py)
+    activations: str = "auto"
 
     def __post_init__(self) -> None:
         if self.past_mode not in PAST_MODES:
             raise ValueError(f"past_mode {self.past_mode!r} is not one of {', '.join(PAST_MODES)}")
         if self.graph_optimization not in ("basic", "extended", "all"):
             raise ValueError(f"graph_optimization {self.graph_optimization!r}: use basic, extended or all")
-        if self.activations not in ("fp32", "mixed", "int8"):
-            raise ValueError(f"activations {self.activations!r}: use fp32, mixed or int8")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations {self.activations!r}: use one of {', '.join(ACTIVATIONS)}")
 
 
 def resolve_providers(providers: Sequence[str | tuple[str, dict[str, Any]]] | None) -> list[Any]:

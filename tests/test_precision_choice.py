@@ -1,0 +1,94 @@
+"""`activations auto`: the measured-faster exact decoder precision, chosen once per model and machine and cached
+(partition/runners/precision_choice.py), and its wiring into the decoder runner."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from partition.runners import precision_choice as pc
+from partition.runners.ort_runner import ACTIVATIONS, OrtOptions
+
+
+class _SleepRunner:
+    """A runner whose decode step costs `step_s` (prefill free): what `measure` sees of a real one."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s, self.resets, self.steps = step_s, 0, 0
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def run(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        if x.shape[1] == 1:
+            self.steps += 1
+            time.sleep(self.step_s)
+        return np.zeros((1, 8), np.float32)
+
+
+def test_the_faster_precision_is_chosen_and_cached(tmp_path: Path) -> None:
+    made: list[str] = []
+
+    def make(precision: str) -> _SleepRunner:
+        made.append(precision)
+        return _SleepRunner({"fp32": 0.004, "split": 0.001}[precision])
+
+    choice = pc.choose_precision(Path("m.gguf"), "key-a", make, ("fp32", "split"), 2, tmp_path)
+    assert choice.precision == "split" and sorted(made) == ["fp32", "split"]
+    assert choice.step_ms["split"] < choice.step_ms["fp32"] and "split" in choice.reason
+    saved = json.loads(next(tmp_path.glob("precision-*.json")).read_text())
+    assert saved["precision"] == "split" and saved["machine"] == pc.machine_signature(2)
+    # a second run reads the file: no runner is made, nothing is timed
+    again = pc.choose_precision(Path("m.gguf"), "key-a", lambda p: pytest.fail("measured again"),
+                                ("fp32", "split"), 2, tmp_path)
+    assert again == choice
+    # another model, or another thread count, is measured on its own
+    made.clear()
+    assert pc.choose_precision(Path("m.gguf"), "key-b", make, ("fp32", "split"), 2, tmp_path).precision == "split"
+    pc.choose_precision(Path("m.gguf"), "key-a", make, ("fp32", "split"), 1, tmp_path)
+    assert sorted(made) == ["fp32", "fp32", "split", "split"]
+
+
+def test_an_unreadable_cache_file_is_measured_again(tmp_path: Path) -> None:
+    make = lambda p: _SleepRunner({"fp32": 0.0005, "split": 0.003}[p])  # noqa: E731
+    first = pc.choose_precision(Path("m.gguf"), "k", make, ("fp32", "split"), 2, tmp_path)
+    assert first.precision == "fp32"
+    next(tmp_path.glob("precision-*.json")).write_text("{not json")
+    assert pc.choose_precision(Path("m.gguf"), "k", make, ("fp32", "split"), 2, tmp_path).precision == "fp32"
+
+
+def test_measure_interleaves_and_times_decode_steps_only() -> None:
+    runners = {"a": _SleepRunner(0.002), "b": _SleepRunner(0.0)}
+    ms = pc.measure(runners.__getitem__, ("a", "b"), rounds=2, steps=3)
+    assert ms["a"] >= 2.0 > ms["b"]
+    assert all(r.resets == 3 and r.steps == 2 + 2 * 3 for r in runners.values())  # a warm-up pass, then 2 rounds
+
+
+def test_options_take_auto_by_default_and_refuse_an_unknown_precision() -> None:
+    assert OrtOptions().activations == "auto" and {"auto", "fp32", "split", "int8"} <= set(ACTIVATIONS)
+    with pytest.raises(ValueError, match="use one of auto, fp32, split"):
+        OrtOptions(activations="fp16")
+
+
+def test_auto_resolves_through_the_decoder_runner(tmp_path: Path) -> None:
+    """load_decoder_runner with activations auto builds the exact graphs, times them, runs the winner, and says
+    which in the runner's options (what `generate --json` reports)."""
+    pytest.importorskip("torch")
+    from partition.checkpoint import random_model, save_model
+    from partition.config import ModelConfig
+    from partition.quantize import QuantSpec, quantize_checkpoint
+    from partition.runners.ort_decoder_runner import load_decoder_runner
+
+    cfg = ModelConfig("LlamaForCausalLM", 512, 128, 3, 4, 2, 32, 256, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    save_model(random_model(cfg, seed=3), tmp_path / "float")
+    quantize_checkpoint(tmp_path / "float", tmp_path / "int4", QuantSpec(4, 32, False))
+    lines: list[str] = []
+    runner = load_decoder_runner(tmp_path / "int4", cfg.n_layers, 64, cache_dir=tmp_path / "cache", log=lines.append)
+    assert runner.options.activations in ("fp32", "split")
+    assert any("measuring which exact decoder precision" in line for line in lines)
+    saved = json.loads(next((tmp_path / "cache").glob("precision-*.json")).read_text())
+    assert saved["precision"] == runner.options.activations and set(saved["step_ms"]) == {"fp32", "split"}
