@@ -293,6 +293,7 @@ def main() -> None:
         "load_average_1min": {"min": min(loads), "max": max(loads)},
         "copy_gb_s": {"before": copy_before, "after": copy_after},
         "project_backend": rows["project"][0].get("backend"),
+        "project_activations": rows["project"][0].get("activations"),  # what --activations auto picked
     }
     cuda_weights: dict[str, float] = {}  # by dtype
     for name, rs in rows.items():
