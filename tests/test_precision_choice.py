@@ -67,6 +67,20 @@ def test_measure_interleaves_and_times_decode_steps_only() -> None:
     assert all(r.resets == 3 and r.steps == 2 + 2 * 3 for r in runners.values())  # a warm-up pass, then 2 rounds
 
 
+def test_a_precision_that_cannot_be_built_is_left_out(tmp_path: Path) -> None:
+    def make(p: str) -> _SleepRunner:
+        if p == "split":
+            raise ValueError("layers.0.qkv: MatMulNBits takes groups of (16, 32, 64, 128, 256)")
+        return _SleepRunner(0.001)
+
+    lines: list[str] = []
+    choice = pc.choose_precision(Path("m.gguf"), "k", make, ("fp32", "split"), 2, tmp_path, lines.append)
+    assert choice.precision == "fp32" and set(choice.step_ms) == {"fp32"}
+    assert any("precision split left out" in line and "MatMulNBits" in line for line in lines)
+    with pytest.raises(ValueError, match="groups of"):  # nothing buildable: the error itself, not a silent default
+        pc.choose_precision(Path("m.gguf"), "k2", lambda p: make("split"), ("fp32", "split"), 2, tmp_path)
+
+
 def test_options_take_auto_by_default_and_refuse_an_unknown_precision() -> None:
     assert OrtOptions().activations == "auto" and {"auto", "fp32", "split", "int8"} <= set(ACTIVATIONS)
     with pytest.raises(ValueError, match="use one of auto, fp32, split"):

@@ -71,13 +71,24 @@ def _time_steps(runner: Any, steps: int) -> float:
 
 
 def measure(make_runner: Callable[[str], Any], precisions: Sequence[str], rounds: int = ROUNDS,
-            steps: int = STEPS) -> dict[str, float]:
+            steps: int = STEPS, log: Callable[[str], None] | None = None) -> dict[str, float]:
     """Median decode-step ms per precision, the precisions' rounds interleaved (a load that comes and goes hits
-    each alike). make_runner(precision) -> a runner of that precision's graph."""
-    runners = {p: make_runner(p) for p in precisions}
+    each alike). make_runner(precision) -> a runner of that precision's graph. A precision whose graph cannot be
+    built or loaded for this model (ValueError, or onnxruntime's RuntimeError) is left out, said on `log`; if
+    none can be, the first one's error is raised."""
+    runners, errors = {}, []
+    for p in precisions:
+        try:
+            runners[p] = make_runner(p)
+        except (ValueError, RuntimeError) as exc:
+            errors.append(exc)
+            if log:
+                log(f"precision {p} left out of the choice: {type(exc).__name__}: {str(exc)[:200]}")
+    if not runners:
+        raise errors[0]
     for r in runners.values():  # one untimed pass each: first-run allocations and prepacking
         _time_steps(r, 2)
-    per: dict[str, list[float]] = {p: [] for p in precisions}
+    per: dict[str, list[float]] = {p: [] for p in runners}
     for _ in range(rounds):
         for p, r in runners.items():
             per[p].append(_time_steps(r, steps))
@@ -99,7 +110,7 @@ def choose_precision(model: Path, source_key: str, make_runner: Callable[[str], 
     if log:
         log(f"measuring which exact decoder precision ({', '.join(precisions)}) is fastest for {model.name} "
             f"on this CPU (once; cached in {path})")
-    step_ms = measure(make_runner, precisions)
+    step_ms = measure(make_runner, precisions, log=log)
     best = min(step_ms, key=step_ms.__getitem__)
     timings = ", ".join(f"{p} {ms:.2f} ms" for p, ms in sorted(step_ms.items(), key=lambda kv: kv[1]))
     choice = PrecisionChoice(best, f"the faster exact precision on this CPU, a decode step: {timings} "
