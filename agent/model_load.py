@@ -112,8 +112,8 @@ def load_core(model: Path, backend: str = "torch", slices: str | None = None, ma
     slice is an edge server): single requests, stepped directly. exits: cut the chain at the model's
     exit heads (agent.engine.speculative), for requests that speculate or exit early. dtype: the float
     parts' (partition.checkpoint.DTYPES; the exit heads run fp32). activations: the ONNX Runtime decoder
-    graph's for a quantised model ("auto" | "fp32" | "split" | "mixed" | "int8", partition.runners.ort_runner.ACTIVATIONS;
-    "auto": partition.runners.precision_choice). spinning: ONNX
+    graph's for a quantised model ("auto" | "fp32" | "split" | "mixed" | "int8",
+    partition.runners.ort_runner.ACTIVATIONS; "auto": partition.runners.precision_choice). spinning: ONNX
     Runtime's pool (None: the runner's measured default, partition.runners.ort_runner.OrtOptions)."""
     from partition.runners import load_chain
     from partition.runners.ort_runner import OrtOptions

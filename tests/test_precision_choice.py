@@ -60,11 +60,28 @@ def test_an_unreadable_cache_file_is_measured_again(tmp_path: Path) -> None:
     assert pc.choose_precision(Path("m.gguf"), "k", make, ("fp32", "split"), 2, tmp_path).precision == "fp32"
 
 
-def test_measure_interleaves_and_times_decode_steps_only() -> None:
+@pytest.mark.parametrize("interleave", [True, False])
+def test_measure_times_decode_steps_only(interleave: bool) -> None:
     runners = {"a": _SleepRunner(0.002), "b": _SleepRunner(0.0)}
-    ms = pc.measure(runners.__getitem__, ("a", "b"), rounds=2, steps=3)
-    assert ms["a"] >= 2.0 > ms["b"]
+    made: list[str] = []
+
+    def make(p: str) -> _SleepRunner:
+        made.append(p)
+        return runners[p]
+
+    ms = pc.measure(make, ("a", "b"), rounds=2, steps=3, interleave=interleave)
+    assert ms["a"] >= 2.0 > ms["b"] and made == ["a", "b"]
     assert all(r.resets == 3 and r.steps == 2 + 2 * 3 for r in runners.values())  # a warm-up pass, then 2 rounds
+
+
+def test_two_sessions_only_where_they_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       8000000 kB\nMemAvailable:   4000000 kB\n")  # ~4.1 GB available
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: real(meminfo) if str(self) == "/proc/meminfo"
+                        else real(self, *a, **k))
+    assert pc.fits_twice(100 << 20)  # SmolLM2's 100 MB twice: interleaved
+    assert not pc.fits_twice(1 << 30)  # a 1 GiB model twice is over a quarter of 4 GB: one at a time
 
 
 def test_a_precision_that_cannot_be_built_is_left_out(tmp_path: Path) -> None:

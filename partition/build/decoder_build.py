@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, ACCURACY_SPLIT, DecoderWeights, QuantWeight, build_decoder, \
-    weights_from_gguf
+from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, ACCURACY_SPLIT, DecoderWeights, QuantWeight, \
+    build_decoder, weights_from_gguf
 from partition.digest import sha256
 
 FORMAT = 5  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
@@ -53,6 +53,13 @@ def is_quantized(model: str | Path) -> bool:
         return isinstance(json.loads(cfg.read_text(encoding="utf-8")).get("quantization_config"), dict)
     except json.JSONDecodeError:
         return False
+
+
+def weights_size(model: Path) -> int:
+    """Bytes of the model's weight files on disk (the GGUF, or the folder's safetensors shards): what a session of
+    its decoder graph holds, to the first order."""
+    g = gguf_file(model)
+    return g.stat().st_size if g is not None else sum(p.stat().st_size for p in model.glob("*.safetensors"))
 
 
 def _source_key(model: Path) -> str:

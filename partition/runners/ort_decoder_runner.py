@@ -173,7 +173,8 @@ def resolve_precision(model: str | Path, n_layers: int,
                       log: Any = None) -> PrecisionChoice:
     """What activations "auto" stands for with this model, these providers and threads: the measured-fastest of
     decoder_build.EXACT_PRECISIONS on this machine (partition/runners/precision_choice.py; cached)."""
-    from partition.build.decoder_build import EXACT_PRECISIONS, _source_key, default_cache_dir, ensure_decoder
+    from partition.build.decoder_build import EXACT_PRECISIONS, _source_key, default_cache_dir, ensure_decoder, \
+        weights_size
     from partition.runners.precision_choice import choose_precision
 
     options = options or OrtOptions()
@@ -184,7 +185,7 @@ def resolve_precision(model: str | Path, n_layers: int,
         return OrtDecoderRunner(path, n_layers, 256, 1, providers, replace(options, activations=precision))
 
     return choose_precision(Path(model), _source_key(Path(model)), make_runner, EXACT_PRECISIONS, options.threads,
-                            root, log)
+                            root, log, weights_size(Path(model)))
 
 
 def teacher_forced_top1(runner: SliceRunner, tokens: Sequence[int], prefill: int = 1) -> np.ndarray:

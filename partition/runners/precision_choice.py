@@ -28,8 +28,11 @@ import numpy as np
 
 from partition.digest import sha256
 
-AUTO = "auto"
 ROUNDS, STEPS, PREFILL = 3, 12, 16  # ~1 s of decoding on a 135 M-parameter model; the median of ROUNDS decides
+# Both sessions stay loaded (and their rounds interleave) only while their weights are small beside the memory
+# available: on a board's shared 8-16 GB a second copy of a large model's packed weights must not be the cost of
+# choosing; past this share of MemAvailable each precision is loaded, timed and freed in turn.
+INTERLEAVE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,8 @@ def machine_signature(threads: int | None) -> str:
             if key.strip() in ("model name", "Model") and not cpu:
                 cpu = value.strip()
             if key.strip() in ("flags", "Features") and not flags:
-                flags = " ".join(sorted(f for f in value.split() if f.startswith(("avx", "amx", "sve", "asimd", "i8mm"))))
+                simd = ("avx", "amx", "sve", "asimd", "i8mm")
+                flags = " ".join(sorted(f for f in value.split() if f.startswith(simd)))
     except OSError:  # no /proc (not Linux): the platform's own name only
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -71,34 +75,60 @@ def _time_steps(runner: Any, steps: int) -> float:
 
 
 def measure(make_runner: Callable[[str], Any], precisions: Sequence[str], rounds: int = ROUNDS,
-            steps: int = STEPS, log: Callable[[str], None] | None = None) -> dict[str, float]:
-    """Median decode-step ms per precision, the precisions' rounds interleaved (a load that comes and goes hits
-    each alike). make_runner(precision) -> a runner of that precision's graph. A precision whose graph cannot be
-    built or loaded for this model (ValueError, or onnxruntime's RuntimeError) is left out, said on `log`; if
+            steps: int = STEPS, log: Callable[[str], None] | None = None, interleave: bool = True
+            ) -> dict[str, float]:
+    """Median decode-step ms per precision. interleave: all runners loaded at once and their rounds interleaved (a
+    load that comes and goes hits each alike); else each is made, timed and dropped before the next (one model's
+    memory at a time). make_runner(precision) -> a runner of that precision's graph. A precision whose graph cannot
+    be built or loaded for this model (ValueError, or onnxruntime's RuntimeError) is left out, said on `log`; if
     none can be, the first one's error is raised."""
-    runners, errors = {}, []
-    for p in precisions:
+    errors: list[Exception] = []
+
+    def make(p: str) -> Any:
         try:
-            runners[p] = make_runner(p)
+            runner = make_runner(p)
         except (ValueError, RuntimeError) as exc:
             errors.append(exc)
             if log:
                 log(f"precision {p} left out of the choice: {type(exc).__name__}: {str(exc)[:200]}")
-    if not runners:
+            return None
+        _time_steps(runner, 2)  # one untimed pass: first-run allocations and prepacking
+        return runner
+
+    per: dict[str, list[float]] = {}
+    if interleave:
+        runners = {p: r for p in precisions if (r := make(p)) is not None}
+        for _ in range(rounds):
+            for p, r in runners.items():
+                per.setdefault(p, []).append(_time_steps(r, steps))
+    else:
+        for p in precisions:
+            r = make(p)
+            if r is not None:
+                per[p] = [_time_steps(r, steps) for _ in range(rounds)]
+            del r
+    if not per:
         raise errors[0]
-    for r in runners.values():  # one untimed pass each: first-run allocations and prepacking
-        _time_steps(r, 2)
-    per: dict[str, list[float]] = {p: [] for p in runners}
-    for _ in range(rounds):
-        for p, r in runners.items():
-            per[p].append(_time_steps(r, steps))
     return {p: statistics.median(v) for p, v in per.items()}
 
 
+def fits_twice(weight_bytes: int) -> bool:
+    """Whether two sessions of a model with these weights fit beside each other (INTERLEAVE_SHARE of MemAvailable;
+    True where /proc/meminfo cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return 2 * weight_bytes <= INTERLEAVE_SHARE * int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return True
+
+
 def choose_precision(model: Path, source_key: str, make_runner: Callable[[str], Any], precisions: Sequence[str],
-                     threads: int | None, cache_dir: Path, log: Callable[[str], None] | None = None
-                     ) -> PrecisionChoice:
-    """The measured-fastest of `precisions` for this model on this machine (cached in cache_dir)."""
+                     threads: int | None, cache_dir: Path, log: Callable[[str], None] | None = None,
+                     weight_bytes: int = 0) -> PrecisionChoice:
+    """The measured-fastest of `precisions` for this model on this machine (cached in cache_dir); weight_bytes: the
+    model's, to decide whether two sessions may be loaded at once (`fits_twice`)."""
     key = sha256(f"{source_key}|{machine_signature(threads)}|{','.join(precisions)}".encode()).hexdigest()[:16]
     path = cache_dir / f"precision-{key}.json"
     try:
@@ -110,11 +140,11 @@ def choose_precision(model: Path, source_key: str, make_runner: Callable[[str], 
     if log:
         log(f"measuring which exact decoder precision ({', '.join(precisions)}) is fastest for {model.name} "
             f"on this CPU (once; cached in {path})")
-    step_ms = measure(make_runner, precisions, log=log)
+    step_ms = measure(make_runner, precisions, log=log, interleave=fits_twice(weight_bytes))
     best = min(step_ms, key=step_ms.__getitem__)
     timings = ", ".join(f"{p} {ms:.2f} ms" for p, ms in sorted(step_ms.items(), key=lambda kv: kv[1]))
-    choice = PrecisionChoice(best, f"the faster exact precision on this CPU, a decode step: {timings} "
-                                   f"(measured {time.strftime('%Y-%m-%d')})", {p: round(v, 3) for p, v in step_ms.items()})
+    reason = f"the faster exact precision on this CPU, a decode step: {timings} (measured {time.strftime('%Y-%m-%d')})"
+    choice = PrecisionChoice(best, reason, {p: round(v, 3) for p, v in step_ms.items()})
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"precision": choice.precision, "reason": choice.reason, "step_ms": choice.step_ms,
