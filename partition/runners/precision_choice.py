@@ -10,8 +10,9 @@ interleaved rounds); on 2 cores of an AVX-512 Xeon fp32 took 11.9-12.6 ms and sp
 are exact, so a pick made under noise costs speed, never tokens.
 
 The measurement runs once per (model, machine, threads, ONNX Runtime version): both graphs are built (cached as any
-decoder graph is), each decodes `STEPS` tokens in `ROUNDS` interleaved rounds after a short prefill, and the median
-step decides. The result is a small JSON file beside the graphs, so later runs only read it.
+decoder graph is), each decodes `STEPS` tokens in `ROUNDS` rounds after a short prefill (the rounds interleaved where
+two sessions fit in memory, `fits_twice`; else one precision at a time), and the median step decides. The result is
+a small JSON file beside the graphs, so later runs only read it.
 """
 from __future__ import annotations
 
