@@ -113,11 +113,11 @@ def measure(make_runner: Callable[[str], Any], precisions: Sequence[str], rounds
     return {p: statistics.median(v) for p, v in per.items()}
 
 
-def fits_twice(weight_bytes: int) -> bool:
+def fits_twice(weight_bytes: int, meminfo: Path = Path("/proc/meminfo")) -> bool:
     """Whether two sessions of a model with these weights fit beside each other (INTERLEAVE_SHARE of MemAvailable;
-    True where /proc/meminfo cannot be read)."""
+    True where meminfo cannot be read)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return 2 * weight_bytes <= INTERLEAVE_SHARE * int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
@@ -130,7 +130,8 @@ def choose_precision(model: Path, source_key: str, make_runner: Callable[[str], 
                      weight_bytes: int = 0) -> PrecisionChoice:
     """The measured-fastest of `precisions` for this model on this machine (cached in cache_dir); weight_bytes: the
     model's, to decide whether two sessions may be loaded at once (`fits_twice`)."""
-    key = sha256(f"{source_key}|{machine_signature(threads)}|{','.join(precisions)}".encode()).hexdigest()[:16]
+    machine = machine_signature(threads)
+    key = sha256(f"{source_key}|{machine}|{','.join(precisions)}".encode()).hexdigest()[:16]
     path = cache_dir / f"precision-{key}.json"
     try:
         saved = json.loads(path.read_text())
@@ -149,6 +150,6 @@ def choose_precision(model: Path, source_key: str, make_runner: Callable[[str], 
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"precision": choice.precision, "reason": choice.reason, "step_ms": choice.step_ms,
-                               "machine": machine_signature(threads)}, indent=2) + "\n")
+                               "machine": machine}, indent=2) + "\n")
     os.replace(tmp, path)
     return choice
