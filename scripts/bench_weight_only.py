@@ -57,7 +57,7 @@ BLOCK = 32  # GGUF Q4_1 / Q8_0 block (ggml-common.h: QK4_1 = QK8_0 = 32)
 # --c-kernel: y = x @ (d * q + m)^T per row of x. Codes in "lanes" order: per row, 64 columns a time as 8 uint32 words,
 # nibble j of word l = column 8 j + l, so one shift and one mask give 8 consecutive columns' codes in 8 lanes
 # (a first form with GGUF's own byte order and _mm256_cvtepu8_epi32 was 1.4-1.9x slower here). Four weight rows a
-# pass share each load of x. K must be a multiple of 64.
+# pass share each load of x. K must be a multiple of 64 and N of 4 (kernels_for only offers it for such shapes).
 C_KERNEL = r"""
 #include <immintrin.h>
 #include <stdint.h>
@@ -174,9 +174,11 @@ def c_kernel() -> Callable | None:
     r = subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(folder / "q4.c"), "-o",
                         str(folder / "q4.so")], capture_output=True, text=True)
     if r.returncode != 0:
+        shutil.rmtree(folder, ignore_errors=True)
         print(f"--c-kernel: gcc failed, left out: {r.stderr.strip()[-300:]}", file=sys.stderr)
         return None
-    fn = ctypes.CDLL(str(folder / "q4.so")).q4_1_gemm
+    fn = ctypes.CDLL(str(folder / "q4.so")).q4_1_gemm  # mapped: the folder can go
+    shutil.rmtree(folder, ignore_errors=True)
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return fn
