@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent.config import ServiceConfig
 from agent.engine.core import EngineCore
@@ -137,12 +137,25 @@ def load_core(model: Path, backend: str = "torch", slices: str | None = None, ma
     return EngineCore(ChainExecutor(chain), tokenizer, scheduler=paged_scheduler(chain, tokenizer))
 
 
-def decoder_precision(core: EngineCore) -> str | None:
-    """The activation precision the core's one-graph ONNX Runtime decoder runs ("auto" resolved), else None."""
+def _decoder_runner(core: EngineCore) -> Any:
+    """The core's one-graph ONNX Runtime decoder runner, or None (another runner, or a chain of slices)."""
     from partition.runners.ort_decoder_runner import OrtDecoderRunner
 
     runners = getattr(getattr(core.executor, "chain", None), "runners", [])
-    return runners[0].options.activations if len(runners) == 1 and isinstance(runners[0], OrtDecoderRunner) else None
+    return runners[0] if len(runners) == 1 and isinstance(runners[0], OrtDecoderRunner) else None
+
+
+def decoder_precision(core: EngineCore) -> str | None:
+    """The activation precision the core's one-graph ONNX Runtime decoder runs ("auto" resolved), else None."""
+    runner = _decoder_runner(core)
+    return runner.options.activations if runner is not None else None
+
+
+def decoder_threads(core: EngineCore) -> int | None:
+    """The intra-op threads of the core's one-graph decoder session (OrtOptions.threads, else
+    partition.runners.base.default_threads), else None."""
+    runner = _decoder_runner(core)
+    return int(runner.session.get_session_options().intra_op_num_threads) if runner is not None else None
 
 
 def paged_scheduler(chain: Chain, tokenizer: Tokenizer) -> PagedScheduler | None:

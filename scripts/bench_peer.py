@@ -6,8 +6,10 @@ two over the generated tokens, each one's peak RSS, and bytes read per decoded t
 that makes against this machine's copy rate measured in the same run.
 
 The project runs exactly as a user runs it: `orin-agent generate PROMPT --model FILE.gguf --max-tokens N
---temperature 0 --json` with OMP_NUM_THREADS=N (its default backend and kernels; `--project-args` adds
-flags). llama.cpp runs through llama-cpp-python in its own interpreter (`--llama-python`, or $LLAMA_PY):
+--temperature 0 --json` (its default backend and kernels; `--project-args` adds flags). On the CPU every child,
+llama.cpp's and the project's, is pinned to the same `--threads` CPUs (the first of this process's affinity):
+llama.cpp runs that many threads, and the project sizes its ONNX Runtime pool by the CPUs it may use, so both
+get the same cores (OMP_NUM_THREADS alone, which ONNX Runtime does not read, left the project every core). llama.cpp runs through llama-cpp-python in its own interpreter (`--llama-python`, or $LLAMA_PY):
 it is optional, never a dependency of the project or of CI; without it the project's rows are printed
 alone, with the install command. llama.cpp's AMX weight repack is off by default (`use_extra_bufts=False`)
 because it segfaults on this machine (ggml_backend_amx_mul_mat, llama.cpp issue #20824); `--llama-amx`
@@ -118,12 +120,26 @@ def copy_rate(nbytes: int = 1 << 30, device: str = "cpu") -> float:
                                 check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout)
 
 
+CPUS: list[int] | None = None  # the CPUs every child is pinned to (main: --threads of them on the CPU; None: no pin)
+
+
+def pinned_cpus(threads: int, available: list[int]) -> list[int]:
+    """The first `threads` of the CPUs this process may use; a clear error where there are fewer."""
+    if threads < 1 or threads > len(available):
+        raise SystemExit(f"--threads {threads}: this process may use {len(available)} CPU(s) "
+                         f"({','.join(map(str, available))}); pass 1..{len(available)}")
+    return available[:threads]
+
+
 def run_child(cmd: list[str], env: dict[str, str] | None = None, stdin: str | None = None,
               timeout: float = 900) -> tuple[int, str, str, float]:
     """(returncode, stdout, stderr, peak RSS MB of that child: os.wait4's ru_maxrss, which also counts what the
-    child inherited at fork, i.e. this script's own RSS, a floor of ~40 MB, far below either runtime's peak)."""
+    child inherited at fork, i.e. this script's own RSS, a floor of ~40 MB, far below either runtime's peak).
+    The child runs on CPUS where they are set."""
+    cpus = CPUS
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus is not None else None
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.PIPE if stdin else None,
-                         text=True, env=env)
+                         text=True, env=env, preexec_fn=pin)
     out, err = p.communicate(stdin, timeout=timeout)  # reaps the child; wait4 below would find nothing
     return p.returncode, out, err, _last_rss.pop(p.pid, float("nan"))
 
@@ -233,7 +249,8 @@ def main() -> None:
     ap.add_argument("--llama-python", help="python with llama-cpp-python (default: $LLAMA_PY); absent: project only")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=128, help="greedy tokens per generation")
-    ap.add_argument("--threads", type=int, default=2, help="llama.cpp n_threads and the project's OMP_NUM_THREADS")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp's n_threads; on the CPU both runtimes are "
+                    "pinned to that many CPUs (the project's ONNX Runtime pool follows the CPUs it may use)")
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--project-args", default="", help="extra flags for orin-agent generate")
     ap.add_argument("--also", action="append", default=[], metavar="ARGS",
@@ -247,6 +264,9 @@ def main() -> None:
                     help="also measure teacher-forced greedy agreement with the dequantised float model on this text")
     ap.add_argument("--json", type=Path, help="write the results here too")
     a = ap.parse_args()
+    global CPUS
+    if a.device == "cpu" and hasattr(os, "sched_setaffinity"):
+        CPUS = pinned_cpus(a.threads, sorted(os.sched_getaffinity(0)))
 
     from partition.gguf.folder import ALIASES, alias_file
 
@@ -289,7 +309,8 @@ def main() -> None:
     ctx = len(rows["project"][0].get("token_ids", [])) // 2 + int(rows["project"][0]["prompt_tokens"])
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
-        "gguf": str(gguf), "device": a.device, "threads": a.threads, "new_tokens": a.new, "rounds": a.rounds,
+        "gguf": str(gguf), "device": a.device, "threads": a.threads, "cpus": CPUS, "new_tokens": a.new,
+        "rounds": a.rounds,
         "load_average_1min": {"min": min(loads), "max": max(loads)},
         "copy_gb_s": {"before": copy_before, "after": copy_after},
         "project_backend": rows["project"][0].get("backend"),

@@ -47,6 +47,7 @@ def test_generate_on_a_gguf_imports_only_what_the_cpu_decoder_needs(tmp_path: Pa
         assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["result"]["backend"] == "ort" and got["result"]["completion_tokens"] == 2
+    assert got["result"]["threads"] == 1  # the decoder's pool follows OMP_NUM_THREADS (runners.base.default_threads)
     loaded = set(got["modules"])
     assert "onnxruntime" in loaded and "agent.cli.generate" in loaded  # the child did run the CPU decoder
     wrong = sorted({n for m in loaded for n in NOT_LOADED if m == n or m.startswith(n + ".")})

@@ -101,3 +101,22 @@ def test_backend_seams(model_dir: Path) -> None:
         load_chain(model_dir, "tflite")
     with pytest.raises(ValueError, match="START:END"):
         load_chain(model_dir, "torch", slices="0-4")
+
+
+def test_threads_follow_omp_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no thread count given, ONNX Runtime's pool takes OMP_NUM_THREADS (the variable torch's CPU kernels
+    follow, and what scripts/bench_peer.py and the peer check set for "the same threads" as llama.cpp), capped
+    at the CPUs this process may use; unset or not a positive number: one thread per usable CPU. A count given
+    in OrtOptions wins."""
+    from partition.runners.base import default_threads, usable_cpus
+    from partition.runners.ort_runner import session_options
+
+    cpus = usable_cpus()
+    for value, want in (("1", 1), (str(cpus + 7), cpus), ("0", cpus), ("two", cpus), ("", cpus)):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        assert default_threads() == want, value
+        assert session_options(OrtOptions()).intra_op_num_threads == want, value
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert session_options(OrtOptions(threads=2)).intra_op_num_threads == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert default_threads() == cpus

@@ -124,3 +124,8 @@ def test_auto_resolves_through_the_decoder_runner(tmp_path: Path) -> None:
     assert any("measuring which exact decoder precision" in line for line in lines)
     saved = json.loads(next((tmp_path / "cache").glob("precision-*.json")).read_text())
     assert saved["precision"] == runner.options.activations and set(saved["step_ms"]) == {"fp32", "split"}
+    from partition.runners.base import default_threads
+
+    # keyed on the threads the sessions ran (OMP_NUM_THREADS or the usable CPUs), not on "none given"
+    assert saved["machine"].split("|")[4] == str(default_threads())
+    assert runner.session.get_session_options().intra_op_num_threads == default_threads()

@@ -55,7 +55,7 @@ def generate(
 ) -> None:
     """Generate text from PROMPT, streamed to stdout; timings go to stderr (or all into --json)."""
     from agent.engine.types import Finished, SamplingParams
-    from agent.model_load import decoder_precision, load_core
+    from agent.model_load import decoder_precision, decoder_threads, load_core
     from agent.chat import chat_text
     from partition.gguf.folder import resolve_model
     from partition.runners.backend_choice import resolve_backend
@@ -110,7 +110,8 @@ def generate(
             from partition.offload.offload_chain import offload_stats, offload_summary
         if as_json:
             print_json({"prompt": prompt, "text": "".join(pieces), "backend": backend, "model": str(given),
-                        "chat": chat, "dtype": dtype, "activations": decoder_precision(core), "slices": slices,
+                        "chat": chat, "dtype": dtype, "activations": decoder_precision(core),
+                        "threads": decoder_threads(core), "slices": slices,
                         "kv_cache": kv_cache, "kv_blocks": kv_blocks,
                         "prompt_tokens": u.prompt_tokens,
                         "completion_tokens": u.completion_tokens, "prefill_ms": round(prefill_ms, 3),

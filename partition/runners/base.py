@@ -77,6 +77,18 @@ class SliceRunner(ABC):
         return rows
 
 
+def default_threads() -> int:
+    """Threads for the CPU kernels when the caller names none: OMP_NUM_THREADS where it is set to a positive whole
+    number (the variable torch's CPU kernels follow, so both runners honour one setting; at most the usable CPUs),
+    else one per usable CPU. A value that is not a positive number is ignored, as torch ignores it."""
+    cpus = usable_cpus()
+    try:
+        n = int(os.environ.get("OMP_NUM_THREADS", "").strip())
+    except ValueError:
+        return cpus
+    return min(n, cpus) if n > 0 else cpus
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on: its affinity mask, so offline cores (a power budget takes some
     offline), taskset and container cpusets are left out; os.cpu_count() off Linux."""

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from partition.runners.base import SliceRunner, row_range, usable_cpus, write_new_kv
+from partition.runners.base import SliceRunner, default_threads, row_range, write_new_kv
 from partition.slices import SliceSpec
 
 # Short names accepted in `providers`; full ORT names pass through.
@@ -44,7 +44,8 @@ ACTIVATIONS = ("auto", "fp32", "split", "mixed", "int8")  # decoder_build.PRECIS
 
 @dataclass(frozen=True)
 class OrtOptions:
-    """Session settings. threads=None: one per CPU core the process may use (2 here). spinning=None: the
+    """Session settings. threads=None: OMP_NUM_THREADS where set, else one per CPU core the process may use (2
+    here; base.default_threads). spinning=None: the
     runner's measured default (`spins`): off for a slice session (with as many threads as cores, a spinning
     pool competes with the Python thread between a slice's steps), on for the one-graph decoder
     (OrtDecoderRunner: one run per token; on 2 quiet cores SmolLM2 Q4_1 decodes 59-67 tok/s spinning against
@@ -97,7 +98,7 @@ def spins(opts: OrtOptions, default: bool) -> bool:
 
 def session_options(opts: OrtOptions, spin_default: bool = False) -> ort.SessionOptions:
     so = ort.SessionOptions()
-    so.intra_op_num_threads = opts.threads or usable_cpus()
+    so.intra_op_num_threads = opts.threads or default_threads()
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL  # a decoder graph is one chain: no branches to overlap
     so.graph_optimization_level = {
