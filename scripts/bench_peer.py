@@ -9,9 +9,10 @@ The project runs exactly as a user runs it: `orin-agent generate PROMPT --model 
 --temperature 0 --json` (its default backend and kernels; `--project-args` adds flags). On the CPU every child,
 llama.cpp's and the project's, is pinned to the same `--threads` CPUs (the first of this process's affinity):
 llama.cpp runs that many threads, and the project sizes its ONNX Runtime pool by the CPUs it may use, so both
-get the same cores (OMP_NUM_THREADS alone, which ONNX Runtime does not read, left the project every core). llama.cpp runs through llama-cpp-python in its own interpreter (`--llama-python`, or $LLAMA_PY):
-it is optional, never a dependency of the project or of CI; without it the project's rows are printed
-alone, with the install command. llama.cpp's AMX weight repack is off by default (`use_extra_bufts=False`)
+get the same cores (OMP_NUM_THREADS alone, which ONNX Runtime did not read, left the project every core).
+llama.cpp runs through llama-cpp-python in its own interpreter (`--llama-python`, or $LLAMA_PY): it is optional,
+never a dependency of the project or of CI; without it the project's rows are printed alone, with the install
+command. llama.cpp's AMX weight repack is off by default (`use_extra_bufts=False`)
 because it segfaults on this machine (ggml_backend_amx_mul_mat, llama.cpp issue #20824); `--llama-amx`
 keeps it.
 
