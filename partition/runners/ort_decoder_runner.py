@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from partition.runners.base import SliceRunner, default_threads, row_range
+from partition.runners.base import SliceRunner, row_range
 from partition.runners.ort_runner import OrtOptions, resolve_providers, session_options
 from partition.slices import SliceSpec
 
@@ -184,9 +184,8 @@ def resolve_precision(model: str | Path, n_layers: int,
         path = ensure_decoder(model, precision, cache_dir=root, log=log)
         return OrtDecoderRunner(path, n_layers, 256, 1, providers, replace(options, activations=precision))
 
-    threads = options.threads or default_threads()  # the count the sessions will run: the choice's key
-    return choose_precision(Path(model), _source_key(Path(model)), make_runner, EXACT_PRECISIONS, threads,
-                            root, log, weights_size(Path(model)))
+    return choose_precision(Path(model), _source_key(Path(model)), make_runner, EXACT_PRECISIONS,
+                            options.intra_op_threads, root, log, weights_size(Path(model)))  # keyed on what runs
 
 
 def teacher_forced_top1(runner: SliceRunner, tokens: Sequence[int], prefill: int = 1) -> np.ndarray:

@@ -61,6 +61,11 @@ class OrtOptions:
     # "int8"; "auto": the faster exact one on this machine, measured once (partition/runners/precision_choice.py)
     activations: str = "auto"
 
+    @property
+    def intra_op_threads(self) -> int:
+        """The threads a session of these options runs: `threads`, else base.default_threads."""
+        return self.threads or default_threads()
+
     def __post_init__(self) -> None:
         if self.past_mode not in PAST_MODES:
             raise ValueError(f"past_mode {self.past_mode!r} is not one of {', '.join(PAST_MODES)}")
@@ -98,7 +103,7 @@ def spins(opts: OrtOptions, default: bool) -> bool:
 
 def session_options(opts: OrtOptions, spin_default: bool = False) -> ort.SessionOptions:
     so = ort.SessionOptions()
-    so.intra_op_num_threads = opts.threads or default_threads()
+    so.intra_op_num_threads = opts.intra_op_threads
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL  # a decoder graph is one chain: no branches to overlap
     so.graph_optimization_level = {
