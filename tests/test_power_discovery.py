@@ -114,3 +114,47 @@ def test_factory_picks_sysfs_off_the_host(tmp_path):
         open_board(root, backend="jtop")
     with pytest.raises(ValueError, match="unknown backend"):
         open_board(root, backend="nvml")
+
+
+def _resolve_by_joins(root, path):
+    """The plain form of sysfs.resolve (one os.path.join of every component so far per step), which the fast
+    form must equal on any path."""
+    root_s = os.path.normpath(os.path.abspath(os.fspath(root)))
+    parts = [p for p in path.split("/") if p and p != "."]
+    resolved: list[str] = []
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        candidate = os.path.join(root_s, *resolved, part)
+        if os.path.islink(candidate):
+            hops += 1
+            if hops > 40:
+                return candidate
+            target = os.readlink(candidate)
+            if target.startswith("/"):
+                resolved = []
+            parts = [p for p in target.split("/") if p and p != "."] + parts
+            continue
+        resolved.append(part)
+    return os.path.join(root_s, *resolved)
+
+
+def test_resolve_equals_the_plain_component_walk(tmp_path):
+    import random
+
+    root = make_tree(tmp_path / "t", "r36")
+    os.symlink("../gpu-loop", root / "sys" / "gpu-loop")  # a link to itself: the hop limit ends it
+    os.symlink("devfreq/../devfreq", root / "sys" / "class" / "rel")  # relative, with ".."
+    words = ["sys", "class", "devfreq", "17000000.gpu", "devices", "platform", "..", ".", "", "cur_freq",
+             "gpu-loop", "rel", "etc", "nvpmodel.conf", "thermal", "thermal_zone0", "hwmon", "missing"]
+    rng = random.Random(7)
+    paths = ["/sys/class/devfreq/17000000.gpu/cur_freq", "/etc/nvpmodel.conf", "/sys/gpu-loop/x", "/", "",
+             "/../..", "/sys/class/rel/17000000.gpu/max_freq"]
+    paths += ["/" + "/".join(rng.choice(words) for _ in range(rng.randint(1, 9))) for _ in range(3000)]
+    for p in paths:
+        assert sysfs.resolve(root, p) == _resolve_by_joins(root, p), p
+    assert sysfs.resolve("/", "/proc/../proc/self") == _resolve_by_joins("/", "/proc/../proc/self")

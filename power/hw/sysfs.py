@@ -35,27 +35,31 @@ def resolve(root: str | os.PathLike[str], path: str) -> str:
     Returns the host path, which may not exist.
     """
     root_s = os.path.normpath(os.path.abspath(os.fspath(root)))
+    base = root_s.rstrip("/")  # "" for root "/": a component is joined with one "/" either way
     parts = [p for p in path.split("/") if p and p != "."]
-    resolved: list[str] = []
+    parts.reverse()  # the next component is parts[-1]
+    # stack[i]: the host path after i resolved components, so ".." and a link's re-rooting are a pop / reset,
+    # and each candidate is one concatenation (the twin resolves hundreds of paths a control tick)
+    stack = [root_s]
     hops = 0
     while parts:
-        part = parts.pop(0)
+        part = parts.pop()
         if part == "..":
-            if resolved:
-                resolved.pop()
+            if len(stack) > 1:
+                stack.pop()
             continue
-        candidate = os.path.join(root_s, *resolved, part)
+        candidate = (stack[-1] if len(stack) > 1 else base) + "/" + part
         if os.path.islink(candidate):
             hops += 1
             if hops > _MAX_LINK_HOPS:
                 return candidate
             target = os.readlink(candidate)
             if target.startswith("/"):
-                resolved = []
-            parts = [p for p in target.split("/") if p and p != "."] + parts
+                del stack[1:]
+            parts.extend(reversed([p for p in target.split("/") if p and p != "."]))
             continue
-        resolved.append(part)
-    return os.path.join(root_s, *resolved)
+        stack.append(candidate)
+    return stack[-1]
 
 
 def to_board(root: str | os.PathLike[str], host_path: str) -> str:
