@@ -1,6 +1,6 @@
-"""Reading a GGUF file's header: opening it (llama.cpp's own `gguf` package, memory-mapped, so tensors
-are read only when used), its metadata as plain Python values, and the model configuration it
-describes as the project's `ModelConfig`.
+"""Reading a GGUF file's header: opening it (partition.gguf.header: memory-mapped, so tensors are read
+only when used, as views of llama.cpp's own `gguf` package's types), its metadata as plain Python values,
+and the model configuration it describes as the project's `ModelConfig`.
 
 Architectures: `llama` (Llama 1/2/3.x and Mistral, which llama.cpp writes as `llama`) and `qwen2`
 (QKV bias): the Llama family the one model definition covers. Anything else is refused naming it.
@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 
 from partition.config import ModelConfig, ModelConfigError, RopeScaling
 from partition.gguf.errors import GGUFError
+from partition.gguf.header import GGUFFile
 
 # GGUF architecture -> (the project's architecture, whether llama.cpp's converter permuted Q/K for its
 # rope: convert_hf_to_gguf.py's LlamaModel.modify_tensors permutes q_proj/k_proj; Qwen2Model does not)
@@ -25,31 +26,21 @@ ARCHITECTURES: dict[str, tuple[str, bool]] = {"llama": ("LlamaForCausalLM", True
                                               "qwen2": ("Qwen2ForCausalLM", False)}
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
+def open_gguf(path: str | Path) -> GGUFFile:
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path}: no such file; pass a .gguf model file, a checkpoint folder, or a model alias")
     try:
-        return GGUFReader(str(path), "r")
-    except (ValueError, OSError, IndexError) as exc:  # wrong magic, truncated header
+        return GGUFFile(path)
+    except (ValueError, OSError) as exc:  # wrong magic, truncated header (header.GGUFHeaderError is a ValueError)
         raise GGUFError(f"{path}: not a readable GGUF file ({exc}); download it again") from None
 
 
-def _value(field: Any) -> Any:
-    types = field.types
-    if not types:
-        return None
-    if types[0] == GGUFValueType.ARRAY:
-        return list(field.contents())
-    v = field.contents()
-    if isinstance(v, (float, np.floating)) and types[0] == GGUFValueType.FLOAT32:
-        return float(str(np.float32(v)))  # the shortest decimal of the stored float32: 1e-05, not 9.99999974e-06
-    return v.item() if isinstance(v, np.generic) else v
-
-
-def metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Every key as a Python value (arrays as lists)."""
-    return {k: _value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+def metadata(reader: GGUFFile) -> dict[str, Any]:
+    """Every key as a Python value (arrays as lists); a FLOAT32 scalar as the shortest decimal of the stored
+    float32 (1e-05, not 9.99999974e-06)."""
+    return {k: float(str(np.float32(v))) if reader.types[k] == (GGUFValueType.FLOAT32,) else v
+            for k, v in reader.fields.items()}
 
 
 @dataclass(frozen=True)
@@ -58,7 +49,7 @@ class GGUFModel:
     rows are in llama.cpp's rope order."""
 
     path: Path
-    reader: GGUFReader
+    reader: GGUFFile
     meta: dict[str, Any]
     config: ModelConfig
     permuted_qk: bool
@@ -68,7 +59,7 @@ class GGUFModel:
         return str(self.meta.get("general.name") or self.path.stem)
 
 
-def _rope_scaling(reader: GGUFReader, meta: dict[str, Any], arch: str, head_dim: int, theta: float,
+def _rope_scaling(reader: GGUFFile, meta: dict[str, Any], arch: str, head_dim: int, theta: float,
                   source: str) -> RopeScaling | None:
     kind = meta.get(f"{arch}.rope.scaling.type")
     if kind not in (None, "none"):
