@@ -114,15 +114,29 @@ def test_fake_impls_give_shapes_and_dtypes_without_running_a_kernel() -> None:
     assert wd.shape == (40, 256) and wd.dtype == torch.float16
 
 
+CASES = [(40, 256, 32, False, 32), (64, 512, 128, True, 64), (300, 384, 64, False, 128), (520, 1024, 128, False, 512)]
+# the parts of check_kernels, which the interpreter test runs as processes side by side
+KERNEL_CHECKS = ("check_gemv", "check_layer_and_split_k", "check_entries")
+
+
+def _tensor_dtypes(device: str) -> tuple[torch.dtype, ...]:
+    # bf16 tensor-core operands only on the GPU: Triton 3.9's interpreter multiplies bf16 dot operands as their
+    # raw bits (a 16 x 16 bf16 tl.dot alone is off by ~2.5e10 there, fp16 exact)
+    return (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,)
+
+
 def check_kernels(device: str) -> None:
     """The GEMV, the dequantise kernel and the prefill GEMM against the reference on `device` (called in the
     interpreter on CPU and compiled on CUDA)."""
-    # bf16 tensor-core operands only on the GPU: Triton 3.9's interpreter multiplies bf16 dot operands as their
-    # raw bits (a 16 x 16 bf16 tl.dot alone is off by ~2.5e10 there, fp16 exact)
-    tensor_dtypes = (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,)
+    for name in KERNEL_CHECKS:
+        globals()[name](device)
+
+
+def check_gemv(device: str) -> None:
+    """Each case's dequantise, GEMV (every loop and arithmetic form, empty splits included) and prefill GEMM."""
+    tensor_dtypes = _tensor_dtypes(device)
     default_prefetch, default_loop = it.PREFETCH, it.LOOP
-    cases = [(40, 256, 32, False, 32), (64, 512, 128, True, 64), (300, 384, 64, False, 128), (520, 1024, 128, False, 512)]
-    for seed, (n, k, group, mins, tile_n) in enumerate(cases):
+    for seed, (n, k, group, mins, tile_n) in enumerate(CASES):
         w = _weights(n, k, group, mins, seed)
         codes, sb = it.pack(w["q"], w["scales"], zeros=w.get("zeros"), mins=w.get("mins"), tile_n=tile_n)
         codes, sb = codes.to(device), sb.to(device)
@@ -150,9 +164,15 @@ def check_kernels(device: str) -> None:
                 assert got.shape == (m, n) and got.dtype == dtype
                 err = float((got.double() - want).norm() / want.norm())
                 assert err < (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9), (n, k, group, m, dtype, err)
+
+
+def check_layer_and_split_k(device: str) -> None:
+    """A layer's dequantise in one launch, and the split-K sum inside the GEMV."""
+    tensor_dtypes = _tensor_dtypes(device)
+    default_prefetch, default_loop = it.PREFETCH, it.LOOP
     # one launch for up to four weights (a prefill's layer): each the same values as its own dequantise, bit for bit
     packed = []
-    for seed, (n, k, group, mins, tile_n) in enumerate(cases[:3]):
+    for seed, (n, k, group, mins, tile_n) in enumerate(CASES[:3]):
         w = _weights(n, 512, 32, mins, seed + 20)
         codes, sb = it.pack(w["q"], w["scales"], zeros=w.get("zeros"), mins=w.get("mins"), tile_n=tile_n)
         packed.append((codes.to(device), sb.to(device), n))
@@ -167,7 +187,7 @@ def check_kernels(device: str) -> None:
         it.dequant_many(packed + packed[:1], 32, torch.float32)
     # the split-K sum inside the kernel, both modes: same numbers, scratch left zeroed (so a second call and a
     # graph replay see it as the first did), and the "last" mode's sum in split order repeats bit for bit
-    for seed, (n, k, group, mins, tile_n) in enumerate(cases):
+    for seed, (n, k, group, mins, tile_n) in enumerate(CASES):
         w = _weights(n, k, group, mins, seed)
         codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w.get("zeros"), mins=w.get("mins"),
                                                    tile_n=tile_n))
@@ -194,7 +214,13 @@ def check_kernels(device: str) -> None:
         it.PREFETCH, it.LOOP = default_prefetch, default_loop
     with pytest.raises(ValueError, match="rows and mode"):
         it.int4_gemv_reduced(torch.zeros(it.GEMV_MAX_M + 1, 256, device=device), codes, sb, ws, cnt, n, 128, 1, 1)
-    check_act8(device, cases)
+
+
+def check_entries(device: str) -> None:
+    """int8 activations, an activation spanning many orders of magnitude, and the public entry `linear` in every
+    reduce and prefill mode."""
+    tensor_dtypes = _tensor_dtypes(device)
+    check_act8(device, CASES)
     # activations over ~40 orders of magnitude of 2 (an outlier channel, tiny values): still fp32-exact products
     w = _weights(64, 256, 32, False, 9)
     codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=32))
@@ -322,8 +348,8 @@ def check_compile(device: str) -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
 def test_int4_kernels_in_triton_interpreter() -> None:
-    run_in_interpreter("from tests.test_int4_triton import check_kernels, check_compile; "
-                       "check_kernels('cpu'); check_compile('cpu')", timeout=300)
+    checks = (*KERNEL_CHECKS, "check_compile")
+    run_in_interpreter(*(f"from tests.test_int4_triton import {f}; {f}('cpu')" for f in checks), timeout=300)
 
 
 @pytest.mark.cuda

@@ -132,20 +132,31 @@ def test_decode_attention_cuda() -> None:
 def test_kernels_in_triton_interpreter() -> None:
     """The same checks on CPU through TRITON_INTERPRET=1 (read when the kernels are defined, hence a
     fresh interpreter)."""
-    run_in_interpreter("from tests.test_kv_triton import check_quantize_write, check_decode_attention; "
-                       "check_quantize_write('cpu'); check_decode_attention('cpu')", timeout=300)
+    run_in_interpreter("from tests.test_kv_triton import check_quantize_write; check_quantize_write('cpu')",
+                       "from tests.test_kv_triton import check_decode_attention; check_decode_attention('cpu')",
+                       timeout=300)
 
 
-def run_in_interpreter(code: str, timeout: int) -> None:
-    """Run `code` in a fresh Python under TRITON_INTERPRET=1 (read when the kernels are defined), after
-    the loop probe; skip with the reason where this Triton's interpreter cannot run the kernels."""
+def run_in_interpreter(*codes: str, timeout: int) -> None:
+    """Run each of `codes` in a fresh Python under TRITON_INTERPRET=1 (read when the kernels are defined), after
+    the loop probe, all at once (each interpreter is one busy core: independent checks split across processes
+    take the machine's cores instead of one); skip with the reason where this Triton's interpreter cannot run
+    the kernels."""
     probe = (f"import sys; from tests.test_kv_triton import interpreter_runs_loops; "
              f"interpreter_runs_loops() or sys.exit({PROBE_FAILED}); ")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", probe + code], env=env, cwd=root, capture_output=True, text=True,
-                       timeout=timeout)
-    if r.returncode == PROBE_FAILED:
+    procs = [subprocess.Popen([sys.executable, "-c", probe + code], env=env, cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for code in codes]
+    try:
+        results = [(code, p.communicate(timeout=timeout)[1], p.returncode) for code, p in zip(codes, procs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    if any(rc == PROBE_FAILED for _, _, rc in results):
         pytest.skip("this Triton's interpreter cannot run a loop up to a runtime bound with this numpy "
                     "(triton-lang/triton#9171); the cuda tests run the compiled kernels instead")
-    assert r.returncode == 0, r.stderr[-3000:]
+    for code, err, rc in results:
+        assert rc == 0, f"{code}:\n{err[-3000:]}"

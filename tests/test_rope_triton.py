@@ -112,8 +112,9 @@ def check_prefill_attention(device: str) -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
 def test_rope_write_in_triton_interpreter() -> None:
-    run_in_interpreter("from tests.test_rope_triton import check_rope_write, check_prefill_attention; "
-                       "check_rope_write('cpu'); check_prefill_attention('cpu')", timeout=300)
+    run_in_interpreter("from tests.test_rope_triton import check_rope_write; check_rope_write('cpu')",
+                       "from tests.test_rope_triton import check_prefill_attention; check_prefill_attention('cpu')",
+                       timeout=300)
 
 
 @pytest.mark.cuda
