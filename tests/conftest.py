@@ -1,4 +1,5 @@
-"""Shared test set-up: skip `cuda`, `jetson` and `tensorrt` tests where the hardware or library is absent."""
+"""Shared test set-up: skip `cuda`, `jetson` and `tensorrt` tests where the hardware or library is absent; start
+the Triton interpreter checks of the selected tests in the background (tests/triton_interpreter.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -31,6 +32,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for mark, reason in reasons.items():
             if reason and mark in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    import triton_interpreter
+
+    triton_interpreter.start(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    import triton_interpreter
+
+    triton_interpreter.stop()
 
 
 TINY_TEXT = (Path(__file__).resolve().parent / "conftest.py").read_text() * 4 + (

@@ -12,7 +12,7 @@ import torch
 
 from kernels import int4_triton as it
 from kernels.weight_only import dequantize
-from tests.test_kv_triton import HAS_TRITON, run_in_interpreter
+from triton_interpreter import HAS_TRITON, run_marked
 
 
 def _weights(n: int, k: int, group: int, mins: bool, seed: int) -> dict[str, torch.Tensor]:
@@ -347,9 +347,10 @@ def check_compile(device: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
-def test_int4_kernels_in_triton_interpreter() -> None:
-    checks = (*KERNEL_CHECKS, "check_compile")
-    run_in_interpreter(*(f"from tests.test_int4_triton import {f}; {f}('cpu')" for f in checks), timeout=300)
+@pytest.mark.interpreter(*(f"from tests.test_int4_triton import {f}; {f}('cpu')"
+                           for f in (*KERNEL_CHECKS, "check_compile")), timeout=300)
+def test_int4_kernels_in_triton_interpreter(request: pytest.FixtureRequest) -> None:
+    run_marked(request)
 
 
 @pytest.mark.cuda

@@ -5,18 +5,11 @@ tests run the compiled kernels on a GPU (quick: small shapes); without one, the 
 in Triton's CPU interpreter when Triton is installed."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from kernels.kv_quant import Int8KVCache, attention_reference, quantize, tile_tokens
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-PROBE_FAILED = 77  # the subprocess's exit status when the interpreter itself cannot run a loop
+from triton_interpreter import HAS_TRITON, run_marked
 
 if HAS_TRITON:
     import triton
@@ -129,34 +122,10 @@ def test_decode_attention_cuda() -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
-def test_kernels_in_triton_interpreter() -> None:
+@pytest.mark.interpreter("from tests.test_kv_triton import check_quantize_write; check_quantize_write('cpu')",
+                         "from tests.test_kv_triton import check_decode_attention; check_decode_attention('cpu')",
+                         timeout=300)
+def test_kernels_in_triton_interpreter(request: pytest.FixtureRequest) -> None:
     """The same checks on CPU through TRITON_INTERPRET=1 (read when the kernels are defined, hence a
     fresh interpreter)."""
-    run_in_interpreter("from tests.test_kv_triton import check_quantize_write; check_quantize_write('cpu')",
-                       "from tests.test_kv_triton import check_decode_attention; check_decode_attention('cpu')",
-                       timeout=300)
-
-
-def run_in_interpreter(*codes: str, timeout: int) -> None:
-    """Run each of `codes` in a fresh Python under TRITON_INTERPRET=1 (read when the kernels are defined), after
-    the loop probe, all at once (each interpreter is one busy core: independent checks split across processes
-    take the machine's cores instead of one); skip with the reason where this Triton's interpreter cannot run
-    the kernels."""
-    probe = (f"import sys; from tests.test_kv_triton import interpreter_runs_loops; "
-             f"interpreter_runs_loops() or sys.exit({PROBE_FAILED}); ")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = [subprocess.Popen([sys.executable, "-c", probe + code], env=env, cwd=root, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for code in codes]
-    try:
-        results = [(code, p.communicate(timeout=timeout)[1], p.returncode) for code, p in zip(codes, procs)]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    if any(rc == PROBE_FAILED for _, _, rc in results):
-        pytest.skip("this Triton's interpreter cannot run a loop up to a runtime bound with this numpy "
-                    "(triton-lang/triton#9171); the cuda tests run the compiled kernels instead")
-    for code, err, rc in results:
-        assert rc == 0, f"{code}:\n{err[-3000:]}"
+    run_marked(request)

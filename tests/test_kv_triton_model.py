@@ -81,8 +81,9 @@ def test_kv_triton_is_off_on_cpu_and_refused() -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
-def test_triton_int8_path_matches_reference_in_interpreter() -> None:
-    from tests.test_kv_triton import run_in_interpreter
+@pytest.mark.interpreter("import torch; from tests.test_kv_triton_model import compare, PROMPTS; "
+                         "w = compare('cpu', torch.float32, 6, PROMPTS[:2]); assert w < 0.1, w", timeout=600)
+def test_triton_int8_path_matches_reference_in_interpreter(request: pytest.FixtureRequest) -> None:
+    from triton_interpreter import run_marked
 
-    run_in_interpreter("import torch; from tests.test_kv_triton_model import compare, PROMPTS; "
-                       "w = compare('cpu', torch.float32, 6, PROMPTS[:2]); assert w < 0.1, w", timeout=600)
+    run_marked(request)

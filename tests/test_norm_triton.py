@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_kv_triton import HAS_TRITON, run_in_interpreter
+from triton_interpreter import HAS_TRITON, run_marked
 
 
 def _eager_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -208,11 +208,12 @@ def check_model(device: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
-def test_norm_kernels_in_triton_interpreter() -> None:
-    run_in_interpreter("from tests.test_norm_triton import check_kernels, check_traceable; "
-                       "check_kernels('cpu'); check_traceable('cpu')",
-                       "from tests.test_norm_triton import check_act8_model, check_model; "
-                       "check_model('cpu'); check_act8_model('cpu')", timeout=600)
+@pytest.mark.interpreter("from tests.test_norm_triton import check_kernels, check_traceable; "
+                         "check_kernels('cpu'); check_traceable('cpu')",
+                         "from tests.test_norm_triton import check_act8_model, check_model; "
+                         "check_model('cpu'); check_act8_model('cpu')", timeout=600)
+def test_norm_kernels_in_triton_interpreter(request: pytest.FixtureRequest) -> None:
+    run_marked(request)
 
 
 def test_kernels_stay_off_on_a_plain_cpu_tensor() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_kv_triton import HAS_TRITON, run_in_interpreter
+from triton_interpreter import HAS_TRITON, run_marked
 
 
 def check_rope_write(device: str) -> None:
@@ -111,10 +111,11 @@ def check_prefill_attention(device: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
-def test_rope_write_in_triton_interpreter() -> None:
-    run_in_interpreter("from tests.test_rope_triton import check_rope_write; check_rope_write('cpu')",
-                       "from tests.test_rope_triton import check_prefill_attention; check_prefill_attention('cpu')",
-                       timeout=300)
+@pytest.mark.interpreter("from tests.test_rope_triton import check_rope_write; check_rope_write('cpu')",
+                         "from tests.test_rope_triton import check_prefill_attention; check_prefill_attention('cpu')",
+                         timeout=300)
+def test_rope_write_in_triton_interpreter(request: pytest.FixtureRequest) -> None:
+    run_marked(request)
 
 
 @pytest.mark.cuda
