@@ -46,7 +46,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     triton_interpreter.stop()
 
 
-TINY_TEXT = (Path(__file__).resolve().parent / "conftest.py").read_text() * 4 + (
+# The tiny tokenizer's training text: this file's own text as it was until 2026-12-06, kept apart since then so that
+# editing conftest.py no longer changes the tokenizer (and with it every tiny-model test's tokens)
+TINY_TEXT = (Path(__file__).resolve().parent / "data" / "tiny_bpe_corpus.txt").read_text() * 4 + (
     "héllo wörld — 世界 🎉 naïve café\n" * 20)
 
 
