@@ -18,7 +18,9 @@ Kernels (PyTorch's ATen ops, no home-made GEMV):
   - INT4, sequential groups of 32..256: `aten._weight_int4pack_mm` (CUDA, tinygemm, bf16 activations)
     or `aten._weight_int4pack_mm_for_cpu`, after `_convert_weight_to_int4pack[_for_cpu]`. tinygemm
     dequantises as (q - 8) * scale + zero with a float zero, so zero = (8 - z) * s (float-min form:
-    zero = m + 8 * s, the same arithmetic).
+    zero = m + 8 * s, the same arithmetic). On the CPU with fp32 activations that op dequantises the whole
+    weight for every row of x (~1 ms a row at N 1536, K 576), so a layer there also keeps its codes as nibbles
+    and runs x of CPU_DEQUANT_ROWS rows or more (a prefill) as one dequantise + F.linear (`_nibble_weight`).
   - INT8 in groups (GGUF's Q8_0 blocks, e.g. SmolLM2's tied head) on CUDA: the weight dequantised once, when
     the layer is built, to the activations' dtype and run through F.linear (kernel "dense": 2 bytes a weight
     in fp16 against Q8_0's 1.06; the reference path instead dequantised the whole head at every step).
@@ -35,6 +37,11 @@ from kernels import int4_triton
 
 INT4_GROUPS = (32, 64, 128, 256)  # group sizes tinygemm takes (aten/src/ATen/native/cuda/int4mm.cu)
 INT8_SYM_ZERO = 128  # the zero point of symmetric INT8 in the GPTQ convention (2 ** (bits - 1))
+# Rows of fp32 x from which an int4pack_cpu layer dequantises its nibbles once and calls F.linear instead of
+# aten._weight_int4pack_mm_for_cpu, which dequantises the weight for each row. N 1536 x K 576, group 32, ms a call
+# (2-core AMD EPYC, torch 2.13.0 CPU, 2026-12-07, docs/BENCHMARKS.md): that op 1.05 at 1 row, ~0.95 a row beyond
+# (214 at 225); the layer's dequantise + F.linear 3.47 at 2 rows, 5.19 at 225 (K 1536 x N 576: 3.18, 5.91).
+CPU_DEQUANT_ROWS = 4
 
 
 def dequantize(q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, mins: Tensor | None = None) -> Tensor:
@@ -105,6 +112,11 @@ class QuantLinear(nn.Module):
             zero = mins.float() + 8 * s if mins is not None else (8 - zeros.float()) * s
             act = torch.bfloat16 if device.type == "cuda" else dtype
             self.register_buffer("scales_zeros", torch.stack([s.T, zero.T], dim=-1).to(act).contiguous())  # (G, N, 2)
+            # CPU, fp32: the codes again as (N, K / 2) nibbles, even columns low, for rows >= CPU_DEQUANT_ROWS
+            nib = None
+            if self.kernel == "int4pack_cpu" and act == torch.float32:
+                nib = (q[:, 0::2].to(torch.uint8) | (q[:, 1::2].to(torch.uint8) << 4)).contiguous()
+            self.register_buffer("nibbles", nib, persistent=False)
         elif self.kernel == "int4_triton":
             codes, sb = int4_triton.pack(q, scales, zeros=None if mins is not None else zeros, mins=mins)
             self.register_buffer("weight", codes)  # int32 (N / T, K / 64, T, 8): kernels.int4_triton's row tiles
@@ -149,6 +161,8 @@ class QuantLinear(nn.Module):
             return self.weight.float()
         if self.kernel == "int4_triton":
             return int4_triton.int4_dequant(self.weight, self.sb, self.out_features, self.group_size, torch.float32)
+        if getattr(self, "nibbles", None) is not None:
+            return self._nibble_weight()
         eye = torch.eye(self.in_features, device=self.weight.device,
                         dtype=self.scales.dtype if self.kernel.startswith("int8") else self.scales_zeros.dtype)
         return self._fast(eye).float().T.contiguous()
@@ -169,8 +183,17 @@ class QuantLinear(nn.Module):
         if self.kernel == "int4pack":
             return torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16), self.weight, self.group_size,
                                                       self.scales_zeros)
+        if self.nibbles is not None and x2.shape[0] >= CPU_DEQUANT_ROWS and x2.dtype == torch.float32:
+            return F.linear(x2, self._nibble_weight())
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self.scales_zeros.dtype), self.weight,
                                                           self.group_size, self.scales_zeros)
+
+    def _nibble_weight(self) -> Tensor:
+        """An int4pack_cpu layer's fp32 weight (N, K) from its nibbles, as tinygemm computes it: (q - 8) * s + zero."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        q = torch.stack((self.nibbles & 15, self.nibbles >> 4), dim=-1).view(n, k // g, g).float() - 8
+        sz = self.scales_zeros.transpose(0, 1).contiguous()  # (N, G, 2): s and zero
+        return torch.addcmul(sz[..., 1:], q, sz[..., :1]).view(n, k)
 
     def takes_act8(self, x: Tensor) -> bool:
         """Whether `forward` takes x's rows also as ACT8_FORMAT codes made by x's producer (kernels.norm_triton's

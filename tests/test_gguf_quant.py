@@ -28,6 +28,30 @@ def test_gguf_float_min_quant_linear_matches_its_weight(reference: bool) -> None
     torch.testing.assert_close(lin.dequantized_weight(), w, atol=1e-6, rtol=1e-6)
 
 
+def test_cpu_int4_rows_of_a_prefill_go_through_the_nibbles_with_the_kernels_numbers(monkeypatch) -> None:
+    """fp32 on the CPU: one row through aten's int4pack op, CPU_DEQUANT_ROWS rows and more through the nibbles
+    dequantised once (the op dequantises the weight for every row); both the layer's own weight, in both forms
+    (float minimums, integer zero points); the nibbles are no part of the state dict, and bf16 layers keep none."""
+    from kernels import weight_only
+
+    q, s, m, g_idx, w = _min_form(n=96, k=128)
+    z = torch.randint(0, 16, s.shape, generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    wz = (q.float() - z.float()[:, g_idx]) * s[:, g_idx]
+    op = torch.ops.aten._weight_int4pack_mm_for_cpu
+    calls = []
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu",
+                        lambda *a: calls.append(a[0].shape[0]) or op(*a), raising=False)
+    for lin, want in ((QuantLinear(q, s, None, g_idx, 4, 32, mins=m), w), (QuantLinear(q, s, z, g_idx, 4, 32), wz)):
+        assert lin.kernel == "int4pack_cpu" and lin.nibbles.shape == (96, 64) and "nibbles" not in lin.state_dict()
+        calls.clear()
+        for rows in (1, weight_only.CPU_DEQUANT_ROWS, 37):
+            x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+            torch.testing.assert_close(lin(x), x @ want.T, atol=2e-5, rtol=1e-5)
+        assert calls == [1]  # the op saw the one-row call only
+        torch.testing.assert_close(lin.dequantized_weight(), want, atol=1e-6, rtol=1e-6)
+    assert QuantLinear(q, s, None, g_idx, 4, 32, mins=m, dtype=torch.bfloat16).nibbles is None
+
+
 def test_gguf_float_min_quant_linear_takes_mins_or_zeros_not_both() -> None:
     q, s, m, g_idx, _ = _min_form()
     with pytest.raises(ValueError, match="either"):
