@@ -42,6 +42,11 @@ INT8_SYM_ZERO = 128  # the zero point of symmetric INT8 in the GPTQ convention (
 # (2-core AMD EPYC, torch 2.13.0 CPU, 2026-12-07, docs/BENCHMARKS.md): that op 1.05 at 1 row, ~0.95 a row beyond
 # (214 at 225); the layer's dequantise + F.linear 3.47 at 2 rows, 5.19 at 225 (K 1536 x N 576: 3.18, 5.91).
 CPU_DEQUANT_ROWS = 4
+# Weights a reference layer on the CPU dequantises at a time (`_reference_in_chunks`): a chunk's float copy stays in
+# cache for its F.linear. SmolLM2's tied Q8_0 head (49152 x 576), one decode row, ms a call, medians of 5 interleaved
+# rounds (2-core AMD EPYC, torch 2.13.0, 2026-12-07, docs/BENCHMARKS.md): the whole weight at once 454; chunks of
+# 256 / 512 / 1024 / 2048 rows 39 / 29 / 37 / 91 (31 rows of x: 459 whole, 61 in chunks of 512).
+REFERENCE_CHUNK = 512 * 576
 
 
 def dequantize(q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, mins: Tensor | None = None) -> Tensor:
@@ -95,6 +100,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         sequential = bool(torch.equal(g_idx.long().cpu(), torch.arange(self.in_features) // group_size))
         self.kernel = "reference" if reference else self._pick_kernel(q, zeros, sequential, dtype)
+        self.sequential = sequential and self.in_features % group_size == 0  # groups of consecutive columns
         self.prefill_weight: Tensor | None = None  # int4_triton: set for one layer's prefill by `hold_prefill_weights`
         device = q.device
         if self.kernel in ("int8pack", "int8dq"):
@@ -211,11 +217,31 @@ class QuantLinear(nn.Module):
                                          x.dtype).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self.kernel == "reference":
+            if self.sequential and self.weight.device.type == "cpu":
+                return self._reference_in_chunks(x)
             w = dequantize(self.weight, self.scales, getattr(self, "zeros", None), self.g_idx,
                            getattr(self, "mins", None)).to(x.dtype)
             return F.linear(x, w, self.bias)
         y = self._fast(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def _reference_in_chunks(self, x: Tensor) -> Tensor:
+        """The reference product on the CPU, REFERENCE_CHUNK weights at a time: each chunk of rows dequantised with
+        `dequantize`'s arithmetic (broadcast over consecutive groups instead of gathered by g_idx) and multiplied
+        while it is in cache, instead of the whole float weight written and read back every call."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        rows = max(1, REFERENCE_CHUNK // k)
+        zeros, mins = getattr(self, "zeros", None), getattr(self, "mins", None)
+        x2 = x.reshape(-1, k)
+        out = x2.new_empty(x2.shape[0], n)
+        for i in range(0, n, rows):
+            q = self.weight[i:i + rows].view(-1, k // g, g).to(self.scales.dtype)
+            s = self.scales[i:i + rows, :, None]
+            w = q * s + mins[i:i + rows, :, None].to(s.dtype) if mins is not None else \
+                (q - zeros[i:i + rows, :, None].to(s.dtype)) * s
+            out[:, i:i + rows] = F.linear(x2, w.view(-1, k).to(x.dtype),
+                                          None if self.bias is None else self.bias[i:i + rows])
+        return out.reshape(*x.shape[:-1], n)
 
     @classmethod
     def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear":

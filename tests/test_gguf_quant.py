@@ -52,6 +52,33 @@ def test_cpu_int4_rows_of_a_prefill_go_through_the_nibbles_with_the_kernels_numb
     assert QuantLinear(q, s, None, g_idx, 4, 32, mins=m, dtype=torch.bfloat16).nibbles is None
 
 
+def test_cpu_reference_layers_multiply_in_chunks_as_the_whole_weight_would(monkeypatch) -> None:
+    """A reference layer on the CPU (Q8_0 groups, say) dequantises REFERENCE_CHUNK weights at a time: the same
+    numbers as `dequantize` on the whole weight, zero points or minimums, with a bias, rows not a multiple of the
+    chunk's, x of any leading shape; act-ordered groups keep the whole-weight path."""
+    from kernels import weight_only
+    from kernels.weight_only import dequantize
+
+    monkeypatch.setattr(weight_only, "REFERENCE_CHUNK", 7 * 64)  # 7 rows a chunk of 100
+    gen = torch.Generator().manual_seed(5)
+    n, k, g = 100, 64, 32
+    q = torch.randint(0, 256, (n, k), generator=gen)
+    s = torch.rand(n, k // g, generator=gen) * 0.01
+    z = torch.randint(100, 156, (n, k // g), generator=gen, dtype=torch.int32)
+    m = -torch.rand(n, k // g, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(2, 3, k, generator=gen)
+    seq = torch.arange(k) // g
+    for zeros, mins in ((z, None), (None, m)):
+        lin = QuantLinear(q, s, zeros, seq, 8, g, bias=bias, mins=mins)
+        assert lin.kernel == "reference" and lin.sequential
+        want = x @ dequantize(q, s, zeros, seq, mins).T + bias
+        torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)
+    act_order = QuantLinear(q, s, z, seq.flip(0), 8, g)
+    assert not act_order.sequential
+    torch.testing.assert_close(act_order(x), x @ dequantize(q, s, z, seq.flip(0)).T, atol=1e-5, rtol=1e-5)
+
+
 def test_gguf_float_min_quant_linear_takes_mins_or_zeros_not_both() -> None:
     q, s, m, g_idx, _ = _min_form()
     with pytest.raises(ValueError, match="either"):
