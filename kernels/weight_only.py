@@ -49,6 +49,12 @@ CPU_DEQUANT_ROWS = 4
 REFERENCE_CHUNK = 512 * 576
 
 
+def _tracing() -> bool:
+    """Under an exporter or the compiler, where a Python loop over chunks would be unrolled into the graph."""
+    return (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
+            or getattr(torch.compiler, "is_exporting", lambda: False)())
+
+
 def dequantize(q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, mins: Tensor | None = None) -> Tensor:
     """Reference: (q - z[:, g_idx]) * s[:, g_idx] (or q * s[:, g_idx] + m[:, g_idx] with float `mins`)
     in the scales' dtype, shape (N, K)."""
@@ -217,7 +223,7 @@ class QuantLinear(nn.Module):
                                          x.dtype).reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self.kernel == "reference":
-            if self.sequential and self.weight.device.type == "cpu":
+            if self.sequential and self.weight.device.type == "cpu" and not _tracing():
                 return self._reference_in_chunks(x)
             w = dequantize(self.weight, self.scales, getattr(self, "zeros", None), self.g_idx,
                            getattr(self, "mins", None)).to(x.dtype)
