@@ -55,9 +55,16 @@ def _tracing() -> bool:
             or getattr(torch.compiler, "is_exporting", lambda: False)())
 
 
-def dequantize(q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, mins: Tensor | None = None) -> Tensor:
+def dequantize(q: Tensor, scales: Tensor, zeros: Tensor, g_idx: Tensor, mins: Tensor | None = None,
+               group: int | None = None) -> Tensor:
     """Reference: (q - z[:, g_idx]) * s[:, g_idx] (or q * s[:, g_idx] + m[:, g_idx] with float `mins`)
-    in the scales' dtype, shape (N, K)."""
+    in the scales' dtype, shape (N, K). group: the groups are consecutive columns of this size (g_idx is
+    arange(K) // group), and the same arithmetic runs broadcast over (N, G, group) instead of gathered."""
+    if group is not None:
+        n, k = q.shape
+        q3 = q.reshape(n, k // group, group).to(scales.dtype)
+        s, off = scales[..., None], (mins if mins is not None else zeros)[..., None].to(scales.dtype)
+        return (q3 * s + off if mins is not None else (q3 - off) * s).reshape(n, k)
     g = g_idx.long()
     if mins is not None:
         return q.to(scales.dtype) * scales[:, g] + mins[:, g].to(scales.dtype)
@@ -232,21 +239,19 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _reference_in_chunks(self, x: Tensor) -> Tensor:
-        """The reference product on the CPU, REFERENCE_CHUNK weights at a time: each chunk of rows dequantised with
-        `dequantize`'s arithmetic (broadcast over consecutive groups instead of gathered by g_idx) and multiplied
-        while it is in cache, instead of the whole float weight written and read back every call."""
-        n, k, g = self.out_features, self.in_features, self.group_size
+        """The reference product on the CPU, REFERENCE_CHUNK weights at a time: each chunk of rows dequantised
+        (`dequantize` over consecutive groups) and multiplied while it is in cache, instead of the whole float weight
+        written and read back every call."""
+        n, k = self.out_features, self.in_features
         rows = max(1, REFERENCE_CHUNK // k)
         zeros, mins = getattr(self, "zeros", None), getattr(self, "mins", None)
         x2 = x.reshape(-1, k)
         out = x2.new_empty(x2.shape[0], n)
         for i in range(0, n, rows):
-            q = self.weight[i:i + rows].view(-1, k // g, g).to(self.scales.dtype)
-            s = self.scales[i:i + rows, :, None]
-            w = q * s + mins[i:i + rows, :, None].to(s.dtype) if mins is not None else \
-                (q - zeros[i:i + rows, :, None].to(s.dtype)) * s
-            out[:, i:i + rows] = F.linear(x2, w.view(-1, k).to(x.dtype),
-                                          None if self.bias is None else self.bias[i:i + rows])
+            part = slice(i, i + rows)
+            w = dequantize(self.weight[part], self.scales[part], None if zeros is None else zeros[part], self.g_idx,
+                           None if mins is None else mins[part], group=self.group_size)
+            out[:, part] = F.linear(x2, w.to(x.dtype), None if self.bias is None else self.bias[part])
         return out.reshape(*x.shape[:-1], n)
 
     @classmethod
