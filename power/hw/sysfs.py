@@ -35,12 +35,12 @@ def resolve(root: str | os.PathLike[str], path: str) -> str:
     Returns the host path, which may not exist.
     """
     root_s = os.path.normpath(os.path.abspath(os.fspath(root)))
-    base = root_s.rstrip("/")  # "" for root "/": a component is joined with one "/" either way
     parts = [p for p in path.split("/") if p and p != "."]
     parts.reverse()  # the next component is parts[-1]
     # stack[i]: the host path after i resolved components, so ".." and a link's re-rooting are a pop / reset,
-    # and each candidate is one concatenation (the twin resolves hundreds of paths a control tick)
-    stack = [root_s]
+    # and each candidate is one concatenation (the twin resolves hundreds of paths a control tick); stack[0] is
+    # the root without its trailing "/" ("" for the root "/"), so a component is joined with one "/" either way
+    stack = [root_s.rstrip("/")]
     hops = 0
     while parts:
         part = parts.pop()
@@ -48,7 +48,7 @@ def resolve(root: str | os.PathLike[str], path: str) -> str:
             if len(stack) > 1:
                 stack.pop()
             continue
-        candidate = (stack[-1] if len(stack) > 1 else base) + "/" + part
+        candidate = stack[-1] + "/" + part
         if os.path.islink(candidate):
             hops += 1
             if hops > _MAX_LINK_HOPS:
@@ -59,7 +59,7 @@ def resolve(root: str | os.PathLike[str], path: str) -> str:
             parts.extend(reversed([p for p in target.split("/") if p and p != "."]))
             continue
         stack.append(candidate)
-    return stack[-1]
+    return stack[-1] if len(stack) > 1 else root_s
 
 
 def to_board(root: str | os.PathLike[str], host_path: str) -> str:
