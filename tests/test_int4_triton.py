@@ -115,8 +115,6 @@ def test_fake_impls_give_shapes_and_dtypes_without_running_a_kernel() -> None:
 
 
 CASES = [(40, 256, 32, False, 32), (64, 512, 128, True, 64), (300, 384, 64, False, 128), (520, 1024, 128, False, 512)]
-# the parts of check_kernels, which the interpreter test runs as processes side by side
-KERNEL_CHECKS = ("check_gemv", "check_layer_and_split_k", "check_entries")
 
 
 def _tensor_dtypes(device: str) -> tuple[torch.dtype, ...]:
@@ -128,8 +126,8 @@ def _tensor_dtypes(device: str) -> tuple[torch.dtype, ...]:
 def check_kernels(device: str) -> None:
     """The GEMV, the dequantise kernel and the prefill GEMM against the reference on `device` (called in the
     interpreter on CPU and compiled on CUDA)."""
-    for name in KERNEL_CHECKS:
-        globals()[name](device)
+    for check in KERNEL_CHECKS:
+        check(device)
 
 
 def check_gemv(device: str) -> None:
@@ -310,6 +308,10 @@ def check_act8(device: str, cases: list[tuple[int, int, int, bool, int]]) -> Non
             it.ACT = default
 
 
+# the parts of check_kernels, which the interpreter test runs as processes side by side
+KERNEL_CHECKS = (check_gemv, check_layer_and_split_k, check_entries)
+
+
 def check_compile(device: str) -> None:
     """The custom ops under torch.compile(fullgraph=True): no graph break, same numbers as eager."""
     w = _weights(64, 256, 32, False, 3)
@@ -347,8 +349,8 @@ def check_compile(device: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
-@pytest.mark.interpreter(*(f"from tests.test_int4_triton import {f}; {f}('cpu')"
-                           for f in (*KERNEL_CHECKS, "check_compile")), timeout=300)
+@pytest.mark.interpreter(*(f"from tests.test_int4_triton import {f.__name__}; {f.__name__}('cpu')"
+                           for f in (*KERNEL_CHECKS, check_compile)), timeout=300)
 def test_int4_kernels_in_triton_interpreter(request: pytest.FixtureRequest) -> None:
     run_marked(request)
 

@@ -4,8 +4,6 @@ compiled kernels; on CPU the same comparison runs once in Triton's interpreter (
 TRITON_INTERPRET is read when the kernels are defined). The switch itself: off on CPU, refused there."""
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
@@ -14,8 +12,8 @@ from partition.checkpoint import load_model
 from partition.paths import DEFAULT_MODEL_DIR
 from partition.runners.torch_runner import TorchRunner
 from partition.slices import SliceSpec
+from triton_interpreter import HAS_TRITON, run_marked
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 PROMPTS = ([5, 17, 301, 88, 9, 1200, 33, 7, 64, 402], list(range(40, 90)), [2048, 11, 3, 999])
 
 
@@ -84,6 +82,4 @@ def test_kv_triton_is_off_on_cpu_and_refused() -> None:
 @pytest.mark.interpreter("import torch; from tests.test_kv_triton_model import compare, PROMPTS; "
                          "w = compare('cpu', torch.float32, 6, PROMPTS[:2]); assert w < 0.1, w", timeout=600)
 def test_triton_int8_path_matches_reference_in_interpreter(request: pytest.FixtureRequest) -> None:
-    from triton_interpreter import run_marked
-
     run_marked(request)
