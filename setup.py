@@ -13,7 +13,9 @@ setup(
     packages=find_packages(include=["agent", "agent.*", "power", "power.*", "partition", "partition.*", "kernels", "kernels.*"])
     + ["partition.shipped_models"],
     package_dir={"partition.shipped_models": "models"},
-    package_data={"power": ["profiles/*.toml"], "partition.shipped_models": ["*/*.json", "*/*.safetensors", "*/*.md"]},
+    # kernels/ort_q4.c: the exact 4-bit CPU operator, compiled on the user's machine on first use (kernels/ort_q4.py)
+    package_data={"power": ["profiles/*.toml"], "partition.shipped_models": ["*/*.json", "*/*.safetensors", "*/*.md"],
+                  "kernels": ["*.c"]},
     include_package_data=True,
     install_requires=[
         # torch>=2.2: the on-disk CPU build torch==2.13.0 satisfies it; JetPack's NVIDIA wheels too.

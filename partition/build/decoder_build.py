@@ -17,11 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, ACCURACY_SPLIT, DecoderWeights, QuantWeight, \
-    build_decoder, weights_from_gguf
+from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, ACCURACY_NATIVE, ACCURACY_SPLIT, \
+    DecoderWeights, QuantWeight, build_decoder, weights_from_gguf
 from partition.digest import sha256
 
-FORMAT = 5  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
+FORMAT = 6  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
 GRAPH = "decoder.onnx"
 MAX_ROPE = 1 << 17  # rotary cache rows are cheap (64 floats each for head_dim 128): cover any context
 
@@ -155,12 +155,22 @@ def _checkpoint_weights(model_dir: Path) -> DecoderWeights:
 #           ._split_input): 100 % on every text (2026-12-06), the int8 kernel's speed plus ~11 small nodes per
 #           layer input; faster than "fp32" where MLAS's fp32 kernel is slow (AVX2 without AVX-512: 12.6 against
 #           17.1 ms a SmolLM2 step on a 2-core AMD EPYC, docs/BENCHMARKS.md).
+#   "native": every 4-bit projection through orin-agent's own exact operator (kernels/ort_q4.c: fp32 activations,
+#           one node per projection, the MLP's activation inside the gate/up node), built with the machine's C
+#           compiler on first use; offered only where it builds (`exact_precisions`).
 #   "auto" (the default): the faster of the exact ones, measured once per model and machine
 #           (partition/runners/precision_choice.py).
 PRECISIONS: dict[str, tuple[int | dict[str, int], int]] = {
     "fp32": (ACCURACY_FP32, 32), "mixed": ({"default": ACCURACY_FP32, "gate_up": ACCURACY_INT8}, 32),
-    "int8": (ACCURACY_INT8, 32), "split": (ACCURACY_SPLIT, 32)}
-EXACT_PRECISIONS = ("fp32", "split")  # greedy tokens equal to the dequantised model's on all 2137 positions
+    "int8": (ACCURACY_INT8, 32), "split": (ACCURACY_SPLIT, 32), "native": (ACCURACY_NATIVE, 32)}
+EXACT_PRECISIONS = ("fp32", "split", "native")  # greedy tokens equal to the dequantised model's on all 2137 positions
+
+
+def exact_precisions() -> tuple[str, ...]:
+    """EXACT_PRECISIONS this machine can run: "native" only where kernels/ort_q4.c builds."""
+    from kernels import ort_q4
+
+    return tuple(p for p in EXACT_PRECISIONS if p != "native" or ort_q4.library() is not None)
 DEFAULT_PRECISION = "fp32"
 
 

@@ -43,6 +43,9 @@ IR_VERSION = 8
 # accuracy level (this module's own, beside MatMulNBits' 0 and 4): int8 kernels on split activations, x = x_hi + x_lo
 # with x_hi exactly on the kernel's int8 grid and x_lo the residual (`_Graph._split_input`)
 ACCURACY_SPLIT = -4
+# and the exact 4-bit custom operator of kernels/ort_q4.c (fp32 activations, a node per projection, the MLP's
+# activation inside the gate/up node): a graph at this level needs that library registered in its session
+ACCURACY_NATIVE = -5
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,7 @@ class _Graph:
         self.inits: list[Any] = []
         self.levels = dict(accuracy_level) if isinstance(accuracy_level, dict) else {}
         self.split_cache: dict[str, tuple[str, str]] = {}
+        self.native = False  # whether a node of kernels/ort_q4.c's operator was added
         self.default_level = (accuracy_level if isinstance(accuracy_level, int)
                               else self.levels.get("default", ACCURACY_INT8))
 
@@ -191,7 +195,10 @@ class _Graph:
                 raise ValueError(f"{prefix}: MatMulNBits takes groups of {BLOCK_SIZES}; this weight has groups "
                                  f"of {w.group}")
             level = self.level(prefix)
-            if level == ACCURACY_SPLIT or (w.bits == 8 and w.mins is None and level != ACCURACY_INT8):
+            if level == ACCURACY_NATIVE and self._native_linear(prefix, x, out, w):
+                pass  # else (an 8-bit weight, or a shape or scales it does not take): as split, below
+            elif (level in (ACCURACY_SPLIT, ACCURACY_NATIVE)
+                  or (w.bits == 8 and w.mins is None and level != ACCURACY_INT8)):
                 # 8-bit codes with fp32 activations: MLAS's 8-bit fp32 path dequantises every call, and the
                 # nibble split below reads the codes twice; the split input through its int8 kernel is 1.44x the
                 # nibble split on the shipped model's Q8_0 (555 -> 800 tok/s, 2 threads) with greedy tokens
@@ -206,6 +213,28 @@ class _Graph:
                                            self.level(prefix)))
         if bias is not None:
             self.node("Add", [out, self.const(f"{prefix}.bias", np.asarray(bias, np.float32))], [y], f"{prefix}.add")
+
+    def _native_linear(self, prefix: str, x: str, y: str, w: QuantWeight, glu: bool = False) -> bool:
+        """y = x @ w^T through orin_agent.Q4MatMul (kernels/ort_q4.c), for a 4-bit weight of a shape it takes;
+        False (nothing added) otherwise. glu: w is gate rows then up rows, and y = silu(gate) * up."""
+        from kernels import ort_q4
+
+        n, k = w.codes.shape
+        if w.bits != 4 or not ort_q4.fits(n, k, w.group, glu):
+            return False
+        try:
+            packed = ort_q4.pack(w.codes, w.scales, w.mins, w.zeros)
+        except ValueError:  # scales or minimums half precision would round: not this operator's weight
+            return False
+        if glu:
+            order = ort_q4.glu_rows(n // 2)
+            packed = ort_q4.Q4Weight(packed.codes[order], packed.scales[order], packed.mins[order])
+        self.node(ort_q4.OP, [x, self.const(f"{prefix}.q4codes", packed.codes),
+                              self.const(f"{prefix}.q4scales", packed.scales),
+                              self.const(f"{prefix}.q4mins", packed.mins)], [y], prefix, domain=ort_q4.DOMAIN,
+                  **({"glu": 1} if glu else {}))
+        self.native = True
+        return True
 
     def _split_input(self, x: str, k: int, block: int, rank: int) -> tuple[str, str]:
         """x (..., K) -> (x in blocks (..., K / block, block), [x; x_lo] concatenated along the row axis).
@@ -399,16 +428,20 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
         residual = f"{p}.res_mid"
         inter = cfg.intermediate_size
         gate_up = _concat([lw.gate, lw.up])
-        if gate_up is not None:
+        if (isinstance(gate_up, QuantWeight) and g.level(f"{p}.gate_up") == ACCURACY_NATIVE
+                and g._native_linear(f"{p}.gate_up", f"{p}.mn", f"{p}.act", gate_up, glu=True)):
+            pass  # the activation is inside the node
+        elif gate_up is not None:
             g.linear(f"{p}.gate_up", f"{p}.mn", f"{p}.gu", gate_up)
             g.node("Split", [f"{p}.gu", g.const(f"{p}.split", np.array([inter, inter], np.int64))],
                    [f"{p}.gate_out", f"{p}.up_out"], f"{p}.split", axis=-1)
         else:
             g.linear(f"{p}.gate", f"{p}.mn", f"{p}.gate_out", lw.gate)
             g.linear(f"{p}.up", f"{p}.mn", f"{p}.up_out", lw.up)
-        g.node("Sigmoid", [f"{p}.gate_out"], [f"{p}.sig"], f"{p}.sigmoid")
-        g.node("Mul", [f"{p}.gate_out", f"{p}.sig"], [f"{p}.silu"], f"{p}.silu")
-        g.node("Mul", [f"{p}.silu", f"{p}.up_out"], [f"{p}.act"], f"{p}.act")
+        if f"{p}.act" not in g.nodes[-1].output:
+            g.node("Sigmoid", [f"{p}.gate_out"], [f"{p}.sig"], f"{p}.sigmoid")
+            g.node("Mul", [f"{p}.gate_out", f"{p}.sig"], [f"{p}.silu"], f"{p}.silu")
+            g.node("Mul", [f"{p}.silu", f"{p}.up_out"], [f"{p}.act"], f"{p}.act")
         g.linear(f"{p}.down", f"{p}.act", f"{p}.down_out", lw.down)
         x = f"{p}.down_out"
     # only each row's last position goes through the final norm and the head
@@ -424,9 +457,18 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
         _rescored_head(g, head, weights.head is None, rescore_top)
     else:
         g.linear("lm_head", "hn", "logits", head)
+    levels = (accuracy_level,) if isinstance(accuracy_level, int) else tuple(accuracy_level.values())
+    native_asked = ACCURACY_NATIVE in levels
+    if native_asked and not g.native:
+        raise ValueError("no projection of this model fits orin-agent's native 4-bit operator (it takes 4-bit weights "
+                         "whose scales and minimums are half-precision values, K a multiple of 64); use split or fp32")
     graph = helper.make_graph(g.nodes, "decoder", inputs, outputs, g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
-                              producer_name="orin-agent")
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
+    if g.native:
+        from kernels.ort_q4 import DOMAIN
+
+        opsets.append(helper.make_opsetid(DOMAIN, 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="orin-agent")
     model.ir_version = IR_VERSION
     return model
 

@@ -48,6 +48,8 @@ class OrtDecoderRunner(SliceRunner):
         self.max_seq, self.max_batch, self.options = max_seq, max_batch, options
         self.providers = resolve_providers(providers)
         so = session_options(options, spin_default=SPINS_BY_DEFAULT)
+        if options.activations in ("native", "auto"):
+            native_session(so, options)
         src = model if isinstance(model, bytes) else str(model)
         self.session = ort.InferenceSession(src, so, providers=self.providers)
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -151,6 +153,22 @@ class OrtDecoderRunner(SliceRunner):
         return logits[:, -1].copy()
 
 
+def native_session(so: ort.SessionOptions, options: OrtOptions) -> None:
+    """Register kernels/ort_q4.c's operator (a graph at "native" precision runs it) and size its thread team to the
+    session's threads. A "native" graph without the library is a clear error, not onnxruntime's unknown-operator
+    message; under "auto" the library is registered where it builds."""
+    from kernels import ort_q4
+
+    path = ort_q4.library()
+    if path is None:
+        if options.activations == "native":
+            raise RuntimeError(f"--activations native needs orin-agent's exact 4-bit kernel, which did not build here: "
+                               f"{ort_q4.unavailable()}; use --activations split or fp32")
+        return
+    so.register_custom_ops_library(str(path))
+    ort_q4.set_threads(options.intra_op_threads)
+
+
 def load_decoder_runner(model: str | Path, n_layers: int, max_seq: int, max_batch: int = 1,
                         providers: Sequence[str | tuple[str, dict[str, Any]]] | None = None,
                         options: OrtOptions | None = None, cache_dir: str | Path | None = None,
@@ -172,8 +190,8 @@ def resolve_precision(model: str | Path, n_layers: int,
                       options: OrtOptions | None = None, cache_dir: str | Path | None = None,
                       log: Any = None) -> PrecisionChoice:
     """What activations "auto" stands for with this model, these providers and threads: the measured-fastest of
-    decoder_build.EXACT_PRECISIONS on this machine (partition/runners/precision_choice.py; cached)."""
-    from partition.build.decoder_build import EXACT_PRECISIONS, _source_key, default_cache_dir, ensure_decoder, \
+    decoder_build.exact_precisions() on this machine (partition/runners/precision_choice.py; cached)."""
+    from partition.build.decoder_build import _source_key, default_cache_dir, ensure_decoder, exact_precisions, \
         weights_size
     from partition.runners.precision_choice import choose_precision
 
@@ -184,7 +202,7 @@ def resolve_precision(model: str | Path, n_layers: int,
         path = ensure_decoder(model, precision, cache_dir=root, log=log)
         return OrtDecoderRunner(path, n_layers, 256, 1, providers, replace(options, activations=precision))
 
-    return choose_precision(Path(model), _source_key(Path(model)), make_runner, EXACT_PRECISIONS,
+    return choose_precision(Path(model), _source_key(Path(model)), make_runner, exact_precisions(),
                             options.intra_op_threads, root, log, weights_size(Path(model)))  # keyed on what runs
 
 

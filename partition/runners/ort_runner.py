@@ -39,7 +39,7 @@ class ProviderUnavailable(ValueError):
     """An execution provider was asked for that this onnxruntime build does not have."""
 
 
-ACTIVATIONS = ("auto", "fp32", "split", "mixed", "int8")  # decoder_build.PRECISIONS and "auto"
+ACTIVATIONS = ("auto", "fp32", "split", "native", "mixed", "int8")  # decoder_build.PRECISIONS and "auto"
 
 
 @dataclass(frozen=True)

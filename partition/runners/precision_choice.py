@@ -81,14 +81,14 @@ def measure(make_runner: Callable[[str], Any], precisions: Sequence[str], rounds
     """Median decode-step ms per precision. interleave: all runners loaded at once and their rounds interleaved (a
     load that comes and goes hits each alike); else each is made, timed and dropped before the next (one model's
     memory at a time). make_runner(precision) -> a runner of that precision's graph. A precision whose graph cannot
-    be built or loaded for this model (ValueError, or onnxruntime's RuntimeError) is left out, said on `log`; if
-    none can be, the first one's error is raised."""
+    be built or loaded for this model (ValueError, onnxruntime's RuntimeError, or an ImportError of what building it
+    needs) is left out, said on `log`; if none can be, the first one's error is raised."""
     errors: list[Exception] = []
 
     def make(p: str) -> Any:
         try:
             runner = make_runner(p)
-        except (ValueError, RuntimeError) as exc:
+        except (ValueError, RuntimeError, ImportError) as exc:
             errors.append(exc)
             if log:
                 log(f"precision {p} left out of the choice: {type(exc).__name__}: {str(exc)[:200]}")

@@ -1,0 +1,580 @@
+/* orin-agent's exact 4-bit weight-only matmul as an ONNX Runtime custom operator (kernels/ort_q4.py builds and
+ * loads this file; partition/build/ort_decoder.py emits the nodes).
+ *
+ *   orin_agent.Q4MatMul(X float (..., K), codes uint32 (N, K / 64, 8), scales, mins float16 (N, K / G))
+ *       -> Y float (..., N)               Y = X @ (scales * q + mins)^T, per group of G columns (G a multiple of 32)
+ *   attribute glu = 1: the rows come in tiles of 8 (4 gate rows, then the 4 up rows of the same outputs) and
+ *       Y (..., N / 2) = silu(gate) * up, the MLP's gate/up projection and its activation in one node.
+ *
+ * Codes are in "lanes" order: per row, 64 columns at a time as 8 uint32 words, nibble j of word l = column 8 j + l,
+ * so one shift and one mask give 8 consecutive columns' codes in 8 SIMD lanes. Arithmetic is fp32 throughout:
+ * one row of X at a time, per 32 columns sum(q * x) in fp32, times the group's scale, plus the group's minimum
+ * times the sum of those 32 x; several rows of X at a time (prefill) dequantise 4 weight rows once into fp32 and
+ * take fp32 dot products. Either is the dequantised float model's product to fp32 rounding (no int8 activations).
+ *
+ * Threads: a team of this library's own (orin_q4_set_threads), the caller plus threads - 1 workers that spin
+ * for a while after each call and then sleep on a condition variable. ONNX Runtime's own pool is not reachable
+ * from a custom operator of this API version.
+ *
+ * The ONNX Runtime C API is used through its function table (OrtApi), whose order is append-only and stable
+ * across releases; only entries of its first version (onnxruntime 1.2) are used, at the positions that
+ * onnxruntime's include/onnxruntime/core/session/onnxruntime_c_api.h gives them, and the OrtCustomOp structure is
+ * filled in its version-8 layout (onnxruntime 1.8), which every later release accepts. No header of
+ * ONNX Runtime is needed to build this file: none ships in the packages this project can install.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define Q4_AVX2 1
+#else
+#define Q4_AVX2 0
+#endif
+
+/* ---- the part of ONNX Runtime's C API used here ---- */
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtValue OrtValue;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtTensorTypeAndShapeInfo OrtShape;
+typedef void *const *OrtApiTable;
+typedef struct {
+  OrtApiTable (*GetApi)(uint32_t version);
+  const char *(*GetVersionString)(void);
+} OrtApiBase;
+
+enum { /* positions in OrtApi (version 1 of the API) */
+  API_CREATE_STATUS = 0, API_CREATE_CUSTOM_OP_DOMAIN = 26, API_CUSTOM_OP_DOMAIN_ADD = 27, API_ADD_CUSTOM_OP_DOMAIN = 28,
+  API_GET_TENSOR_MUTABLE_DATA = 51, API_GET_DIMENSIONS_COUNT = 61, API_GET_DIMENSIONS = 62,
+  API_GET_TENSOR_TYPE_AND_SHAPE = 65, API_KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86, API_KERNEL_CONTEXT_GET_INPUT = 90,
+  API_KERNEL_CONTEXT_GET_OUTPUT = 91, API_RELEASE_STATUS = 93, API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99
+};
+enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
+enum { TYPE_FLOAT = 1, TYPE_FLOAT16 = 10, TYPE_UINT32 = 12 };
+#define CUSTOM_OP_VERSION 8
+
+typedef struct OrtCustomOp {
+  uint32_t version;
+  void *(*CreateKernel)(const struct OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info);
+  const char *(*GetName)(const struct OrtCustomOp *op);
+  const char *(*GetExecutionProviderType)(const struct OrtCustomOp *op);
+  int (*GetInputType)(const struct OrtCustomOp *op, size_t index);
+  size_t (*GetInputTypeCount)(const struct OrtCustomOp *op);
+  int (*GetOutputType)(const struct OrtCustomOp *op, size_t index);
+  size_t (*GetOutputTypeCount)(const struct OrtCustomOp *op);
+  void (*KernelCompute)(void *kernel, OrtKernelContext *context);
+  void (*KernelDestroy)(void *kernel);
+  int (*GetInputCharacteristic)(const struct OrtCustomOp *op, size_t index);
+  int (*GetOutputCharacteristic)(const struct OrtCustomOp *op, size_t index);
+} OrtCustomOp;
+
+typedef OrtStatus *(*CreateStatusFn)(int code, const char *msg);
+typedef void (*ReleaseStatusFn)(OrtStatus *);
+typedef OrtStatus *(*CreateCustomOpDomainFn)(const char *domain, OrtCustomOpDomain **out);
+typedef OrtStatus *(*CustomOpDomainAddFn)(OrtCustomOpDomain *domain, const OrtCustomOp *op);
+typedef OrtStatus *(*AddCustomOpDomainFn)(OrtSessionOptions *options, OrtCustomOpDomain *domain);
+typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *ctx, size_t index, const OrtValue **out);
+typedef OrtStatus *(*GetOutputFn)(OrtKernelContext *ctx, size_t index, const int64_t *dims, size_t n, OrtValue **out);
+typedef OrtStatus *(*GetDataFn)(OrtValue *value, void **out);
+typedef OrtStatus *(*GetShapeFn)(const OrtValue *value, OrtShape **out);
+typedef OrtStatus *(*GetDimsCountFn)(const OrtShape *info, size_t *out);
+typedef OrtStatus *(*GetDimsFn)(const OrtShape *info, int64_t *dims, size_t n);
+typedef void (*ReleaseShapeFn)(OrtShape *);
+typedef OrtStatus *(*GetAttrIntFn)(const OrtKernelInfo *info, const char *name, int64_t *out);
+
+static OrtApiTable api;
+#define API(type, index) ((type)api[index])
+
+/* ---- the thread team ---- */
+#define MAX_THREADS 64
+#define SPIN_NS 2000000L /* a worker spins this long after a call before it sleeps (a decode step's calls come
+                            every few tens of microseconds; a pause between requests lets it sleep) */
+typedef void (*task_fn)(void *arg, int part, int parts);
+#define CHUNK_ROWS 64 /* weight rows a thread takes at a time (a multiple of 8, glu's tile) */
+static struct {
+  pthread_mutex_t lock;
+  pthread_cond_t wake;
+  atomic_uint gen;
+  atomic_int sleepers, done;
+  task_fn fn;
+  void *arg;
+  int threads, started;
+  pthread_t ids[MAX_THREADS];
+} team = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 1, 1, {0}};
+static pthread_mutex_t team_setup = PTHREAD_MUTEX_INITIALIZER;
+
+static long now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+typedef struct {
+  int part;
+  unsigned gen; /* the call count when the worker was made: it answers every later call */
+} start_args;
+
+static void *worker(void *p) {
+  start_args a = *(start_args *)p;
+  free(p);
+  int part = a.part;
+  unsigned seen = a.gen;
+  for (;;) {
+    long until = now_ns() + SPIN_NS;
+    int n = 0;
+    while (atomic_load_explicit(&team.gen, memory_order_acquire) == seen) {
+      cpu_relax();
+      if (++n % 1024 == 0 && now_ns() > until) {
+        pthread_mutex_lock(&team.lock);
+        atomic_fetch_add(&team.sleepers, 1);
+        while (atomic_load(&team.gen) == seen) pthread_cond_wait(&team.wake, &team.lock);
+        atomic_fetch_sub(&team.sleepers, 1);
+        pthread_mutex_unlock(&team.lock);
+      }
+    }
+    seen = atomic_load(&team.gen);
+    if (part < team.threads) team.fn(team.arg, part, team.threads);
+    atomic_fetch_add_explicit(&team.done, 1, memory_order_acq_rel);
+  }
+  return NULL;
+}
+
+/* Threads for every later call, the caller included (1: no workers). Workers are started once and kept. */
+int orin_q4_set_threads(int threads) {
+  if (threads < 1) threads = 1;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+  pthread_mutex_lock(&team_setup);
+  for (; team.started < threads; team.started++) {
+    start_args *a = malloc(sizeof(start_args));
+    if (!a) break;
+    a->part = team.started;
+    a->gen = atomic_load(&team.gen); /* no call runs meanwhile: run_team holds team_setup too */
+    if (pthread_create(&team.ids[team.started], NULL, worker, a) != 0) {
+      free(a);
+      break;
+    }
+  }
+  team.threads = team.started < threads ? team.started : threads;
+  pthread_mutex_unlock(&team_setup);
+  return team.threads;
+}
+
+int orin_q4_threads(void) { return team.threads; }
+
+static void run_team(task_fn fn, void *arg) {
+  int workers = team.started - 1; /* every started worker answers each call; those past `threads` do nothing */
+  if (team.threads == 1 || workers == 0) {
+    fn(arg, 0, 1);
+    return;
+  }
+  pthread_mutex_lock(&team_setup); /* one call at a time: sessions on several Python threads share the team */
+  team.fn = fn;
+  team.arg = arg;
+  atomic_store(&team.done, 0);
+  atomic_fetch_add(&team.gen, 1);
+  if (atomic_load(&team.sleepers) > 0) {
+    pthread_mutex_lock(&team.lock);
+    pthread_cond_broadcast(&team.wake);
+    pthread_mutex_unlock(&team.lock);
+  }
+  fn(arg, 0, team.threads);
+  while (atomic_load_explicit(&team.done, memory_order_acquire) < workers) cpu_relax();
+  pthread_mutex_unlock(&team_setup);
+}
+
+/* ---- the arithmetic ---- */
+typedef struct {
+  const float *x;     /* (m, k) */
+  const float *xg;    /* (m, k / group): sums of x over each group of columns (the minimums' term) */
+  const uint32_t *codes;
+  const uint16_t *scales, *mins; /* IEEE half precision: GGUF's own d and m, exactly */
+  float *y;           /* (m, n) or (m, n / 2) with glu */
+  int m, k, n, group, glu;
+  int shift;          /* log2(group / 32): the group of a 32-column block b is b >> shift */
+  atomic_int next;    /* the next chunk of weight rows a thread takes */
+} problem;
+
+#if Q4_AVX2
+/* exp(x) for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial), within a few
+   ulp of expf over its range; the MLP's silu over a whole row without a libm call per element */
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u */
+static void silu_mul(const float *g, const float *u, float *out, int count) {
+  int i = 0;
+#if Q4_AVX2
+  for (; i + 8 <= count; i += 8) {
+    __m256 gv = _mm256_loadu_ps(g + i);
+    __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < count; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* Rows [n0, n1) of the weight (a multiple of 4 apart) against one row of x: acc[r] = sum over 32-column halves of
+   scale * sum(q * x), then + sum over groups of min * sum(x). */
+/* an IEEE half as a float (exact: every half is a float) */
+static inline float h2f(uint16_t h) {
+#if Q4_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, f = h & 1023;
+  uint32_t bits;
+  if (e == 31) {
+    bits = sign | 0x7F800000u | (f << 13);
+  } else if (e != 0) {
+    bits = sign | ((e + 112) << 23) | (f << 13);
+  } else { /* zero or subnormal: f * 2^-24 */
+    float v = (float)f * 5.9604644775390625e-8f;
+    memcpy(&bits, &v, 4);
+    bits |= sign;
+  }
+  float out;
+  memcpy(&out, &bits, 4);
+  return out;
+#endif
+}
+
+/* the sum of n floats, n a multiple of 32 */
+static inline float vsum(const float *a, int n) {
+#if Q4_AVX2
+  __m256 s0 = _mm256_loadu_ps(a), s1 = _mm256_loadu_ps(a + 8), s2 = _mm256_loadu_ps(a + 16),
+         s3 = _mm256_loadu_ps(a + 24);
+  for (int i = 32; i < n; i += 32) {
+    s0 = _mm256_add_ps(s0, _mm256_loadu_ps(a + i));
+    s1 = _mm256_add_ps(s1, _mm256_loadu_ps(a + i + 8));
+    s2 = _mm256_add_ps(s2, _mm256_loadu_ps(a + i + 16));
+    s3 = _mm256_add_ps(s3, _mm256_loadu_ps(a + i + 24));
+  }
+  s0 = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+  t = _mm_hadd_ps(t, t);
+  t = _mm_hadd_ps(t, t);
+  return _mm_cvtss_f32(t);
+#else
+  float s = 0;
+  for (int i = 0; i < n; i++) s += a[i];
+  return s;
+#endif
+}
+
+static inline float dot(const float *a, const float *b, int k) {
+#if Q4_AVX2
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= k; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  s0 = _mm256_add_ps(s0, s1);
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+  t = _mm_hadd_ps(t, t);
+  t = _mm_hadd_ps(t, t);
+  float s = _mm_cvtss_f32(t);
+  for (; i < k; i++) s += a[i] * b[i];
+  return s;
+#else
+  float s = 0;
+  for (int i = 0; i < k; i++) s += a[i] * b[i];
+  return s;
+#endif
+}
+
+/* sum of h[i] * b[i], h in half precision */
+static inline float dot_h(const uint16_t *h, const float *b, int k) {
+  int i = 0;
+  float s = 0;
+#if Q4_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= k; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))), _mm256_loadu_ps(b + i), acc);
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  t = _mm_hadd_ps(t, t);
+  t = _mm_hadd_ps(t, t);
+  s = _mm_cvtss_f32(t);
+#endif
+  for (; i < k; i++) s += h2f(h[i]) * b[i];
+  return s;
+}
+
+/* Contracting a dequantised weight's product and sum into one FMA would round it unlike the float model: off for
+   that function. (GCC's own vectoriser rewrites the intrinsic loops below for the worse, 1.4x slower here; the
+   build turns it off on x86, kernels/ort_q4.py FLAGS, where these loops are the AVX2 ones.) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_CONTRACT
+#endif
+
+#if Q4_AVX2
+/* Four weight rows against one row of x; plain arguments, so the compiler keeps the 4 x 2 accumulators in registers
+   (read through the problem structure, the same loop ran 1.5-1.8x slower here) */
+static inline __attribute__((always_inline)) void rows4_impl(const float *x, const uint32_t *c0, int words,
+                                                             const uint16_t *d0, int gk, int k, int shift, float *res) {
+  const __m256i mask = _mm256_set1_epi32(15);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int i = 0; i < k / 64; i++) {
+    __m256i v[4];
+    for (int r = 0; r < 4; r++) v[r] = _mm256_loadu_si256((const __m256i *)(c0 + (size_t)r * words + 8 * i));
+    for (int h = 0; h < 2; h++) {
+      __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int j = 0; j < 4; j++) {
+        __m256 xv = _mm256_loadu_ps(x + 64 * i + 32 * h + 8 * j);
+        for (int r = 0; r < 4; r++)
+          s[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[r], 16 * h + 4 * j), mask)),
+                                 xv, s[r]);
+      }
+      const int gi = (2 * i + h) >> shift;
+      for (int r = 0; r < 4; r++) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(d0[(size_t)r * gk + gi])), s[r], acc[r]);
+    }
+  }
+  for (int r = 0; r < 4; r++) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    a = _mm_hadd_ps(a, a);
+    a = _mm_hadd_ps(a, a);
+    res[r] = _mm_cvtss_f32(a);
+  }
+}
+
+/* groups of 32 (GGUF's Q4_0 / Q4_1) with the group index a constant expression of the loop */
+static void rows4(const float *x, const uint32_t *c0, int words, const uint16_t *d0, int gk, int k, int shift,
+                  float *res) {
+  if (shift == 0)
+    rows4_impl(x, c0, words, d0, gk, k, 0, res);
+  else
+    rows4_impl(x, c0, words, d0, gk, k, shift, res);
+}
+#endif
+
+static void gemv_rows(const problem *p, int row, int n0, int n1, float *out) {
+  const int words = p->k / 64 * 8, gk = p->k / p->group, per = p->group / 32;
+  const float *x = p->x + (size_t)row * p->k, *xg = p->xg + (size_t)row * gk;
+  (void)per;
+  for (int n = n0; n < n1; n += 4) {
+    float res[4];
+#if Q4_AVX2
+    rows4(x, p->codes + (size_t)n * words, words, p->scales + (size_t)n * gk, gk, p->k, p->shift, res);
+#else
+    for (int r = 0; r < 4; r++) {
+      const uint32_t *c = p->codes + (size_t)(n + r) * words;
+      float acc = 0;
+      for (int b = 0; b < p->k / 32; b++) {
+        float lanes[8] = {0};
+        int i = b / 2, h = b % 2;
+        for (int j = 0; j < 4; j++)
+          for (int l = 0; l < 8; l++)
+            lanes[l] += (float)((c[8 * i + l] >> (16 * h + 4 * j)) & 15) * x[32 * b + 8 * j + l];
+        float s = 0;
+        for (int l = 0; l < 8; l++) s += lanes[l];
+        acc += h2f(p->scales[(size_t)(n + r) * gk + b / per]) * s;
+      }
+      res[r] = acc;
+    }
+#endif
+    for (int r = 0; r < 4; r++) out[n - n0 + r] = res[r] + dot_h(p->mins + (size_t)(n + r) * gk, xg, gk);
+  }
+}
+
+/* Weight rows n .. n + 3 as fp32 (4, k): scale * q + min, rounded as the float model's dequantisation is (the file
+   is built without FP contraction, NO_CONTRACT: the product and the sum round separately). */
+NO_CONTRACT static void dequant4(const problem *p, int n, float *w) {
+  const int words = p->k / 64 * 8, gk = p->k / p->group;
+  for (int r = 0; r < 4; r++) {
+    const uint32_t *c = p->codes + (size_t)(n + r) * words;
+    const uint16_t *sc = p->scales + (size_t)(n + r) * gk, *mn = p->mins + (size_t)(n + r) * gk;
+    float *wr = w + (size_t)r * p->k;
+    for (int i = 0; i < p->k / 64; i++)
+      for (int j = 0; j < 8; j++) {
+        const int col = 64 * i + 8 * j, g = col / p->group;
+        const float s = h2f(sc[g]), m = h2f(mn[g]);
+        for (int l = 0; l < 8; l++) wr[col + l] = (float)((c[8 * i + l] >> (4 * j)) & 15) * s + m;
+      }
+  }
+}
+
+
+static void store(const problem *p, float *yrow, int n, const float *v, int count) {
+  /* count results for weight rows n ..: with glu, tiles of 8 rows (4 gate, 4 up) give 4 outputs each */
+  if (!p->glu) {
+    memcpy(yrow + n, v, sizeof(float) * count);
+    return;
+  }
+  float g[CHUNK_ROWS / 2], u[CHUNK_ROWS / 2];
+  for (int t = 0; t < count / 8; t++)
+    for (int r = 0; r < 4; r++) {
+      g[4 * t + r] = v[8 * t + r];
+      u[4 * t + r] = v[8 * t + 4 + r];
+    }
+  silu_mul(g, u, yrow + n / 2, count / 2);
+}
+
+/* Threads take chunks of CHUNK_ROWS weight rows from a shared counter, so a thread on a slower or busier core takes
+   fewer (2 vCPUs of one cloud machine here ran this kernel 1.65x apart; an even split waited for the slow one). */
+static void task(void *arg, int part, int parts) {
+  problem *p = arg;
+  (void)part;
+  (void)parts;
+  const int tile = p->glu ? 8 : 4, out_n = p->glu ? p->n / 2 : p->n;
+  float *w = NULL;
+  if (p->m >= 4 && !(w = malloc(sizeof(float) * 8 * (size_t)p->k))) return;
+  for (;;) {
+    const int n0 = atomic_fetch_add(&p->next, 1) * CHUNK_ROWS;
+    if (n0 >= p->n) break;
+    const int n1 = n0 + CHUNK_ROWS < p->n ? n0 + CHUNK_ROWS : p->n;
+    if (p->m < 4) {
+      float buf[CHUNK_ROWS];
+      for (int row = 0; row < p->m; row++) {
+        gemv_rows(p, row, n0, n1, buf);
+        store(p, p->y + (size_t)row * out_n, n0, buf, n1 - n0);
+      }
+      continue;
+    }
+    for (int n = n0; n < n1; n += tile) {
+      dequant4(p, n, w);
+      if (tile == 8) dequant4(p, n + 4, w + 4 * (size_t)p->k);
+      for (int row = 0; row < p->m; row++) {
+        float v[8];
+        const float *xr = p->x + (size_t)row * p->k;
+        for (int r = 0; r < tile; r++) v[r] = dot(w + (size_t)r * p->k, xr, p->k);
+        store(p, p->y + (size_t)row * out_n, n, v, tile);
+      }
+    }
+  }
+  free(w);
+}
+
+/* y = x @ w^T on plain pointers (the tests and scripts/bench_weight_only.py call this through ctypes) */
+void orin_q4_matmul(const float *x, int m, int k, int n, const uint32_t *codes, const uint16_t *scales,
+                    const uint16_t *mins,
+                    int group, int glu, float *y) {
+  const int gk = k / group;
+  float *xg = malloc(sizeof(float) * (size_t)m * gk + 1);
+  for (int row = 0; row < m; row++)
+    for (int g = 0; g < gk; g++) xg[(size_t)row * gk + g] = vsum(x + (size_t)row * k + (size_t)g * group, group);
+  int shift = 0;
+  while ((32 << shift) < group) shift++;
+  problem p = {x, xg, codes, scales, mins, y, m, k, n, group, glu, shift, 0};
+  run_team(task, &p);
+  free(xg);
+}
+
+/* ---- the operator ---- */
+typedef struct {
+  int glu;
+} kernel;
+
+static int64_t dims_of(const OrtValue *v, int64_t *dims, size_t cap) {
+  OrtShape *info = NULL;
+  size_t nd = 0;
+  if (API(GetShapeFn, API_GET_TENSOR_TYPE_AND_SHAPE)(v, &info)) return -1;
+  API(GetDimsCountFn, API_GET_DIMENSIONS_COUNT)(info, &nd);
+  if (nd > cap) nd = cap;
+  API(GetDimsFn, API_GET_DIMENSIONS)(info, dims, nd);
+  API(ReleaseShapeFn, API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO)(info);
+  return (int64_t)nd;
+}
+
+static void *data_of(const OrtValue *v) {
+  void *d = NULL;
+  API(GetDataFn, API_GET_TENSOR_MUTABLE_DATA)((OrtValue *)v, &d);
+  return d;
+}
+
+static void compute(void *kp, OrtKernelContext *ctx) {
+  const kernel *kn = kp;
+  const OrtValue *in[4];
+  int64_t xd[8], cd[8], sd[8], md[8];
+  for (size_t i = 0; i < 4; i++) API(GetInputFn, API_KERNEL_CONTEXT_GET_INPUT)(ctx, i, &in[i]);
+  int64_t xr = dims_of(in[0], xd, 8), cr = dims_of(in[1], cd, 8);
+  int64_t sr = dims_of(in[2], sd, 8), mr = dims_of(in[3], md, 8);
+  int64_t k = xr > 0 ? xd[xr - 1] : 0, n = cr == 3 ? cd[0] : 0, m = 1;
+  for (int64_t i = 0; i + 1 < xr; i++) m *= xd[i];
+  int64_t gk = sr == 2 ? sd[1] : 0;
+  int ok = xr >= 1 && cr == 3 && sr == 2 && mr == 2 && k > 0 && k % 64 == 0 && cd[1] == k / 64 && cd[2] == 8 &&
+           sd[0] == n && gk > 0 && k % gk == 0 && (k / gk) % 32 == 0 && (((k / gk) / 32) & ((k / gk) / 32 - 1)) == 0 &&
+           md[0] == n && md[1] == gk &&
+           n % (kn->glu ? 8 : 4) == 0;
+  int64_t od[8];
+  memcpy(od, xd, sizeof(int64_t) * (size_t)(xr > 0 ? xr : 1));
+  od[xr > 0 ? xr - 1 : 0] = kn->glu ? n / 2 : n;
+  OrtValue *out = NULL;
+  API(GetOutputFn, API_KERNEL_CONTEXT_GET_OUTPUT)(ctx, 0, od, (size_t)(xr > 0 ? xr : 1), &out);
+  float *y = data_of(out);
+  if (!ok) { /* shapes the Python side never writes: NaN, so the caller's result cannot pass as a number */
+    int64_t total = m * (kn->glu ? n / 2 : n);
+    for (int64_t i = 0; i < total; i++) y[i] = NAN;
+    return;
+  }
+  orin_q4_matmul(data_of(in[0]), (int)m, (int)k, (int)n, data_of(in[1]), data_of(in[2]), data_of(in[3]),
+                 (int)(k / gk), kn->glu, y);
+}
+
+static void *create_kernel(const OrtCustomOp *op, OrtApiTable table, const OrtKernelInfo *info) {
+  (void)op;
+  (void)table;
+  kernel *k = calloc(1, sizeof(kernel));
+  int64_t glu = 0;
+  OrtStatus *st = API(GetAttrIntFn, API_KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "glu", &glu);
+  if (st) API(ReleaseStatusFn, API_RELEASE_STATUS)(st); /* absent: 0 */
+  if (k) k->glu = glu != 0;
+  return k;
+}
+
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "Q4MatMul"; }
+static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == 0 ? TYPE_FLOAT : i == 1 ? TYPE_UINT32 : TYPE_FLOAT16;
+}
+static size_t input_count(const OrtCustomOp *op) { (void)op; return 4; }
+static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
+static void destroy(void *k) { free(k); }
+static int required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
+
+static const OrtCustomOp q4_op = {CUSTOM_OP_VERSION, create_kernel, op_name, op_provider, input_type, input_count,
+                                  output_type, output_count, compute, destroy, required, required};
+
+/* The entry point ONNX Runtime's SessionOptions.register_custom_ops_library calls. */
+OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
+  api = base->GetApi(1);
+  if (!api) return NULL;
+  OrtCustomOpDomain *domain = NULL;
+  OrtStatus *st = API(CreateCustomOpDomainFn, API_CREATE_CUSTOM_OP_DOMAIN)("orin_agent", &domain);
+  if (st) return st;
+  if ((st = API(CustomOpDomainAddFn, API_CUSTOM_OP_DOMAIN_ADD)(domain, &q4_op))) return st;
+  return API(AddCustomOpDomainFn, API_ADD_CUSTOM_OP_DOMAIN)(options, domain);
+}

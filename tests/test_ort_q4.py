@@ -1,0 +1,172 @@
+"""kernels/ort_q4.c, the exact 4-bit custom operator: its products against the dequantised weight in float64, its
+thread team, its ONNX Runtime registration, and what it refuses."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import ort_q4
+
+LIB = ort_q4.library()
+needs_lib = pytest.mark.skipif(LIB is None, reason=f"the operator did not build here: {ort_q4.unavailable()}")
+
+
+def weight(n: int, k: int, group: int, seed: int, zeros: bool = False):
+    """Random codes, scales and minimums that are values of half precision (as GGUF's are), the packed weight and its
+    dequantisation in float64."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    s = (rng.random((n, k // group)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    if zeros:  # Q4_0's form: z = 8 (any zero point whose -z * scale is a value of half precision)
+        z = np.full((n, k // group), 8)
+        packed = ort_q4.pack(codes, s, zeros=z)
+        m = -(z * s)
+    else:
+        m = (-s * rng.random((n, k // group)) * 15).astype(np.float16).astype(np.float32)
+        packed = ort_q4.pack(codes, s, m)
+    w = codes.astype(np.float64).reshape(n, k // group, group) * s[..., None] + m[..., None]
+    return packed, w.reshape(n, k)
+
+
+def silu(v: np.ndarray) -> np.ndarray:
+    return v / (1 + np.exp(-v))
+
+
+@needs_lib
+@pytest.mark.parametrize("n,k,group", [(1536, 576, 32), (576, 1536, 32), (192, 576, 64), (64, 256, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])  # 1-3: one row of x at a time; from 4: dequantise-once
+def test_matmul_is_the_dequantised_product(n: int, k: int, group: int, rows: int) -> None:
+    packed, w = weight(n, k, group, seed=n + k + rows)
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+    want = x.astype(np.float64) @ w.T
+    for threads in (1, 2):
+        ort_q4.set_threads(threads)
+        got = ort_q4.matmul(x, packed)
+        assert got.shape == (rows, n)
+        # fp32 arithmetic over K products: within a few fp32 roundings of the largest output
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+@needs_lib
+@pytest.mark.parametrize("rows", [1, 5])
+def test_glu_rows_give_silu_gate_times_up(rows: int) -> None:
+    """glu: the gate rows then the up rows, reordered by glu_rows into tiles of 8; the output is silu(gate) * up.
+    Zero points (Q4_0's form, minimum = -z * scale) take the same path."""
+    inter, k = 96, 128
+    packed, w = weight(2 * inter, k, 32, seed=7, zeros=True)
+    order = ort_q4.glu_rows(inter)
+    tiled = ort_q4.Q4Weight(packed.codes[order], packed.scales[order], packed.mins[order])
+    x = np.random.default_rng(8).standard_normal((2, rows, k)).astype(np.float32)  # leading dims are rows too
+    xd = x.astype(np.float64)
+    want = silu(xd @ w[:inter].T) * (xd @ w[inter:].T)
+    got = ort_q4.matmul(x, tiled, glu=True)
+    assert got.shape == (2, rows, inter)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert sorted(order.tolist()) == list(range(2 * inter))
+    assert order[:8].tolist() == [0, 1, 2, 3, inter, inter + 1, inter + 2, inter + 3]
+
+
+@needs_lib
+def test_results_do_not_depend_on_the_threads() -> None:
+    """Each output is one thread's (threads take whole chunks of rows from a counter): the same bits at any team size,
+    also when the team is resized between calls many times (a worker that missed a call would hang this test)."""
+    packed, _ = weight(1024, 512, 32, seed=3)
+    x = np.random.default_rng(4).standard_normal((2, 512)).astype(np.float32)
+    ort_q4.set_threads(1)
+    first = ort_q4.matmul(x, packed)
+    for i in range(60):
+        ort_q4.set_threads(1 + i % 3)
+        assert np.array_equal(ort_q4.matmul(x, packed), first)
+    ort_q4.set_threads(2)
+
+
+def test_pack_refuses_what_half_precision_would_round() -> None:
+    codes = np.zeros((4, 64), np.uint8)
+    with pytest.raises(ValueError, match="half precision"):
+        ort_q4.pack(codes, np.full((4, 2), 0.1, np.float32), np.zeros((4, 2), np.float32))
+    ort_q4.pack(codes, np.full((4, 2), 0.125, np.float32), np.zeros((4, 2), np.float32))  # a value of it
+
+
+def test_fits_and_lanes() -> None:
+    assert ort_q4.fits(8, 64, 32) and ort_q4.fits(8, 128, 64, glu=True)
+    assert not ort_q4.fits(8, 96, 32)  # K not a multiple of 64
+    assert not ort_q4.fits(6, 64, 32)  # N not a multiple of 4
+    assert not ort_q4.fits(12, 64, 32, glu=True)  # glu: tiles of 8 rows
+    assert not ort_q4.fits(8, 192, 96)  # groups of 32 times a power of two only
+    codes = np.arange(64, dtype=np.uint8).reshape(1, 64) % 16
+    words = ort_q4.lanes(codes)
+    assert words.shape == (1, 1, 8) and words.dtype == np.uint32
+    for col in range(64):  # nibble j of word l is column 8 j + l
+        assert (int(words[0, 0, col % 8]) >> (4 * (col // 8))) & 15 == codes[0, col]
+
+
+@needs_lib
+def test_matmul_refuses_a_shape_it_does_not_take() -> None:
+    packed, _ = weight(8, 64, 32, seed=1)
+    with pytest.raises(ValueError, match="not a shape"):
+        ort_q4.matmul(np.zeros((1, 32), np.float32), packed)
+
+
+def _session(packed: ort_q4.Q4Weight, k: int, n_out: int, glu: bool = False, scales=None):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(packed.codes, "c"),
+             numpy_helper.from_array(packed.scales if scales is None else scales, "s"),
+             numpy_helper.from_array(packed.mins, "m")]
+    node = helper.make_node(ort_q4.OP, ["x", "c", "s", "m"], ["y"], domain=ort_q4.DOMAIN, **({"glu": 1} if glu else {}))
+    graph = helper.make_graph([node], "q4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "T", n_out])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ort_q4.DOMAIN, 1)])
+    model.ir_version = 8
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(LIB))
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@needs_lib
+def test_the_operator_in_onnx_runtime() -> None:
+    """Registered from the built library, a Q4MatMul node computes what `matmul` does, for decode and prefill
+    shapes, with and without glu."""
+    packed, w = weight(256, 128, 32, seed=11)
+    sess = _session(packed, 128, 256)
+    for t in (1, 6):
+        x = np.random.default_rng(t).standard_normal((1, t, 128)).astype(np.float32)
+        got = sess.run(None, {"x": x})[0]
+        assert np.array_equal(got, ort_q4.matmul(x, packed))
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w.T, rtol=0, atol=2e-6 * np.abs(got).max())
+    order = ort_q4.glu_rows(128)
+    tiled = ort_q4.Q4Weight(packed.codes[order], packed.scales[order], packed.mins[order])
+    x = np.random.default_rng(9).standard_normal((1, 1, 128)).astype(np.float32)
+    got = _session(tiled, 128, 128, glu=True).run(None, {"x": x})[0]
+    assert np.array_equal(got, ort_q4.matmul(x, tiled, glu=True))
+
+
+@needs_lib
+def test_inconsistent_inputs_give_nan_not_a_crash() -> None:
+    """Scales whose group count does not divide K (only a hand-made graph could pass them): the node writes NaN, so
+    the result cannot be mistaken for numbers."""
+    packed, _ = weight(8, 128, 32, seed=2)
+    wrong = np.ascontiguousarray(packed.scales[:, :3])  # 3 groups for K = 128
+    got = _session(packed, 128, 8, scales=wrong).run(None, {"x": np.ones((1, 1, 128), np.float32)})[0]
+    assert np.isnan(got).all()
+
+
+def test_a_machine_without_a_compiler_gets_a_reason(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(ort_q4, "_compiler", lambda: None)
+    assert ort_q4.library(tmp_path) is None
+    assert "no C compiler" in ort_q4.unavailable(tmp_path)
+
+
+def test_native_activations_without_the_library_is_a_clear_error(monkeypatch) -> None:
+    import onnxruntime as ort
+
+    from partition.runners.ort_decoder_runner import native_session
+    from partition.runners.ort_runner import OrtOptions
+
+    monkeypatch.setattr(ort_q4, "library", lambda cache_dir=None, log=None: None)
+    monkeypatch.setattr(ort_q4, "unavailable", lambda cache_dir=None: "no C compiler (set CC, or install gcc)")
+    with pytest.raises(RuntimeError, match="--activations split or fp32"):
+        native_session(ort.SessionOptions(), OrtOptions(activations="native"))
+    native_session(ort.SessionOptions(), OrtOptions(activations="auto"))  # auto: nothing registered, no error
