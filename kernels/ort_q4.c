@@ -99,7 +99,11 @@ static OrtApiTable api;
 #define SPIN_NS 2000000L /* a worker spins this long after a call before it sleeps (a decode step's calls come
                             every few tens of microseconds; a pause between requests lets it sleep) */
 typedef void (*task_fn)(void *arg, int part, int parts);
-#define CHUNK_ROWS 64 /* weight rows a thread takes at a time (a multiple of 8, glu's tile) */
+/* rows4 prefetches the codes this many rows ahead: 4 (the next row group) streamed SmolLM2's 120 projections (66 MB,
+   2 threads, from memory) in 4.94 ms against 5.70 without, 5.03 at 8 rows and 5.26 at 16 (the fastest of 9 rounds of
+   5, interleaved; scripts/bench_weight_only.py --stream) */
+#define PREFETCH_ROWS 4
+#define CHUNK_ROWS 64 /* at most this many weight rows a thread takes at a time (a multiple of 8, glu's tile) */
 static struct {
   pthread_mutex_t lock;
   pthread_cond_t wake;
@@ -208,6 +212,7 @@ typedef struct {
   float *y;           /* (m, n) or (m, n / 2) with glu */
   int m, k, n, group, glu;
   int shift;          /* log2(group / 32): the group of a 32-column block b is b >> shift */
+  int chunk;          /* weight rows a thread takes at a time */
   atomic_int next;    /* the next chunk of weight rows a thread takes */
 } problem;
 
@@ -346,9 +351,12 @@ static inline __attribute__((always_inline)) void rows4_impl(const float *x, con
                                                              const uint16_t *d0, int gk, int k, int shift, float *res) {
   const __m256i mask = _mm256_set1_epi32(15);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const char *next = (const char *)(c0 + (size_t)PREFETCH_ROWS * words); /* rows ahead, fetched while these are summed */
   for (int i = 0; i < k / 64; i++) {
     __m256i v[4];
     for (int r = 0; r < 4; r++) v[r] = _mm256_loadu_si256((const __m256i *)(c0 + (size_t)r * words + 8 * i));
+    if (i % 2 == 0)
+      for (int r = 0; r < 4; r++) _mm_prefetch(next + 4 * ((size_t)r * words + 8 * i), _MM_HINT_T0);
     for (int h = 0; h < 2; h++) {
       __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
       for (int j = 0; j < 4; j++) {
@@ -441,8 +449,10 @@ static void store(const problem *p, float *yrow, int n, const float *v, int coun
   silu_mul(g, u, yrow + n / 2, count / 2);
 }
 
-/* Threads take chunks of CHUNK_ROWS weight rows from a shared counter, so a thread on a slower or busier core takes
-   fewer (2 vCPUs of one cloud machine here ran this kernel 1.65x apart; an even split waited for the slow one). */
+/* Threads take chunks of weight rows from a shared counter, so a thread on a slower or busier core takes fewer (2
+   vCPUs of one cloud machine here ran this kernel 1.65x apart; an even split waited for the slow one). A chunk is
+   CHUNK_ROWS rows, or fewer where that would leave under 8 chunks a thread (a 576-row projection in 18 chunks on 2
+   threads, not 9). */
 static void task(void *arg, int part, int parts) {
   problem *p = arg;
   (void)part;
@@ -451,9 +461,9 @@ static void task(void *arg, int part, int parts) {
   float *w = NULL;
   if (p->m >= 4 && !(w = malloc(sizeof(float) * 8 * (size_t)p->k))) return;
   for (;;) {
-    const int n0 = atomic_fetch_add(&p->next, 1) * CHUNK_ROWS;
+    const int n0 = atomic_fetch_add(&p->next, 1) * p->chunk;
     if (n0 >= p->n) break;
-    const int n1 = n0 + CHUNK_ROWS < p->n ? n0 + CHUNK_ROWS : p->n;
+    const int n1 = n0 + p->chunk < p->n ? n0 + p->chunk : p->n;
     if (p->m < 4) {
       float buf[CHUNK_ROWS];
       for (int row = 0; row < p->m; row++) {
@@ -486,7 +496,9 @@ void orin_q4_matmul(const float *x, int m, int k, int n, const uint32_t *codes, 
     for (int g = 0; g < gk; g++) xg[(size_t)row * gk + g] = vsum(x + (size_t)row * k + (size_t)g * group, group);
   int shift = 0;
   while ((32 << shift) < group) shift++;
-  problem p = {x, xg, codes, scales, mins, y, m, k, n, group, glu, shift, 0};
+  int chunk = n / (8 * team.threads) / 8 * 8;
+  chunk = chunk > CHUNK_ROWS ? CHUNK_ROWS : chunk < 8 ? 8 : chunk;
+  problem p = {x, xg, codes, scales, mins, y, m, k, n, group, glu, shift, chunk, 0};
   run_team(task, &p);
   free(xg);
 }

@@ -13,20 +13,21 @@ Kernels (each on the same random codes, group / block 32, as a GGUF Q4_1 / Q8_0 
                    (kernels/matmul_nbits.py: offset_matmul_nodes), accuracy_level 0 / 4
          nbits8    MatMulNBits bits 8, default zero point (Q8_0's symmetric form), accuracy_level 0 / 4
          dense     a plain MatMul on the float weight
-  c      q4_1 fp32 (opt-in, --c-kernel) a first AVX2 / FMA kernel of this script's own (C_KERNEL, compiled with the
-                   machine's gcc into a temporary folder, OpenMP threads): Q4_1 with fp32 activations, exact to
-                   fp32 rounding, per block d * (q . x) + m * sum(x); the question it answers is how far an exact
-                   kernel gets on this CPU against MLAS's fp32 and int8 ones (docs/BENCHMARKS.md, the sixteenth
-                   session). Not part of the project: ONNX Runtime takes custom kernels only through its C API
-                   headers, which no package on the index ships.
+  native q4 fp32   the project's own exact operator (kernels/ort_q4.c, the decoder graph's "native" precision),
+                   called directly: Q4_1 with fp32 activations, per 32 columns d * (q . x) + m * sum(x), its own
+                   thread team; left out where it does not build (the script says why)
 each with 1 and 2 threads. Rounds are interleaved (every kernel once per round, in turn), and the
 report gives the median over rounds with the range; GB/s = the kernel's weight bytes (codes, scales,
 zero points as it stores them) / time, beside the copy rate of a large numpy copy measured in the same
 run (bytes read + written / time) and a 64 MiB one (the weight set of SmolLM2-135M is ~97 MB; this
 machine's L3 is 480 MiB, lscpu).
 
-    python3 scripts/bench_weight_only.py [--rounds 7] [--shapes smollm2] [--m 1,32] [--threads 1,2] [--c-kernel]
-        [--json OUT]
+--stream: instead, SmolLM2's 120 projections of a decode step (30 layers of q/k/v, o, gate/up with its activation,
+down; distinct random weights, 66 MB, so they come from memory as a real step's do) through the native operator in
+sequence, ms a pass and GB/s, at each thread count.
+
+    python3 scripts/bench_weight_only.py [--rounds 7] [--shapes smollm2] [--m 1,32] [--threads 1,2] [--kernels ...]
+        [--stream] [--json OUT]
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kernels import ort_q4  # noqa: E402
 from kernels.matmul_nbits import ACCURACY_FP32, ACCURACY_INT8, MS_DOMAIN, matmul_nbits_node, nbits_weight, \
     offset_matmul_nodes  # noqa: E402
 
@@ -53,63 +55,6 @@ from kernels.matmul_nbits import ACCURACY_FP32, ACCURACY_INT8, MS_DOMAIN, matmul
 SMOLLM2 = {"q/o 576x576": (576, 576), "k/v 192x576": (192, 576), "gate/up 1536x576": (1536, 576),
            "down 576x1536": (576, 1536), "head 49152x576": (49152, 576)}
 BLOCK = 32  # GGUF Q4_1 / Q8_0 block (ggml-common.h: QK4_1 = QK8_0 = 32)
-
-# --c-kernel: y = x @ (d * q + m)^T per row of x. Codes in "lanes" order: per row, 64 columns a time as 8 uint32 words,
-# nibble j of word l = column 8 j + l, so one shift and one mask give 8 consecutive columns' codes in 8 lanes
-# (a first form with GGUF's own byte order and _mm256_cvtepu8_epi32 was 1.4-1.9x slower here). Four weight rows a
-# pass share each load of x. K must be a multiple of 64 and N of 4 (kernels_for only offers it for such shapes).
-C_KERNEL = r"""
-#include <immintrin.h>
-#include <stdint.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-static float hsum(__m256 v) { __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_hadd_ps(a, a); a = _mm_hadd_ps(a, a); return _mm_cvtss_f32(a); }
-static void rows(const float *x, const float *xs, int k, const uint32_t *codes, const float *d, const float *m,
-                 float *y, int n0, int n1) {
-  const int g = k / 32, p = k / 64; const __m256i mask = _mm256_set1_epi32(15);
-  for (int n = n0; n < n1; n += 4) {
-    __m256 acc[4]; const uint32_t *c[4];
-    for (int r = 0; r < 4; r++) { acc[r] = _mm256_setzero_ps(); c[r] = codes + (size_t)(n + r) * p * 8; }
-    for (int i = 0; i < p; i++) {
-      __m256i v[4];
-      for (int r = 0; r < 4; r++) v[r] = _mm256_loadu_si256((const __m256i *)(c[r] + 8 * i));
-      for (int h = 0; h < 2; h++) {
-        __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int j = 0; j < 4; j++) {
-          __m256 xv = _mm256_loadu_ps(x + 64 * i + 32 * h + 8 * j);
-          for (int r = 0; r < 4; r++)
-            s[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[r], 16 * h + 4 * j), mask)),
-                                   xv, s[r]);
-        }
-        for (int r = 0; r < 4; r++)
-          acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(d + (size_t)(n + r) * g + 2 * i + h), s[r], acc[r]);
-      }
-    }
-    for (int r = 0; r < 4; r++) {
-      float off = 0; const float *mr = m + (size_t)(n + r) * g;
-      for (int b = 0; b < g; b++) off += mr[b] * xs[b];
-      y[n + r] = hsum(acc[r]) + off;
-    }
-  }
-}
-void q4_1_gemm(const float *x, int rows_x, int k, int n, const uint32_t *codes, const float *d, const float *m,
-               float *y, int threads) {
-  for (int row = 0; row < rows_x; row++) {
-    const float *xr = x + (size_t)row * k; float *yr = y + (size_t)row * n; float xs[k / 32];
-    for (int b = 0; b < k / 32; b++) { float t = 0; for (int j = 0; j < 32; j++) t += xr[32 * b + j]; xs[b] = t; }
-    #pragma omp parallel num_threads(threads)
-    { int t = 0, nt = 1;
-#ifdef _OPENMP
-      t = omp_get_thread_num(); nt = omp_get_num_threads();
-#endif
-      int per = ((n + nt - 1) / nt + 3) / 4 * 4, a = t * per, e = a + per < n ? a + per : n;
-      if (a < n) rows(xr, xs, k, codes, d, m, yr, a, e); }
-  }
-}
-"""
-
 
 @dataclass(frozen=True)
 class Row:
@@ -157,42 +102,7 @@ def _ort_session(nodes: list, inits: list, k: int, n: int, threads: int):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def c_kernel() -> Callable | None:
-    """C_KERNEL compiled (gcc -O3 -march=native -fopenmp) into a temporary folder, or None (a message on stderr)
-    where this machine cannot: no gcc, not x86 with AVX2 and FMA."""
-    import ctypes
-    import shutil
-    import subprocess
-    import tempfile
-
-    flags = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
-    if shutil.which("gcc") is None or " avx2" not in flags or " fma" not in flags:
-        print("--c-kernel: needs gcc and an x86 CPU with AVX2 and FMA; left out", file=sys.stderr)
-        return None
-    folder = Path(tempfile.mkdtemp(prefix="q4-kernel-"))
-    (folder / "q4.c").write_text(C_KERNEL)
-    r = subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(folder / "q4.c"), "-o",
-                        str(folder / "q4.so")], capture_output=True, text=True)
-    if r.returncode != 0:
-        shutil.rmtree(folder, ignore_errors=True)
-        print(f"--c-kernel: gcc failed, left out: {r.stderr.strip()[-300:]}", file=sys.stderr)
-        return None
-    fn = ctypes.CDLL(str(folder / "q4.so")).q4_1_gemm  # mapped: the folder can go
-    shutil.rmtree(folder, ignore_errors=True)
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    return fn
-
-
-def lanes(q: np.ndarray) -> np.ndarray:
-    """Codes (N, K) -> C_KERNEL's order: uint32 (N, K / 64, 8), nibble j of word l = column 8 j + l of the 64."""
-    n, k = q.shape
-    g = q.reshape(n, k // 64, 8, 8).astype(np.uint32)
-    return np.ascontiguousarray(sum(g[:, :, j, :] << np.uint32(4 * j) for j in range(8)).astype(np.uint32))
-
-
-def kernels_for(n: int, k: int, threads: list[int], seed: int = 0, c_fn: Callable | None = None
-                ) -> list[tuple[str, int, int, Callable]]:
+def kernels_for(n: int, k: int, threads: list[int], seed: int = 0) -> list[tuple[str, int, int, Callable]]:
     """(kernel name, threads, weight bytes, make(x_numpy) -> zero-arg call) for one shape."""
     from onnx import helper
 
@@ -251,30 +161,26 @@ def kernels_for(n: int, k: int, threads: list[int], seed: int = 0, c_fn: Callabl
         return ([helper.make_node("MatMul", ["x", "wT"], ["y"])],
                 [numpy_helper.from_array(np.ascontiguousarray(wf.T.numpy()), "wT")])
     ort_k("ort dense fp32", dense)
-    if c_fn is not None and n % 4 == 0 and k % 64 == 0:
-        codes, d, m = lanes(q4.numpy()), s.numpy().astype(np.float32), offset.numpy().astype(np.float32)
-        x1 = np.random.default_rng(1).standard_normal((1, k)).astype(np.float32)
-        y1 = np.empty((1, n), np.float32)
-        c_fn(x1.ctypes.data, 1, k, n, codes.ctypes.data, d.ctypes.data, m.ctypes.data, y1.ctypes.data, 1)
-        grp = np.arange(k) // BLOCK
-        want = x1.astype(np.float64) @ (q4.numpy() * d[:, grp].astype(np.float64) + m[:, grp]).T
-        err = float(np.abs(y1 - want).max() / np.abs(want).max())
-        assert err < 1e-5, f"the C kernel is wrong on {n}x{k}: relative error {err:.2e}"
+    if ort_q4.library() is not None and ort_q4.fits(n, k, BLOCK):
+        d16 = s.numpy().astype(np.float16).astype(np.float32)  # GGUF keeps Q4_1's d and m in half precision
+        m16 = offset.numpy().astype(np.float16).astype(np.float32)
+        packed = ort_q4.pack(q4.numpy(), d16, m16)
         for t in threads:
             def make(x: np.ndarray, t=t) -> Callable:
-                y = np.empty((x.shape[0], n), np.float32)
-                return lambda: c_fn(x.ctypes.data, x.shape[0], k, n, codes.ctypes.data, d.ctypes.data, m.ctypes.data,
-                                    y.ctypes.data, t)
-            out.append(("c q4_1 fp32", t, codes.nbytes + d.nbytes + m.nbytes, make))
+                def call() -> None:
+                    ort_q4.set_threads(t)
+                    ort_q4.matmul(x, packed)
+                return call
+            out.append(("native q4 fp32", t, packed.codes.nbytes + packed.scales.nbytes + packed.mins.nbytes, make))
     return out
 
 
 def run(shapes: dict[str, tuple[int, int]], ms: list[int], threads: list[int], rounds: int,
-        target_s: float = 0.02, log: Callable[[str], None] = lambda s: None, c_fn: Callable | None = None,
-        only: list[str] | None = None) -> list[Row]:
+        target_s: float = 0.02, log: Callable[[str], None] = lambda s: None, only: list[str] | None = None
+        ) -> list[Row]:
     rows: list[Row] = []
     for label, (n, k) in shapes.items():
-        ks = [kn for kn in kernels_for(n, k, threads, c_fn=c_fn) if not only or any(w in kn[0] for w in only)]
+        ks = [kn for kn in kernels_for(n, k, threads) if not only or any(w in kn[0] for w in only)]
         for m in ms:
             x = np.random.default_rng(0).standard_normal((m, k)).astype(np.float32)
             calls = [(name, t, nb, make(x)) for name, t, nb, make in ks]
@@ -300,6 +206,40 @@ def run(shapes: dict[str, tuple[int, int]], ms: list[int], threads: list[int], r
     return rows
 
 
+# one SmolLM2-135M layer's projections as the decoder graph runs them natively: (N, K, glu)
+STREAM_LAYER = ((960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, False))
+
+
+def stream(threads: list[int], rounds: int, layers: int = 30, passes: int = 5) -> list[Row]:
+    """A decode step's projections through the native operator, each weight its own (so a pass streams them from
+    memory): the fastest of `passes` passes per round, rounds interleaved over the thread counts."""
+    rng = np.random.default_rng(0)
+    calls = []
+    for _ in range(layers):
+        for n, k, glu in STREAM_LAYER:
+            s = np.full((n, k // BLOCK), 2.0 ** -7, np.float32)
+            w = ort_q4.pack(rng.integers(0, 16, (n, k)).astype(np.uint8), s, -8 * s)
+            calls.append((rng.standard_normal((1, k)).astype(np.float32), w, glu))
+    nbytes = sum(w.codes.nbytes + w.scales.nbytes + w.mins.nbytes for _, w, _ in calls)
+    times: dict[int, list[float]] = {t: [] for t in threads}
+    for _ in range(rounds):
+        for t in threads:
+            ort_q4.set_threads(t)
+            best = float("inf")
+            for _ in range(passes):
+                t0 = time.perf_counter()
+                for x, w, glu in calls:
+                    ort_q4.matmul(x, w, glu=glu)
+                best = min(best, time.perf_counter() - t0)
+            times[t].append(best)
+    out = []
+    for t, ts in times.items():
+        med = statistics.median(ts)
+        out.append(Row(f"SmolLM2 step, {layers} x {len(STREAM_LAYER)} projections", 1, t, "native q4 fp32", nbytes,
+                       med * 1e6, min(ts) * 1e6, max(ts) * 1e6, nbytes / med / 1e9))
+    return out
+
+
 def table(rows: list[Row]) -> str:
     lines = ["| shape | M | threads | kernel | weight MB | median us (range) | GB/s |", "|---|---:|---:|---|---:|---:|---:|"]
     for r in rows:
@@ -314,9 +254,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="smollm2", help="smollm2, or a comma list of NxK (e.g. 1536x576)")
     ap.add_argument("--m", default="1,32", help="activation rows: 1 = decode, 32 = a prefill chunk")
     ap.add_argument("--threads", default="1,2", help="thread counts (torch.set_num_threads / ORT intra-op)")
-    ap.add_argument("--c-kernel", action="store_true", help="also time C_KERNEL, the exact AVX2 prototype (gcc)")
-    ap.add_argument("--spin", action="store_true", help="ONNX Runtime's pool spins (as the decoder graph's does; "
-                    "for the C kernel's OpenMP team set OMP_WAIT_POLICY=active)")
+    ap.add_argument("--spin", action="store_true", help="ONNX Runtime's pool spins (as the decoder graph's does)")
+    ap.add_argument("--stream", action="store_true", help="time a decode step's projections through the native "
+                    "operator, from memory (see above), instead of one shape at a time")
     ap.add_argument("--kernels", default="", help="only kernels whose name contains one of these (comma list)")
     ap.add_argument("--json", type=Path, help="also write the rows and the copy rates here")
     a = ap.parse_args()
@@ -332,15 +272,21 @@ def main() -> None:
     ms = [int(v) for v in a.m.split(",")]
     threads = [int(v) for v in a.threads.split(",")]
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    if ort_q4.library() is None:
+        log(f"native q4 fp32 left out: {ort_q4.unavailable()}")
+        if a.stream:
+            sys.exit("--stream needs the native operator")
     copy_big_before, copy_small_before = copy_rate(1 << 30), copy_rate(64 << 20, 20)
-    rows = run(shapes, ms, threads, a.rounds, log=log, c_fn=c_kernel() if a.c_kernel else None,
-               only=[w for w in a.kernels.split(",") if w])
+    if a.stream:
+        rows = stream(threads, a.rounds)
+    else:
+        rows = run(shapes, ms, threads, a.rounds, log=log, only=[w for w in a.kernels.split(",") if w])
     copy_big, copy_small = copy_rate(1 << 30), copy_rate(64 << 20, 20)
     import onnxruntime as ort
 
     head = (f"{time.strftime('%Y-%m-%d %H:%M')} | {platform.processor() or platform.machine()} | "
             f"{os.cpu_count()} CPUs | torch {torch.__version__} | onnxruntime {ort.__version__} | rounds {a.rounds} | "
-            f"ORT spinning {'on' if SPIN else 'off'}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}\n"
+            f"ORT spinning {'on' if SPIN else 'off'}\n"
             f"copy rate (np.copyto, read + write): 1 GiB {copy_big_before:.1f} / {copy_big:.1f} GB/s (before / after), "
             f"64 MiB {copy_small_before:.1f} / {copy_small:.1f} GB/s")
     print(head)

@@ -222,8 +222,11 @@ class _Graph:
         n, k = w.codes.shape
         if w.bits != 4 or not ort_q4.fits(n, k, w.group, glu):
             return False
+        zeros = w.zeros
+        if zeros is None and w.mins is None:  # MatMulNBits' default zero point, 2^(bits - 1) (the candidate head's)
+            zeros = np.full(w.scales.shape, 8)
         try:
-            packed = ort_q4.pack(w.codes, w.scales, w.mins, w.zeros)
+            packed = ort_q4.pack(w.codes, w.scales, w.mins, zeros)
         except ValueError:  # scales or minimums half precision would round: not this operator's weight
             return False
         if glu:
@@ -326,16 +329,19 @@ def _gatherable(w: Linear) -> bool:
 CANDIDATE_GROUP = 64
 
 
-def candidate_head(head: QuantWeight) -> QuantWeight:
+def candidate_head(head: QuantWeight, half: bool = False) -> QuantWeight:
     """A 4-bit symmetric copy of an 8-bit head (groups of CANDIDATE_GROUP, scale = max |w| / 7, codes q - 8 in
     -7..7) that only picks the candidates _rescored_head recomputes exactly: ~0.56 bytes a weight instead of
-    1 + 4 / group, the largest single read of a small model's step (SmolLM2's tied head: 28.3 M weights)."""
+    1 + 4 / group, the largest single read of a small model's step (SmolLM2's tied head: 28.3 M weights).
+    half: scales rounded to half precision first (the native operator's form; the codes follow the rounded scale)."""
     w = head.dequantize()
     n, k = w.shape
     group = CANDIDATE_GROUP if k % CANDIDATE_GROUP == 0 else head.group
     blocks = w.reshape(n, k // group, group)
     scale = np.abs(blocks).max(-1) / 7
     scale[scale == 0] = 1.0  # an all-zero block: any scale reproduces it
+    if half:
+        scale = np.maximum(scale.astype(np.float16), np.float16(6.1e-5)).astype(np.float32)  # no zero, no subnormal
     codes = np.clip(np.rint(blocks / scale[..., None]), -7, 7) + 8
     return QuantWeight(4, codes.reshape(n, k).astype(np.uint8), scale.astype(np.float32), None, None, group)
 
@@ -348,8 +354,11 @@ def _rescored_head(g: _Graph, head: QuantWeight, tied: bool, k: int) -> None:
     among the candidates' top k (the 4-bit copy's error is a fraction of a logit; k = 32 spans several logits),
     and every logit a sampler could draw at any useful temperature is exact; the rest keep the copy's error."""
     saved = g.levels.get("lm_head")
-    g.levels["lm_head"] = ACCURACY_INT8
-    g.linear("lm_head", "hn", "logits_candidates", candidate_head(head))
+    # the candidates: MLAS's int8 kernel, or under the native operator (whose session runs ONNX Runtime on one thread)
+    # that operator on its own team, with the copy's scales in half precision
+    native = g.level("lm_head") == ACCURACY_NATIVE
+    g.levels["lm_head"] = ACCURACY_NATIVE if native else ACCURACY_INT8
+    g.linear("lm_head", "hn", "logits_candidates", candidate_head(head, half=native))
     if saved is None:
         del g.levels["lm_head"]
     else:

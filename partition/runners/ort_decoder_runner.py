@@ -50,6 +50,11 @@ class OrtDecoderRunner(SliceRunner):
         so = session_options(options, spin_default=SPINS_BY_DEFAULT)
         if options.activations in ("native", "auto"):
             native_session(so, options)
+        if options.activations == "native":
+            # the projections and the head run on the operator's own team; ONNX Runtime's pool beside it, spinning
+            # or not, only competes for the same cores (SmolLM2 Q4_1, 2 cores: 22.0 ms a step with its spinning pool
+            # of 2, 9.9 with a sleeping one, 9.7 with none; docs/BENCHMARKS.md)
+            so.intra_op_num_threads = 1
         src = model if isinstance(model, bytes) else str(model)
         self.session = ort.InferenceSession(src, so, providers=self.providers)
         inputs = {i.name: i for i in self.session.get_inputs()}
