@@ -424,6 +424,19 @@ NO_CONTRACT static void dequant4(const problem *p, int n, float *w) {
     const uint32_t *c = p->codes + (size_t)(n + r) * words;
     const uint16_t *sc = p->scales + (size_t)(n + r) * gk, *mn = p->mins + (size_t)(n + r) * gk;
     float *wr = w + (size_t)r * p->k;
+#if Q4_AVX2
+    const __m256i mask = _mm256_set1_epi32(15);
+    for (int i = 0; i < p->k / 64; i++) {
+      const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 8 * i));
+      for (int j = 0; j < 8; j++) {
+        const int g = (64 * i + 8 * j) / p->group;
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(4 * j)), mask));
+        _mm256_storeu_ps(wr + 64 * i + 8 * j, _mm256_add_ps(_mm256_mul_ps(q, _mm256_set1_ps(h2f(sc[g]))),
+                                                            _mm256_set1_ps(h2f(mn[g]))));
+      }
+    }
+    continue;
+#endif
     for (int i = 0; i < p->k / 64; i++)
       for (int j = 0; j < 8; j++) {
         const int col = 64 * i + 8 * j, g = col / p->group;
@@ -433,6 +446,39 @@ NO_CONTRACT static void dequant4(const problem *p, int n, float *w) {
   }
 }
 
+/* out_a[r] = w_r . xa and out_b[r] = w_r . xb for the 4 rows of w (4, k): each weight load serves two rows of x */
+static void dots4x2(const float *w, int k, const float *xa, const float *xb, float *out_a, float *out_b) {
+#if Q4_AVX2
+  __m256 a[4], b[4];
+  for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= k; i += 8) {
+    const __m256 va = _mm256_loadu_ps(xa + i), vb = _mm256_loadu_ps(xb + i);
+    for (int r = 0; r < 4; r++) {
+      const __m256 wv = _mm256_loadu_ps(w + (size_t)r * k + i);
+      a[r] = _mm256_fmadd_ps(wv, va, a[r]);
+      b[r] = _mm256_fmadd_ps(wv, vb, b[r]);
+    }
+  }
+  for (int r = 0; r < 4; r++) {
+    __m128 ta = _mm_add_ps(_mm256_castps256_ps128(a[r]), _mm256_extractf128_ps(a[r], 1));
+    __m128 tb = _mm_add_ps(_mm256_castps256_ps128(b[r]), _mm256_extractf128_ps(b[r], 1));
+    ta = _mm_hadd_ps(ta, ta);
+    tb = _mm_hadd_ps(tb, tb);
+    out_a[r] = _mm_cvtss_f32(_mm_hadd_ps(ta, ta));
+    out_b[r] = _mm_cvtss_f32(_mm_hadd_ps(tb, tb));
+    for (int t = i; t < k; t++) {
+      out_a[r] += w[(size_t)r * k + t] * xa[t];
+      out_b[r] += w[(size_t)r * k + t] * xb[t];
+    }
+  }
+#else
+  for (int r = 0; r < 4; r++) {
+    out_a[r] = dot(w + (size_t)r * k, xa, k);
+    out_b[r] = dot(w + (size_t)r * k, xb, k);
+  }
+#endif
+}
 
 static void store(const problem *p, float *yrow, int n, const float *v, int count) {
   /* count results for weight rows n ..: with glu, tiles of 8 rows (4 gate, 4 up) give 4 outputs each */
@@ -458,8 +504,16 @@ static void task(void *arg, int part, int parts) {
   (void)part;
   (void)parts;
   const int tile = p->glu ? 8 : 4, out_n = p->glu ? p->n / 2 : p->n;
-  float *w = NULL;
-  if (p->m >= 4 && !(w = malloc(sizeof(float) * 8 * (size_t)p->k))) return;
+  float *w = NULL, *vals = NULL, scratch[8];
+  if (p->m >= 4) { /* 8 weight rows dequantised, and the chunk's results for every row of x */
+    w = malloc(sizeof(float) * 8 * (size_t)p->k);
+    vals = malloc(sizeof(float) * (size_t)p->m * CHUNK_ROWS);
+    if (!w || !vals) {
+      free(w);
+      free(vals);
+      return;
+    }
+  }
   for (;;) {
     const int n0 = atomic_fetch_add(&p->next, 1) * p->chunk;
     if (n0 >= p->n) break;
@@ -475,14 +529,16 @@ static void task(void *arg, int part, int parts) {
     for (int n = n0; n < n1; n += tile) {
       dequant4(p, n, w);
       if (tile == 8) dequant4(p, n + 4, w + 4 * (size_t)p->k);
-      for (int row = 0; row < p->m; row++) {
-        float v[8];
-        const float *xr = p->x + (size_t)row * p->k;
-        for (int r = 0; r < tile; r++) v[r] = dot(w + (size_t)r * p->k, xr, p->k);
-        store(p, p->y + (size_t)row * out_n, n, v, tile);
+      for (int row = 0; row < p->m; row += 2) { /* two rows of x a pass; an odd last row pairs with itself */
+        const float *xa = p->x + (size_t)row * p->k, *xb = row + 1 < p->m ? xa + p->k : xa;
+        float *va = vals + (size_t)row * CHUNK_ROWS + (n - n0), *vb = row + 1 < p->m ? va + CHUNK_ROWS : scratch;
+        for (int r = 0; r < tile; r += 4) dots4x2(w + (size_t)r * p->k, p->k, xa, xb, va + r, vb + r);
       }
     }
+    for (int row = 0; row < p->m; row++) /* the chunk's outputs a row at a time: glu's silu over 32 at once */
+      store(p, p->y + (size_t)row * out_n, n0, vals + (size_t)row * CHUNK_ROWS, n1 - n0);
   }
+  free(vals);
   free(w);
 }
 
