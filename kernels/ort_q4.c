@@ -160,8 +160,22 @@ static void *worker(void *p) {
   return NULL;
 }
 
+static void forget_team(void);
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forget_team); }
+
+/* A forked child has none of the workers (fork copies only the calling thread): it starts again with no team. */
+static void forget_team(void) {
+  pthread_mutex_init(&team_setup, NULL);
+  pthread_mutex_init(&team.lock, NULL);
+  pthread_cond_init(&team.wake, NULL);
+  atomic_store(&team.sleepers, 0);
+  team.started = team.threads = 1;
+}
+
 /* Threads for every later call, the caller included (1: no workers). Workers are started once and kept. */
 int orin_q4_set_threads(int threads) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, register_fork_handler);
   if (threads < 1) threads = 1;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
   pthread_mutex_lock(&team_setup);

@@ -170,3 +170,23 @@ def test_native_activations_without_the_library_is_a_clear_error(monkeypatch) ->
     with pytest.raises(RuntimeError, match="--activations split or fp32"):
         native_session(ort.SessionOptions(), OrtOptions(activations="native"))
     native_session(ort.SessionOptions(), OrtOptions(activations="auto"))  # auto: nothing registered, no error
+
+
+@needs_lib
+def test_a_forked_child_computes_without_the_parents_workers() -> None:
+    """fork copies only the calling thread: a child that used the parent's team would wait forever for workers it
+    does not have. It starts again on its own thread and gets the same numbers."""
+    import os
+
+    packed, _ = weight(256, 128, 32, seed=5)
+    x = np.random.default_rng(6).standard_normal((1, 128)).astype(np.float32)
+    ort_q4.set_threads(2)
+    want = ort_q4.matmul(x, packed)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status says whether it got the parent's bits
+        try:
+            os._exit(0 if np.array_equal(ort_q4.matmul(x, packed), want) else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
