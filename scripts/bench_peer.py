@@ -168,9 +168,10 @@ def median_range(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def weight_bytes(gguf: Path) -> dict[str, float]:
-    """MB one decode step reads: the project's decoder graph as built (its MatMulNBits codes, fp32 scales and
-    the Q4_1 minimum terms; the head's 4-bit candidates and its rescored rows), and llama.cpp's (the GGUF's blocks: layers + the Q8_0 head)."""
+def weight_bytes(gguf: Path, precisions: list[str]) -> dict[str, Any]:
+    """MB one decode step reads: the project's decoder graph as built at each precision (MatMulNBits codes, fp32
+    scales and the Q4_1 minimum terms, or the native operator's codes with half-precision scales and minimums; the
+    head's 4-bit candidates and its rescored rows), and llama.cpp's (the GGUF's blocks: layers + the Q8_0 head)."""
     from gguf import GGUFReader
 
     from partition.build.decoder_build import weight_bytes as ours
@@ -180,8 +181,9 @@ def weight_bytes(gguf: Path) -> dict[str, float]:
     layers = sum(int(t.n_bytes) for t in r.tensors if t.name.startswith("blk.") and len(t.shape) == 2)
     head = next((int(t.n_bytes) for t in r.tensors if t.name == "output.weight"), None)
     head = head if head is not None else next(int(t.n_bytes) for t in r.tensors if t.name == "token_embd.weight")
-    mine = ours(weights_from_gguf(gguf))
-    return {"project_weights_mb": mine["total"] / 1e6, "llama_weights_mb": (layers + head) / 1e6}
+    weights = weights_from_gguf(gguf)
+    return {"project_weights_mb": {p: ours(weights, p)["total"] / 1e6 for p in precisions},
+            "llama_weights_mb": (layers + head) / 1e6}
 
 
 def cuda_weight_bytes(gguf: Path, dtype: str) -> float:
@@ -306,7 +308,11 @@ def main() -> None:
         loads.append(os.getloadavg()[0])
         log(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]['decode_tok_s']:.1f} tok/s" for k, v in rows.items() if v))
     copy_after = copy_rate(device=a.device)
-    sizes = weight_bytes(gguf)
+    from partition.build.decoder_build import PRECISIONS
+
+    ran = sorted({str(x.get("activations")) for k, v in rows.items() if k != "llama_cpp" for x in v}
+                 & set(PRECISIONS))
+    sizes = weight_bytes(gguf, ran) if not cuda else weight_bytes(gguf, [])
     ctx = len(rows["project"][0].get("token_ids", [])) // 2 + int(rows["project"][0]["prompt_tokens"])
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
@@ -329,8 +335,10 @@ def main() -> None:
             if dt not in cuda_weights:
                 cuda_weights[dt] = cuda_weight_bytes(gguf, dt)
             wmb, kvmb = cuda_weights[dt], kv_bytes_per_token(gguf, ctx, 4 if dt == "fp32" else 2)
-        else:  # the ONNX Runtime decoder graph: an fp32 cache
-            wmb, kvmb = sizes["project_weights_mb"], kv_bytes_per_token(gguf, ctx, 4)
+        else:  # the ONNX Runtime decoder graph at the precision this variant ran: an fp32 cache
+            # (a variant on another backend reports no precision: its bytes are not counted, nan)
+            wmb = sizes["project_weights_mb"].get(rs[0].get("activations"), float("nan"))
+            kvmb = kv_bytes_per_token(gguf, ctx, 4)
         mb = wmb + kvmb
         res[name] = {"decode_tok_s": dec, "prefill_ms": median_range([x["prefill_ms"] for x in rs]),
                      "peak_rss_mb": max(x["rss_mb"] for x in rs), "mb_per_token": mb,

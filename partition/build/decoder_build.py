@@ -214,11 +214,19 @@ def ensure_decoder(model: str | Path, precision: str = DEFAULT_PRECISION, cache_
 def weight_bytes(weights: DecoderWeights, precision: str = DEFAULT_PRECISION) -> dict[str, int]:
     """Bytes one decode step streams, by part (codes + scales + minimums / zero points as stored). A rescored
     8-bit head (the precision's rescore count, ort_decoder._rescored_head) reads its 4-bit candidate copy and
-    that many of its own rows."""
+    that many of its own rows. "native": a 4-bit weight the operator takes reads its codes and a half-precision
+    scale and minimum per group (kernels/ort_q4.py), the candidate copy too."""
+    from kernels import ort_q4
     from partition.build.ort_decoder import _gatherable, candidate_head
+
+    native = PRECISIONS[precision][0] == ACCURACY_NATIVE
 
     def nbytes(w: object) -> int:
         if isinstance(w, QuantWeight):
+            n, k = w.codes.shape
+            if (native and w.bits == 4 and ort_q4.fits(n, k, w.group) and ort_q4.half_exact(w.scales) is not None
+                    and (w.mins is None or ort_q4.half_exact(w.mins) is not None)):
+                return w.codes.size // 2 + 4 * w.scales.size
             return w.codes.size * w.bits // 8 + sum(a.nbytes for a in (w.scales, w.zeros, w.mins) if a is not None)
         return int(getattr(w, "nbytes", 0))
 
@@ -227,7 +235,7 @@ def weight_bytes(weights: DecoderWeights, precision: str = DEFAULT_PRECISION) ->
     rescore = PRECISIONS[precision][1]
     if rescore and _gatherable(head_w):
         assert isinstance(head_w, QuantWeight)
-        head = nbytes(candidate_head(head_w)) + rescore * nbytes(head_w) // head_w.shape[0]
+        head = nbytes(candidate_head(head_w, half=native)) + rescore * nbytes(head_w) // head_w.shape[0]
     else:
         head = nbytes(head_w)
     return {"layers": layers, "head": head, "total": layers + head}
