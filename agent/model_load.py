@@ -152,10 +152,11 @@ def decoder_precision(core: EngineCore) -> str | None:
 
 
 def decoder_threads(core: EngineCore) -> int | None:
-    """The intra-op threads of the core's one-graph decoder session (OrtOptions.threads, else
-    partition.runners.base.default_threads), else None."""
+    """The threads the core's one-graph decoder computes on (OrtOptions.threads, else
+    partition.runners.base.default_threads: ONNX Runtime's intra-op pool, or under "native" the operator's own team,
+    its session then running ONNX Runtime on one), else None."""
     runner = _decoder_runner(core)
-    return int(runner.session.get_session_options().intra_op_num_threads) if runner is not None else None
+    return int(runner.threads) if runner is not None else None
 
 
 def paged_scheduler(chain: Chain, tokenizer: Tokenizer) -> PagedScheduler | None:

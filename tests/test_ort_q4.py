@@ -190,3 +190,50 @@ def test_a_forked_child_computes_without_the_parents_workers() -> None:
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _q4_1(w: np.ndarray, group: int = 32):
+    """w (N, K) as GGUF's Q4_1 would hold it: codes, and a half-precision scale and minimum per group."""
+    from partition.build.ort_decoder import QuantWeight
+
+    n, k = w.shape
+    b = w.reshape(n, k // group, group)
+    lo, hi = b.min(-1), b.max(-1)
+    s = np.maximum((hi - lo) / 15, 1e-3).astype(np.float16).astype(np.float32)
+    m = lo.astype(np.float16).astype(np.float32)
+    codes = np.clip(np.rint((b - m[..., None]) / s[..., None]), 0, 15).astype(np.uint8).reshape(n, k)
+    return QuantWeight(4, codes, s, None, m, group)
+
+
+@needs_lib
+def test_a_native_decoder_graph_matches_the_fp32_one() -> None:
+    """A small model's Q4_1 projections: the "native" graph (every projection one Q4MatMul node, gate/up with its
+    activation inside) gives the fp32 graph's logits to fp32 rounding, on a prefill and a decode step; its session
+    runs ONNX Runtime on one thread, and the runner reports the operator's team as its threads."""
+    import dataclasses
+
+    from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_NATIVE, build_decoder, weights_from_model
+    from partition.checkpoint import random_model
+    from partition.config import ModelConfig
+    from partition.runners.base import default_threads
+    from partition.runners.ort_decoder_runner import OrtDecoderRunner
+    from partition.runners.ort_runner import OrtOptions
+
+    cfg = ModelConfig("LlamaForCausalLM", 512, 128, 3, 4, 2, 32, 256, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    w = weights_from_model(random_model(cfg, seed=12).eval())
+    w.layers = [dataclasses.replace(lw, **{n: _q4_1(getattr(lw, n)) for n in ("q", "k", "v", "o", "gate", "up", "down")})
+                for lw in w.layers]
+    native = build_decoder(w, 256, ACCURACY_NATIVE)
+    ops = [nd.op_type for nd in native.graph.node]
+    assert ops.count(ort_q4.OP) == 4 * cfg.n_layers and "Sigmoid" not in ops and "MatMulNBits" not in ops
+    assert sum(1 for nd in native.graph.node if nd.op_type == ort_q4.OP and nd.attribute) == cfg.n_layers  # glu
+    runners = [OrtDecoderRunner(native.SerializeToString(), cfg.n_layers, 64, options=OrtOptions(activations="native")),
+               OrtDecoderRunner(build_decoder(w, 256, ACCURACY_FP32).SerializeToString(), cfg.n_layers, 64,
+                                options=OrtOptions(activations="fp32"))]
+    assert runners[0].session.get_session_options().intra_op_num_threads == 1
+    assert runners[0].threads == default_threads()
+    ids = np.random.default_rng(13).integers(0, 512, (1, 10)).astype(np.int32)
+    for t, pos in ((slice(0, 9), np.arange(9)), (slice(9, 10), np.array([9]))):
+        got, want = (r.run(ids[:, t], pos.astype(np.int32)[None]) for r in runners)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())

@@ -48,6 +48,7 @@ class OrtDecoderRunner(SliceRunner):
         self.max_seq, self.max_batch, self.options = max_seq, max_batch, options
         self.providers = resolve_providers(providers)
         so = session_options(options, spin_default=SPINS_BY_DEFAULT)
+        self.threads = options.intra_op_threads  # what a step computes on: ONNX Runtime's pool or the operator's team
         if options.activations in ("native", "auto"):
             native_session(so, options)
         if options.activations == "native":
