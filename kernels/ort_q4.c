@@ -5,6 +5,9 @@
  *       -> Y float (..., N)               Y = X @ (scales * q + mins)^T, per group of G columns (G a multiple of 32)
  *   attribute glu = 1: the rows come in tiles of 8 (4 gate rows, then the 4 up rows of the same outputs) and
  *       Y (..., N / 2) = silu(gate) * up, the MLP's gate/up projection and its activation in one node.
+ *   attribute int8 = 1: codes in byte order and x rounded to int8 per 64 columns, for one to three rows of x (more
+ *       dequantise as above): NOT exact, for the output head's candidates only, whose top logits the decoder
+ *       recomputes exactly (partition/build/ort_decoder.py, _rescored_head).
  *
  * Codes are in "lanes" order: per row, 64 columns at a time as 8 uint32 words, nibble j of word l = column 8 j + l,
  * so one shift and one mask give 8 consecutive columns' codes in 8 SIMD lanes. Arithmetic is fp32 throughout:
@@ -228,6 +231,10 @@ typedef struct {
   int shift;          /* log2(group / 32): the group of a 32-column block b is b >> shift */
   int chunk;          /* weight rows a thread takes at a time */
   atomic_int next;    /* the next chunk of weight rows a thread takes */
+  /* int8 = 1 (candidates only: not exact): codes in byte order, x rounded to int8 per 64 columns */
+  int int8;
+  const int8_t *xq;   /* (m, k) */
+  const float *xqs;   /* (m, k / 64): the 64 columns' max |x| / 127 */
 } problem;
 
 #if Q4_AVX2
@@ -401,12 +408,62 @@ static void rows4(const float *x, const uint32_t *c0, int words, const uint16_t 
 }
 #endif
 
+/* The int8 form, for a head's candidates (whose top logits are recomputed exactly after): codes in byte order (per
+   64 columns 32 bytes, byte b = column b in its low nibble, column 32 + b in its high one) against x rounded to
+   int8 per 64 columns; per 64 columns two maddubs and one madd, against the fp32 form's 32 operations. */
+static void rows4_i8(const int8_t *xq, const float *xqs, const uint8_t *c0, int bytes, const uint16_t *d0, int gk,
+                     int k, int shift, float *res) {
+#if Q4_AVX2
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int i = 0; i < k / 64; i++) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * i)),
+                  x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * i + 32));
+    const int g = (2 * i) >> shift;
+    for (int r = 0; r < 4; r++) {
+      const __m256i v = _mm256_loadu_si256((const __m256i *)(c0 + (size_t)r * bytes + 32 * i));
+      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      /* |q x| <= 15 * 127 a product, 4 products a 16-bit lane: no saturation */
+      const __m256i sum = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)),
+                                            ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(h2f(d0[(size_t)r * gk + g]) * xqs[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < 4; r++) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    a = _mm_hadd_ps(a, a);
+    a = _mm_hadd_ps(a, a);
+    res[r] = _mm_cvtss_f32(a);
+  }
+#else
+  for (int r = 0; r < 4; r++) {
+    float acc = 0;
+    for (int i = 0; i < k / 64; i++) {
+      int32_t dot = 0;
+      for (int b = 0; b < 32; b++) {
+        const uint8_t byte = c0[(size_t)r * bytes + 32 * i + b];
+        dot += (byte & 15) * xq[64 * i + b] + (byte >> 4) * xq[64 * i + 32 + b];
+      }
+      acc += (float)dot * (h2f(d0[(size_t)r * gk + ((2 * i) >> shift)]) * xqs[i]);
+    }
+    res[r] = acc;
+  }
+#endif
+}
+
 static void gemv_rows(const problem *p, int row, int n0, int n1, float *out) {
   const int words = p->k / 64 * 8, gk = p->k / p->group, per = p->group / 32;
   const float *x = p->x + (size_t)row * p->k, *xg = p->xg + (size_t)row * gk;
   (void)per;
   for (int n = n0; n < n1; n += 4) {
     float res[4];
+    if (p->int8) {
+      rows4_i8(p->xq + (size_t)row * p->k, p->xqs + (size_t)row * (p->k / 64),
+               (const uint8_t *)(p->codes + (size_t)n * words), 4 * words, p->scales + (size_t)n * gk, gk, p->k,
+               p->shift, res);
+      for (int r = 0; r < 4; r++) out[n - n0 + r] = res[r] + dot_h(p->mins + (size_t)(n + r) * gk, xg, gk);
+      continue;
+    }
 #if Q4_AVX2
     rows4(x, p->codes + (size_t)n * words, words, p->scales + (size_t)n * gk, gk, p->k, p->shift, res);
 #else
@@ -438,6 +495,14 @@ NO_CONTRACT static void dequant4(const problem *p, int n, float *w) {
     const uint32_t *c = p->codes + (size_t)(n + r) * words;
     const uint16_t *sc = p->scales + (size_t)(n + r) * gk, *mn = p->mins + (size_t)(n + r) * gk;
     float *wr = w + (size_t)r * p->k;
+    if (p->int8) { /* byte order */
+      const uint8_t *cb = (const uint8_t *)c;
+      for (int col = 0; col < p->k; col++) {
+        const int byte = cb[col / 64 * 32 + col % 32], g = col / p->group;
+        wr[col] = (float)((col % 64) < 32 ? (byte & 15) : (byte >> 4)) * h2f(sc[g]) + h2f(mn[g]);
+      }
+      continue;
+    }
 #if Q4_AVX2
     const __m256i mask = _mm256_set1_epi32(15);
     for (int i = 0; i < p->k / 64; i++) {
@@ -559,23 +624,40 @@ static void task(void *arg, int part, int parts) {
 /* y = x @ w^T on plain pointers (the tests and scripts/bench_weight_only.py call this through ctypes) */
 void orin_q4_matmul(const float *x, int m, int k, int n, const uint32_t *codes, const uint16_t *scales,
                     const uint16_t *mins,
-                    int group, int glu, float *y) {
+                    int group, int glu, int int8, float *y) {
   const int gk = k / group;
   float *xg = malloc(sizeof(float) * (size_t)m * gk + 1);
   for (int row = 0; row < m; row++)
     for (int g = 0; g < gk; g++) xg[(size_t)row * gk + g] = vsum(x + (size_t)row * k + (size_t)g * group, group);
   int shift = 0;
   while ((32 << shift) < group) shift++;
+  int8_t *xq = NULL;
+  float *xqs = NULL;
+  if (int8 && m < 4) {
+    xq = malloc((size_t)m * k);
+    xqs = malloc(sizeof(float) * (size_t)m * (k / 64) + 1);
+    for (int row = 0; row < m; row++)
+      for (int b = 0; b < k / 64; b++) {
+        const float *v = x + (size_t)row * k + 64 * b;
+        float amax = 0;
+        for (int j = 0; j < 64; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+        for (int j = 0; j < 64; j++) xq[(size_t)row * k + 64 * b + j] = (int8_t)nearbyintf(v[j] * inv);
+        xqs[(size_t)row * (k / 64) + b] = amax / 127.0f;
+      }
+  }
   int chunk = n / (8 * team.threads) / 8 * 8;
   chunk = chunk > CHUNK_ROWS ? CHUNK_ROWS : chunk < 8 ? 8 : chunk;
-  problem p = {x, xg, codes, scales, mins, y, m, k, n, group, glu, shift, chunk, 0};
+  problem p = {x, xg, codes, scales, mins, y, m, k, n, group, glu, shift, chunk, 0, int8, xq, xqs};
   run_team(task, &p);
   free(xg);
+  free(xq);
+  free(xqs);
 }
 
 /* ---- the operator ---- */
 typedef struct {
-  int glu;
+  int glu, int8;
 } kernel;
 
 static int64_t dims_of(const OrtValue *v, int64_t *dims, size_t cap) {
@@ -621,7 +703,7 @@ static void compute(void *kp, OrtKernelContext *ctx) {
     return;
   }
   orin_q4_matmul(data_of(in[0]), (int)m, (int)k, (int)n, data_of(in[1]), data_of(in[2]), data_of(in[3]),
-                 (int)(k / gk), kn->glu, y);
+                 (int)(k / gk), kn->glu, kn->int8, y);
 }
 
 static void *create_kernel(const OrtCustomOp *op, OrtApiTable table, const OrtKernelInfo *info) {
@@ -631,7 +713,13 @@ static void *create_kernel(const OrtCustomOp *op, OrtApiTable table, const OrtKe
   int64_t glu = 0;
   OrtStatus *st = API(GetAttrIntFn, API_KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "glu", &glu);
   if (st) API(ReleaseStatusFn, API_RELEASE_STATUS)(st); /* absent: 0 */
-  if (k) k->glu = glu != 0;
+  int64_t int8 = 0;
+  st = API(GetAttrIntFn, API_KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "int8", &int8);
+  if (st) API(ReleaseStatusFn, API_RELEASE_STATUS)(st);
+  if (k) {
+    k->glu = glu != 0;
+    k->int8 = int8 != 0;
+  }
   return k;
 }
 

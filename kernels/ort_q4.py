@@ -111,7 +111,8 @@ def _cdll(path: Path) -> ctypes.CDLL:
     lib.orin_q4_set_threads.restype = ctypes.c_int
     lib.orin_q4_threads.restype = ctypes.c_int
     lib.orin_q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_void_p]
     return lib
 
 
@@ -131,6 +132,7 @@ class Q4Weight:
     codes: np.ndarray
     scales: np.ndarray
     mins: np.ndarray
+    int8: bool = False  # codes in byte order for the int8-activation form (candidates only: not exact)
 
     @property
     def group(self) -> int:
@@ -155,16 +157,25 @@ def lanes(codes: np.ndarray) -> np.ndarray:
     return out
 
 
+def byte_order(codes: np.ndarray) -> np.ndarray:
+    """Codes (N, K) in 0..15 -> the int8 form's order, as uint32 (N, K / 64, 8): per 64 columns 32 bytes, byte b
+    holding column b in its low nibble and column 32 + b in its high one."""
+    n, k = codes.shape
+    g = codes.reshape(n, k // LANES, 2, 32).astype(np.uint8)
+    return np.ascontiguousarray(g[:, :, 0, :] | (g[:, :, 1, :] << np.uint8(4))).view(np.uint32).reshape(n, k // LANES, 8)
+
+
 def half_exact(a: np.ndarray) -> np.ndarray | None:
     """a as float16 where every value survives the conversion exactly, else None."""
     h = np.asarray(a, np.float32).astype(np.float16)
     return np.ascontiguousarray(h) if np.array_equal(h.astype(np.float32), np.asarray(a, np.float32)) else None
 
 
-def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None, zeros: np.ndarray | None = None
-         ) -> Q4Weight:
+def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None, zeros: np.ndarray | None = None,
+         int8: bool = False) -> Q4Weight:
     """A weight w = scales * q + mins (or (q - zeros) * scales) in the operator's form; ValueError where the scales
-    or minimums are not values of half precision (the kernel would not compute this weight)."""
+    or minimums are not values of half precision (the kernel would not compute this weight). int8: for the
+    operator's int8-activation form (attribute int8 = 1), which is not exact: a head's candidates only."""
     s = np.asarray(scales, np.float32)
     if mins is None:
         z = np.zeros_like(s) if zeros is None else np.asarray(zeros, np.float32)
@@ -173,7 +184,7 @@ def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None, 
     if s16 is None or m16 is None:
         raise ValueError("the operator keeps scales and minimums in half precision, and these are not all values of "
                          "it (GGUF's Q4_0 / Q4_1 are)")
-    return Q4Weight(lanes(np.asarray(codes)), s16, m16)
+    return Q4Weight((byte_order if int8 else lanes)(np.asarray(codes)), s16, m16, int8)
 
 
 def glu_rows(n_half: int) -> np.ndarray:
@@ -195,5 +206,5 @@ def matmul(x: np.ndarray, w: Q4Weight, glu: bool = False, cache_dir: str | Path 
     y = np.empty((xs.shape[0], n // 2 if glu else n), np.float32)
     ptr = (lambda a: a.ctypes.data)
     _cdll(path).orin_q4_matmul(ptr(xs), xs.shape[0], k, n, ptr(w.codes), ptr(w.scales), ptr(w.mins), w.group,
-                               int(glu), ptr(y))
+                               int(glu), int(w.int8), ptr(y))
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -237,3 +237,26 @@ def test_a_native_decoder_graph_matches_the_fp32_one() -> None:
     for t, pos in ((slice(0, 9), np.arange(9)), (slice(9, 10), np.array([9]))):
         got, want = (r.run(ids[:, t], pos.astype(np.int32)[None]) for r in runners)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+@needs_lib
+@pytest.mark.parametrize("rows", [1, 2, 5])  # 5: the dequantise-once path, exact
+def test_int8_form_is_the_product_with_x_rounded_per_64_columns(rows: int) -> None:
+    """The candidates' form: the codes in byte order, x rounded to int8 per 64 columns (max |x| / 127) for the codes'
+    term, the minimum's term on x's fp32 sums; equal to that in float64 (and from 4 rows of x, to the exact
+    product)."""
+    n, k, group = 256, 192, 64
+    rng = np.random.default_rng(20 + rows)
+    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    s = (rng.random((n, k // group)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    scaled = (codes.astype(np.float64).reshape(n, k // group, group) * s[..., None]).reshape(n, k)  # s q
+    offset = np.repeat(-8.0 * s.astype(np.float64), group, axis=1)  # the minimum, -8 s (Q4_0's zero point)
+    packed = ort_q4.pack(codes, s, zeros=np.full(s.shape, 8), int8=True)
+    assert packed.int8 and not np.array_equal(packed.codes, ort_q4.pack(codes, s, zeros=np.full(s.shape, 8)).codes)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    blocks = x.reshape(rows, k // 64, 64).astype(np.float64)
+    scale = np.abs(blocks).max(-1, keepdims=True) / 127
+    xq = (np.rint(blocks / scale) * scale).reshape(rows, k)
+    xd = x.astype(np.float64)  # the minimum's term takes x's exact sums, the codes' term its rounding
+    want = (xq if rows < 4 else xd) @ scaled.T + xd @ offset.T
+    np.testing.assert_allclose(ort_q4.matmul(x, packed), want, rtol=0, atol=2e-5 * np.abs(want).max())

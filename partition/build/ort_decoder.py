@@ -214,9 +214,11 @@ class _Graph:
         if bias is not None:
             self.node("Add", [out, self.const(f"{prefix}.bias", np.asarray(bias, np.float32))], [y], f"{prefix}.add")
 
-    def _native_linear(self, prefix: str, x: str, y: str, w: QuantWeight, glu: bool = False) -> bool:
+    def _native_linear(self, prefix: str, x: str, y: str, w: QuantWeight, glu: bool = False, int8: bool = False
+                       ) -> bool:
         """y = x @ w^T through orin_agent.Q4MatMul (kernels/ort_q4.c), for a 4-bit weight of a shape it takes;
-        False (nothing added) otherwise. glu: w is gate rows then up rows, and y = silu(gate) * up."""
+        False (nothing added) otherwise. glu: w is gate rows then up rows, and y = silu(gate) * up. int8: its
+        int8-activation form, not exact (a rescored head's candidates)."""
         from kernels import ort_q4
 
         n, k = w.codes.shape
@@ -226,16 +228,16 @@ class _Graph:
         if zeros is None and w.mins is None:  # MatMulNBits' default zero point, 2^(bits - 1) (the candidate head's)
             zeros = np.full(w.scales.shape, 8)
         try:
-            packed = ort_q4.pack(w.codes, w.scales, w.mins, zeros)
+            packed = ort_q4.pack(w.codes, w.scales, w.mins, zeros, int8=int8)
         except ValueError:  # scales or minimums half precision would round: not this operator's weight
             return False
         if glu:
             order = ort_q4.glu_rows(n // 2)
-            packed = ort_q4.Q4Weight(packed.codes[order], packed.scales[order], packed.mins[order])
+            packed = ort_q4.Q4Weight(packed.codes[order], packed.scales[order], packed.mins[order], packed.int8)
         self.node(ort_q4.OP, [x, self.const(f"{prefix}.q4codes", packed.codes),
                               self.const(f"{prefix}.q4scales", packed.scales),
                               self.const(f"{prefix}.q4mins", packed.mins)], [y], prefix, domain=ort_q4.DOMAIN,
-                  **({"glu": 1} if glu else {}))
+                  **({"glu": 1} if glu else {}), **({"int8": 1} if int8 else {}))
         self.native = True
         return True
 
@@ -355,13 +357,14 @@ def _rescored_head(g: _Graph, head: QuantWeight, tied: bool, k: int) -> None:
     and every logit a sampler could draw at any useful temperature is exact; the rest keep the copy's error."""
     saved = g.levels.get("lm_head")
     # the candidates: MLAS's int8 kernel, or under the native operator (whose session runs ONNX Runtime on one thread)
-    # that operator on its own team, with the copy's scales in half precision
+    # that operator's int8-activation form on its own team, with the copy's scales in half precision
     native = g.level("lm_head") == ACCURACY_NATIVE
-    g.levels["lm_head"] = ACCURACY_NATIVE if native else ACCURACY_INT8
-    g.linear("lm_head", "hn", "logits_candidates", candidate_head(head, half=native))
-    if saved is None:
-        del g.levels["lm_head"]
-    else:
+    cand = candidate_head(head, half=native)
+    if not (native and g._native_linear("lm_head", "hn", "logits_candidates", cand, int8=True)):
+        g.levels["lm_head"] = ACCURACY_INT8
+        g.linear("lm_head", "hn", "logits_candidates", cand)
+    g.levels.pop("lm_head", None)
+    if saved is not None:
         g.levels["lm_head"] = saved
     names = (("embed.codes", "embed.scales", "embed.zero_points") if tied else
              ("lm_head.codes", "lm_head.rows_scales", "lm_head.rows_zero_points"))
