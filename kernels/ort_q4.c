@@ -5,6 +5,9 @@
  *       -> Y float (..., N)               Y = X @ (scales * q + mins)^T, per group of G columns (G a multiple of 32)
  *   attribute glu = 1: the rows come in tiles of 8 (4 gate rows, then the 4 up rows of the same outputs) and
  *       Y (..., N / 2) = silu(gate) * up, the MLP's gate/up projection and its activation in one node.
+ *   orin_agent.Q4MatMulSkipNorm(X, codes, scales, mins, skip float (..., N), gamma float (N,)) -> Y, S float (..., N):
+ *       the product, then onnxruntime's SkipSimplifiedLayerNormalization on it: S = X W^T + skip, Y = RMSNorm(S) *
+ *       gamma (attribute epsilon), the residual stream's add and the next norm in the projection's node.
  *   attribute int8 = 1: codes in byte order and x rounded to int8 per 64 columns, for one to three rows of x (more
  *       dequantise as above): NOT exact, for the output head's candidates only, whose top logits the decoder
  *       recomputes exactly (partition/build/ort_decoder.py, _rescored_head).
@@ -58,7 +61,7 @@ typedef struct {
 enum { /* positions in OrtApi (version 1 of the API) */
   API_CREATE_STATUS = 0, API_CREATE_CUSTOM_OP_DOMAIN = 26, API_CUSTOM_OP_DOMAIN_ADD = 27, API_ADD_CUSTOM_OP_DOMAIN = 28,
   API_GET_TENSOR_MUTABLE_DATA = 51, API_GET_DIMENSIONS_COUNT = 61, API_GET_DIMENSIONS = 62,
-  API_GET_TENSOR_TYPE_AND_SHAPE = 65, API_KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86, API_KERNEL_CONTEXT_GET_INPUT = 90,
+  API_GET_TENSOR_TYPE_AND_SHAPE = 65, API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85, API_KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86, API_KERNEL_CONTEXT_GET_INPUT = 90,
   API_KERNEL_CONTEXT_GET_OUTPUT = 91, API_RELEASE_STATUS = 93, API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99
 };
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
@@ -93,6 +96,7 @@ typedef OrtStatus *(*GetDimsCountFn)(const OrtShape *info, size_t *out);
 typedef OrtStatus *(*GetDimsFn)(const OrtShape *info, int64_t *dims, size_t n);
 typedef void (*ReleaseShapeFn)(OrtShape *);
 typedef OrtStatus *(*GetAttrIntFn)(const OrtKernelInfo *info, const char *name, int64_t *out);
+typedef OrtStatus *(*GetAttrFloatFn)(const OrtKernelInfo *info, const char *name, float *out);
 
 static OrtApiTable api;
 #define API(type, index) ((type)api[index])
@@ -656,8 +660,25 @@ void orin_q4_matmul(const float *x, int m, int k, int n, const uint32_t *codes, 
 }
 
 /* ---- the operator ---- */
+
+/* SkipSimplifiedLayerNormalization after the product (onnxruntime's contrib operator, which the decoder graph
+   otherwise runs as a node of its own): sum = y + skip, in place; out = sum / sqrt(mean(sum^2) + epsilon) * gamma */
+static void skip_rms_norm(float *sum, const float *skip, const float *gamma, float epsilon, int m, int n, float *out) {
+  for (int row = 0; row < m; row++) {
+    float *s = sum + (size_t)row * n, *o = out + (size_t)row * n;
+    const float *k = skip + (size_t)row * n;
+    double ss = 0;
+    for (int i = 0; i < n; i++) {
+      s[i] += k[i];
+      ss += (double)s[i] * s[i];
+    }
+    const float inv = (float)(1.0 / sqrt(ss / n + epsilon));
+    for (int i = 0; i < n; i++) o[i] = s[i] * inv * gamma[i];
+  }
+}
 typedef struct {
-  int glu, int8;
+  int glu, int8, skip_norm; /* skip_norm: the Q4MatMulSkipNorm operator */
+  float epsilon;
 } kernel;
 
 static int64_t dims_of(const OrtValue *v, int64_t *dims, size_t cap) {
@@ -679,9 +700,9 @@ static void *data_of(const OrtValue *v) {
 
 static void compute(void *kp, OrtKernelContext *ctx) {
   const kernel *kn = kp;
-  const OrtValue *in[4];
-  int64_t xd[8], cd[8], sd[8], md[8];
-  for (size_t i = 0; i < 4; i++) API(GetInputFn, API_KERNEL_CONTEXT_GET_INPUT)(ctx, i, &in[i]);
+  const OrtValue *in[6];
+  int64_t xd[8], cd[8], sd[8], md[8], kd[8], gd[8];
+  for (size_t i = 0; i < (kn->skip_norm ? 6u : 4u); i++) API(GetInputFn, API_KERNEL_CONTEXT_GET_INPUT)(ctx, i, &in[i]);
   int64_t xr = dims_of(in[0], xd, 8), cr = dims_of(in[1], cd, 8);
   int64_t sr = dims_of(in[2], sd, 8), mr = dims_of(in[3], md, 8);
   int64_t k = xr > 0 ? xd[xr - 1] : 0, n = cr == 3 ? cd[0] : 0, m = 1;
@@ -691,23 +712,35 @@ static void compute(void *kp, OrtKernelContext *ctx) {
            sd[0] == n && gk > 0 && k % gk == 0 && (k / gk) % 32 == 0 && (((k / gk) / 32) & ((k / gk) / 32 - 1)) == 0 &&
            md[0] == n && md[1] == gk &&
            n % (kn->glu ? 8 : 4) == 0;
+  if (kn->skip_norm) { /* skip: the shape of Y; gamma: (N,) */
+    int64_t kr = dims_of(in[4], kd, 8), gr = dims_of(in[5], gd, 8);
+    ok = ok && !kn->glu && kr == xr && gr == 1 && gd[0] == n;
+    for (int64_t i = 0; ok && i < kr; i++) ok = kd[i] == (i + 1 < kr ? xd[i] : n);
+  }
   int64_t od[8];
   memcpy(od, xd, sizeof(int64_t) * (size_t)(xr > 0 ? xr : 1));
   od[xr > 0 ? xr - 1 : 0] = kn->glu ? n / 2 : n;
-  OrtValue *out = NULL;
+  OrtValue *out = NULL, *out_sum = NULL;
   API(GetOutputFn, API_KERNEL_CONTEXT_GET_OUTPUT)(ctx, 0, od, (size_t)(xr > 0 ? xr : 1), &out);
-  float *y = data_of(out);
+  float *y = data_of(out), *sum = NULL;
+  if (kn->skip_norm) {
+    API(GetOutputFn, API_KERNEL_CONTEXT_GET_OUTPUT)(ctx, 1, od, (size_t)(xr > 0 ? xr : 1), &out_sum);
+    sum = data_of(out_sum);
+  }
   if (!ok) { /* shapes the Python side never writes: NaN, so the caller's result cannot pass as a number */
     int64_t total = m * (kn->glu ? n / 2 : n);
-    for (int64_t i = 0; i < total; i++) y[i] = NAN;
+    for (int64_t i = 0; i < total; i++) {
+      y[i] = NAN;
+      if (sum) sum[i] = NAN;
+    }
     return;
   }
   orin_q4_matmul(data_of(in[0]), (int)m, (int)k, (int)n, data_of(in[1]), data_of(in[2]), data_of(in[3]),
-                 (int)(k / gk), kn->glu, kn->int8, y);
+                 (int)(k / gk), kn->glu, kn->int8, kn->skip_norm ? sum : y);
+  if (kn->skip_norm) skip_rms_norm(sum, data_of(in[4]), data_of(in[5]), kn->epsilon, (int)m, (int)n, y);
 }
 
 static void *create_kernel(const OrtCustomOp *op, OrtApiTable table, const OrtKernelInfo *info) {
-  (void)op;
   (void)table;
   kernel *k = calloc(1, sizeof(kernel));
   int64_t glu = 0;
@@ -719,6 +752,12 @@ static void *create_kernel(const OrtCustomOp *op, OrtApiTable table, const OrtKe
   if (k) {
     k->glu = glu != 0;
     k->int8 = int8 != 0;
+    k->skip_norm = op->GetInputTypeCount(op) == 6;
+    k->epsilon = 1e-5f;
+    if (k->skip_norm) {
+      st = API(GetAttrFloatFn, API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT)(info, "epsilon", &k->epsilon);
+      if (st) API(ReleaseStatusFn, API_RELEASE_STATUS)(st);
+    }
   }
   return k;
 }
@@ -735,8 +774,19 @@ static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
 static void destroy(void *k) { free(k); }
 static int required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
 
+static const char *skip_name(const OrtCustomOp *op) { (void)op; return "Q4MatMulSkipNorm"; }
+static int skip_input_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == 1 ? TYPE_UINT32 : i == 2 || i == 3 ? TYPE_FLOAT16 : TYPE_FLOAT;
+}
+static size_t skip_input_count(const OrtCustomOp *op) { (void)op; return 6; }
+static size_t skip_output_count(const OrtCustomOp *op) { (void)op; return 2; }
+
 static const OrtCustomOp q4_op = {CUSTOM_OP_VERSION, create_kernel, op_name, op_provider, input_type, input_count,
                                   output_type, output_count, compute, destroy, required, required};
+static const OrtCustomOp skip_op = {CUSTOM_OP_VERSION, create_kernel, skip_name, op_provider, skip_input_type,
+                                    skip_input_count, output_type, skip_output_count, compute, destroy, required,
+                                    required};
 
 /* The entry point ONNX Runtime's SessionOptions.register_custom_ops_library calls. */
 OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
@@ -746,5 +796,6 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
   OrtStatus *st = API(CreateCustomOpDomainFn, API_CREATE_CUSTOM_OP_DOMAIN)("orin_agent", &domain);
   if (st) return st;
   if ((st = API(CustomOpDomainAddFn, API_CUSTOM_OP_DOMAIN_ADD)(domain, &q4_op))) return st;
+  if ((st = API(CustomOpDomainAddFn, API_CUSTOM_OP_DOMAIN_ADD)(domain, &skip_op))) return st;
   return API(AddCustomOpDomainFn, API_ADD_CUSTOM_OP_DOMAIN)(options, domain);
 }

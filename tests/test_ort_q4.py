@@ -226,7 +226,11 @@ def test_a_native_decoder_graph_matches_the_fp32_one() -> None:
                 for lw in w.layers]
     native = build_decoder(w, 256, ACCURACY_NATIVE)
     ops = [nd.op_type for nd in native.graph.node]
-    assert ops.count(ort_q4.OP) == 4 * cfg.n_layers and "Sigmoid" not in ops and "MatMulNBits" not in ops
+    # per layer q/k/v and gate/up (with its activation) as Q4MatMul; o and down (but the last layer's) with the
+    # residual add and the next norm in one Q4MatMulSkipNorm
+    assert ops.count(ort_q4.OP) == 2 * cfg.n_layers + 1 and ops.count("Q4MatMulSkipNorm") == 2 * cfg.n_layers - 1
+    assert "Sigmoid" not in ops and "MatMulNBits" not in ops
+    assert ops.count("SkipSimplifiedLayerNormalization") == 1  # the final norm, after the last position is sliced
     assert sum(1 for nd in native.graph.node if nd.op_type == ort_q4.OP and nd.attribute) == cfg.n_layers  # glu
     runners = [OrtDecoderRunner(native.SerializeToString(), cfg.n_layers, 64, options=OrtOptions(activations="native")),
                OrtDecoderRunner(build_decoder(w, 256, ACCURACY_FP32).SerializeToString(), cfg.n_layers, 64,
@@ -260,3 +264,45 @@ def test_int8_form_is_the_product_with_x_rounded_per_64_columns(rows: int) -> No
     xd = x.astype(np.float64)  # the minimum's term takes x's exact sums, the codes' term its rounding
     want = (xq if rows < 4 else xd) @ scaled.T + xd @ offset.T
     np.testing.assert_allclose(ort_q4.matmul(x, packed), want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@needs_lib
+def test_skip_norm_form_is_the_product_then_onnxruntimes_skip_rms_norm() -> None:
+    """Q4MatMulSkipNorm: S = x W^T + skip and Y = S / sqrt(mean(S^2) + epsilon) * gamma, both outputs, against
+    onnxruntime's own SkipSimplifiedLayerNormalization on the Q4MatMul node's output."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kernels.matmul_nbits import MS_DOMAIN
+
+    n, k = 128, 192
+    packed, _ = weight(n, k, 32, seed=30)
+    rng = np.random.default_rng(31)
+    gamma = rng.standard_normal(n).astype(np.float32)
+    inits = [numpy_helper.from_array(a, name) for a, name in
+             ((packed.codes, "c"), (packed.scales, "s"), (packed.mins, "m"), (gamma, "g"))]
+    f = TensorProto.FLOAT
+    fused = [helper.make_node("Q4MatMulSkipNorm", ["x", "c", "s", "m", "skip", "g"], ["y", "sum"],
+                              domain=ort_q4.DOMAIN, epsilon=1e-5)]
+    plain = [helper.make_node(ort_q4.OP, ["x", "c", "s", "m"], ["p"], domain=ort_q4.DOMAIN),
+             helper.make_node("SkipSimplifiedLayerNormalization", ["p", "skip", "g"], ["y", "", "", "sum"],
+                              domain=MS_DOMAIN, epsilon=1e-5)]
+    outs = []
+    for nodes in (fused, plain):
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [1, "T", k]),
+                                               helper.make_tensor_value_info("skip", f, [1, "T", n])],
+                                  [helper.make_tensor_value_info("y", f, [1, "T", n]),
+                                   helper.make_tensor_value_info("sum", f, [1, "T", n])], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ort_q4.DOMAIN, 1),
+                                                        helper.make_opsetid(MS_DOMAIN, 1)])
+        model.ir_version = 8
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(str(LIB))
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        feed = {"x": rng.standard_normal((1, 3, k)).astype(np.float32), "skip": rng.standard_normal((1, 3, n)).astype(np.float32)}
+        if outs:
+            feed = outs[0][2]
+        outs.append((*sess.run(["y", "sum"], feed), feed))
+    (y, s, _), (y_ref, s_ref, _) = outs
+    np.testing.assert_array_equal(s, s_ref)  # the same product, the same add
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-5 * np.abs(y_ref).max())

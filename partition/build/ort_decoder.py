@@ -241,6 +241,23 @@ class _Graph:
         self.native = True
         return True
 
+    def _native_skip_norm(self, prefix: str, x: str, w: QuantWeight, skip: str, gamma: str, eps: float, out: str,
+                          sum_out: str) -> bool:
+        """out, sum_out = SkipSimplifiedLayerNormalization(x @ w^T, skip, gamma) as one
+        orin_agent.Q4MatMulSkipNorm node (the projection, the residual add and the next RMSNorm), for a 4-bit weight
+        the operator takes; False (nothing added) otherwise."""
+        if not self._native_linear(prefix, x, sum_out, w):
+            return False
+        node = self.nodes[-1]  # the plain Q4MatMul just added, made the fused one
+        node.op_type = "Q4MatMulSkipNorm"
+        node.input.extend([skip, gamma])
+        del node.output[:]
+        node.output.extend([out, sum_out])
+        from onnx import helper
+
+        node.attribute.append(helper.make_attribute("epsilon", float(eps)))
+        return True
+
     def _split_input(self, x: str, k: int, block: int, rank: int) -> tuple[str, str]:
         """x (..., K) -> (x in blocks (..., K / block, block), [x; x_lo] concatenated along the row axis).
         MatMulNBits' int8 path (accuracy_level 4) rounds a block of x to x_hi = round(x / s) * s, s = max|x| / 127
@@ -409,6 +426,8 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
         if i == 0:
             g.node("SimplifiedLayerNormalization", [x, g.const(f"{p}.attn_norm", lw.attn_norm.astype(np.float32))],
                    [f"{p}.xn"], f"{p}.attn_norm", axis=-1, epsilon=eps, stash_type=1)
+        elif x is None:  # the previous layer's down projection added the residual and normed already
+            residual = f"{p}.res_in"
         else:
             attn_norm = g.const(f"{p}.attn_norm", lw.attn_norm.astype(np.float32))
             g.node("SkipSimplifiedLayerNormalization", [x, residual, attn_norm],
@@ -433,10 +452,13 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
         g.node("GroupQueryAttention", [f"{p}.qkv_out", "", "", *past, "seqlens_k", "total_sequence_length",
                                        "rope.cos", "rope.sin"], [f"{p}.attn", *present], f"{p}.attn", domain=MS_DOMAIN,
                num_heads=h, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0, scale=1.0 / math.sqrt(hd))
-        g.linear(f"{p}.o", f"{p}.attn", f"{p}.o_out", lw.o)
         mlp_norm = g.const(f"{p}.mlp_norm", lw.mlp_norm.astype(np.float32))
-        g.node("SkipSimplifiedLayerNormalization", [f"{p}.o_out", residual, mlp_norm],
-               [f"{p}.mn", "", "", f"{p}.res_mid"], f"{p}.mlp_norm", domain=MS_DOMAIN, epsilon=eps)
+        if not (isinstance(lw.o, QuantWeight) and g.level(f"{p}.o") == ACCURACY_NATIVE
+                and g._native_skip_norm(f"{p}.o", f"{p}.attn", lw.o, residual, mlp_norm, eps, f"{p}.mn",
+                                        f"{p}.res_mid")):
+            g.linear(f"{p}.o", f"{p}.attn", f"{p}.o_out", lw.o)
+            g.node("SkipSimplifiedLayerNormalization", [f"{p}.o_out", residual, mlp_norm],
+                   [f"{p}.mn", "", "", f"{p}.res_mid"], f"{p}.mlp_norm", domain=MS_DOMAIN, epsilon=eps)
         residual = f"{p}.res_mid"
         inter = cfg.intermediate_size
         gate_up = _concat([lw.gate, lw.up])
@@ -454,8 +476,16 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
             g.node("Sigmoid", [f"{p}.gate_out"], [f"{p}.sig"], f"{p}.sigmoid")
             g.node("Mul", [f"{p}.gate_out", f"{p}.sig"], [f"{p}.silu"], f"{p}.silu")
             g.node("Mul", [f"{p}.silu", f"{p}.up_out"], [f"{p}.act"], f"{p}.act")
-        g.linear(f"{p}.down", f"{p}.act", f"{p}.down_out", lw.down)
         x = f"{p}.down_out"
+        nxt = f"layers.{i + 1}"
+        if (i + 1 < len(weights.layers) and isinstance(lw.down, QuantWeight)
+                and g.level(f"{p}.down") == ACCURACY_NATIVE
+                and g._native_skip_norm(f"{p}.down", f"{p}.act", lw.down, residual,
+                                        g.const(f"{nxt}.attn_norm", weights.layers[i + 1].attn_norm.astype(np.float32)),
+                                        eps, f"{nxt}.xn", f"{nxt}.res_in")):
+            x = None  # the next layer's norm is done
+        else:
+            g.linear(f"{p}.down", f"{p}.act", f"{p}.down_out", lw.down)
     # only each row's last position goes through the final norm and the head
     g.const("last.start", np.array([-1], np.int64))
     g.const("last.end", np.array([np.iinfo(np.int64).max], np.int64))
