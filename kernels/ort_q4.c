@@ -37,11 +37,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(Q4_PORTABLE)
 #include <immintrin.h>
 #define Q4_AVX2 1
 #else
-#define Q4_AVX2 0
+#define Q4_AVX2 0 /* the plain C loops (any CPU; -DQ4_PORTABLE forces them, as the tests do on x86) */
 #endif
 
 /* ---- the part of ONNX Runtime's C API used here ---- */

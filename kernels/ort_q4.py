@@ -194,9 +194,11 @@ def glu_rows(n_half: int) -> np.ndarray:
     return np.concatenate([t, t + n_half], axis=1).reshape(-1)
 
 
-def matmul(x: np.ndarray, w: Q4Weight, glu: bool = False, cache_dir: str | Path | None = None) -> np.ndarray:
-    """x (..., K) @ w^T through the kernel, outside ONNX Runtime (tests, benchmarks)."""
-    path = library(cache_dir)
+def matmul(x: np.ndarray, w: Q4Weight, glu: bool = False, cache_dir: str | Path | None = None,
+           library_path: Path | None = None) -> np.ndarray:
+    """x (..., K) @ w^T through the kernel, outside ONNX Runtime (tests, benchmarks); library_path: another build of
+    ort_q4.c than `library()`'s."""
+    path = library_path or library(cache_dir)
     if path is None:
         raise RuntimeError(unavailable(cache_dir) or "the exact 4-bit kernel is not built")
     n, k = w.codes.shape[0], w.codes.shape[1] * LANES

@@ -306,3 +306,29 @@ def test_skip_norm_form_is_the_product_then_onnxruntimes_skip_rms_norm() -> None
     (y, s, _), (y_ref, s_ref, _) = outs
     np.testing.assert_array_equal(s, s_ref)  # the same product, the same add
     np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-5 * np.abs(y_ref).max())
+
+
+@needs_lib
+def test_the_plain_c_loops_give_the_same_products(tmp_path) -> None:
+    """The loops a CPU without AVX2 builds (an Orin's aarch64 among them: only these were ever compiled for it, here
+    on x86 with -DQ4_PORTABLE) against the AVX2 build: the decode, int8, glu and prefill paths."""
+    import subprocess
+
+    cc = ort_q4._compiler()
+    so = tmp_path / "portable.so"
+    subprocess.run([cc, "-O2", "-fPIC", "-shared", "-pthread", "-DQ4_PORTABLE", str(ort_q4.SOURCE), "-o", str(so),
+                    "-lm"], check=True, capture_output=True)
+    lib = ort_q4._cdll(so)
+    lib.orin_q4_set_threads(2)
+    packed, _ = weight(128, 192, 64, seed=40, zeros=True)
+    codes = np.random.default_rng(42).integers(0, 16, (128, 192)).astype(np.uint8)
+    i8 = ort_q4.pack(codes, packed.scales.astype(np.float32), zeros=np.full((128, 3), 8), int8=True)
+    order = ort_q4.glu_rows(64)
+    tiled = ort_q4.Q4Weight(packed.codes[order], packed.scales[order], packed.mins[order])
+    rng = np.random.default_rng(41)
+    for rows in (1, 2, 6):
+        x = rng.standard_normal((rows, 192)).astype(np.float32)
+        for w, glu in ((packed, False), (i8, False), (tiled, True)):
+            want = ort_q4.matmul(x, w, glu=glu)
+            got = ort_q4.matmul(x, w, glu=glu, library_path=so)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * max(1.0, float(np.abs(want).max())))
