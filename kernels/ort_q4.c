@@ -2,6 +2,8 @@
  * loads this file; partition/build/ort_decoder.py emits the nodes).
  *
  *   orin_agent.Q4MatMul(X float (..., K), codes uint32 (N, K / 64, 8), scales, mins float16 (N, K / G))
+ *       (codes uint32 (N, K / 64, 16): 8-bit codes, one byte a weight in column order, GGUF's Q8_0 as q + 128 with
+ *       minimum -128 d; the same arithmetic on bytes widened to 8 lanes)
  *       -> Y float (..., N)               Y = X @ (scales * q + mins)^T, per group of G columns (G a multiple of 32)
  *   attribute glu = 1: the rows come in tiles of 8 (4 gate rows, then the 4 up rows of the same outputs) and
  *       Y (..., N / 2) = silu(gate) * up, the MLP's gate/up projection and its activation in one node.
@@ -237,6 +239,7 @@ typedef struct {
   atomic_int next;    /* the next chunk of weight rows a thread takes */
   /* int8 = 1 (candidates only: not exact): codes in byte order, x rounded to int8 per 64 columns */
   int int8;
+  int bits;           /* 4, or 8: codes one byte a weight in column order (GGUF's Q8_0 as q + 128, zero point 128) */
   const int8_t *xq;   /* (m, k) */
   const float *xqs;   /* (m, k / 64): the 64 columns' max |x| / 127 */
 } problem;
@@ -455,12 +458,52 @@ static void rows4_i8(const int8_t *xq, const float *xqs, const uint8_t *c0, int 
 #endif
 }
 
+/* 8-bit codes: per 32 columns sum(q * x) in fp32 (each 8 bytes widened to 8 lanes), times the scale; 4 rows share x */
+static void rows4_q8(const float *x, const uint8_t *c0, int k, const uint16_t *d0, int gk, int shift, float *res) {
+#if Q4_AVX2
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int b = 0; b < k / 32; b++) {
+    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int j = 0; j < 4; j++) {
+      const __m256 xv = _mm256_loadu_ps(x + 32 * b + 8 * j);
+      for (int r = 0; r < 4; r++) {
+        const __m128i q = _mm_loadl_epi64((const __m128i *)(c0 + (size_t)r * k + 32 * b + 8 * j));
+        s[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), xv, s[r]);
+      }
+    }
+    for (int r = 0; r < 4; r++)
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(d0[(size_t)r * gk + (b >> shift)])), s[r], acc[r]);
+  }
+  for (int r = 0; r < 4; r++) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    a = _mm_hadd_ps(a, a);
+    a = _mm_hadd_ps(a, a);
+    res[r] = _mm_cvtss_f32(a);
+  }
+#else
+  for (int r = 0; r < 4; r++) {
+    float acc = 0;
+    for (int b = 0; b < k / 32; b++) {
+      float s = 0;
+      for (int j = 0; j < 32; j++) s += (float)c0[(size_t)r * k + 32 * b + j] * x[32 * b + j];
+      acc += h2f(d0[(size_t)r * gk + (b >> shift)]) * s;
+    }
+    res[r] = acc;
+  }
+#endif
+}
+
 static void gemv_rows(const problem *p, int row, int n0, int n1, float *out) {
   const int words = p->k / 64 * 8, gk = p->k / p->group, per = p->group / 32;
   const float *x = p->x + (size_t)row * p->k, *xg = p->xg + (size_t)row * gk;
   (void)per;
   for (int n = n0; n < n1; n += 4) {
     float res[4];
+    if (p->bits == 8) {
+      rows4_q8(x, (const uint8_t *)p->codes + (size_t)n * p->k, p->k, p->scales + (size_t)n * gk, gk, p->shift, res);
+      for (int r = 0; r < 4; r++) out[n - n0 + r] = res[r] + dot_h(p->mins + (size_t)(n + r) * gk, xg, gk);
+      continue;
+    }
     if (p->int8) {
       rows4_i8(p->xq + (size_t)row * p->k, p->xqs + (size_t)row * (p->k / 64),
                (const uint8_t *)(p->codes + (size_t)n * words), 4 * words, p->scales + (size_t)n * gk, gk, p->k,
@@ -499,6 +542,11 @@ NO_CONTRACT static void dequant4(const problem *p, int n, float *w) {
     const uint32_t *c = p->codes + (size_t)(n + r) * words;
     const uint16_t *sc = p->scales + (size_t)(n + r) * gk, *mn = p->mins + (size_t)(n + r) * gk;
     float *wr = w + (size_t)r * p->k;
+    if (p->bits == 8) {
+      const uint8_t *cb = (const uint8_t *)p->codes + (size_t)(n + r) * p->k;
+      for (int col = 0; col < p->k; col++) wr[col] = (float)cb[col] * h2f(sc[col / p->group]) + h2f(mn[col / p->group]);
+      continue;
+    }
     if (p->int8) { /* byte order */
       const uint8_t *cb = (const uint8_t *)c;
       for (int col = 0; col < p->k; col++) {
@@ -628,7 +676,7 @@ static void task(void *arg, int part, int parts) {
 /* y = x @ w^T on plain pointers (the tests and scripts/bench_weight_only.py call this through ctypes) */
 void orin_q4_matmul(const float *x, int m, int k, int n, const uint32_t *codes, const uint16_t *scales,
                     const uint16_t *mins,
-                    int group, int glu, int int8, float *y) {
+                    int group, int glu, int int8, int bits, float *y) {
   const int gk = k / group;
   float *xg = malloc(sizeof(float) * (size_t)m * gk + 1);
   for (int row = 0; row < m; row++)
@@ -652,7 +700,7 @@ void orin_q4_matmul(const float *x, int m, int k, int n, const uint32_t *codes, 
   }
   int chunk = n / (8 * team.threads) / 8 * 8;
   chunk = chunk > CHUNK_ROWS ? CHUNK_ROWS : chunk < 8 ? 8 : chunk;
-  problem p = {x, xg, codes, scales, mins, y, m, k, n, group, glu, shift, chunk, 0, int8, xq, xqs};
+  problem p = {x, xg, codes, scales, mins, y, m, k, n, group, glu, shift, chunk, 0, int8 && bits == 4, bits, xq, xqs};
   run_team(task, &p);
   free(xg);
   free(xq);
@@ -708,7 +756,9 @@ static void compute(void *kp, OrtKernelContext *ctx) {
   int64_t k = xr > 0 ? xd[xr - 1] : 0, n = cr == 3 ? cd[0] : 0, m = 1;
   for (int64_t i = 0; i + 1 < xr; i++) m *= xd[i];
   int64_t gk = sr == 2 ? sd[1] : 0;
-  int ok = xr >= 1 && cr == 3 && sr == 2 && mr == 2 && k > 0 && k % 64 == 0 && cd[1] == k / 64 && cd[2] == 8 &&
+  const int bits = cr == 3 && cd[2] == 16 ? 8 : 4; /* 8 uint32 words per 64 columns: 4 bits; 16: 8 bits */
+  int ok = xr >= 1 && cr == 3 && sr == 2 && mr == 2 && k > 0 && k % 64 == 0 && cd[1] == k / 64 &&
+           (cd[2] == 8 || (cd[2] == 16 && !kn->int8)) &&
            sd[0] == n && gk > 0 && k % gk == 0 && (k / gk) % 32 == 0 && (((k / gk) / 32) & ((k / gk) / 32 - 1)) == 0 &&
            md[0] == n && md[1] == gk &&
            n % (kn->glu ? 8 : 4) == 0;
@@ -736,7 +786,7 @@ static void compute(void *kp, OrtKernelContext *ctx) {
     return;
   }
   orin_q4_matmul(data_of(in[0]), (int)m, (int)k, (int)n, data_of(in[1]), data_of(in[2]), data_of(in[3]),
-                 (int)(k / gk), kn->glu, kn->int8, kn->skip_norm ? sum : y);
+                 (int)(k / gk), kn->glu, kn->int8, bits, kn->skip_norm ? sum : y);
   if (kn->skip_norm) skip_rms_norm(sum, data_of(in[4]), data_of(in[5]), kn->epsilon, (int)m, (int)n, y);
 }
 

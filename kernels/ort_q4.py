@@ -1,4 +1,4 @@
-"""The exact 4-bit matmul custom operator (kernels/ort_q4.c), built on first use and loaded into ONNX Runtime.
+"""The exact 4- and 8-bit matmul custom operator (kernels/ort_q4.c), built on first use and loaded into ONNX Runtime.
 
 `library()` compiles ort_q4.c with the machine's C compiler (`CC`, else cc or gcc; -O3 -march=native) into
 ~/.cache/orin-agent/native/ (keyed on the source, the compiler and the CPU), once per machine, and returns the
@@ -7,7 +7,8 @@ A session that runs the operator registers the path (`SessionOptions.register_cu
 sizes the operator's own thread team. numpy only: no torch here.
 
 Weights go in as `Q4Weight` (`pack`): codes in the kernel's "lanes" order (uint32 (N, K / 64, 8), nibble j of word
-l = column 8 j + l of each 64), and scales and minimums per group in half precision, w = scale * q + minimum (a
+l = column 8 j + l of each 64; 8-bit codes: uint32 (N, K / 64, 16), a byte a weight in column order), and scales
+and minimums per group in half precision, w = scale * q + minimum (a
 weight with integer zero points z has minimum -z * scale). Half precision is GGUF's own for Q4_0 / Q4_1's d and m,
 so those go in exactly; `pack` refuses scales or minimums that half precision would round (the graph builder then
 keeps that projection on another form).
@@ -112,7 +113,7 @@ def _cdll(path: Path) -> ctypes.CDLL:
     lib.orin_q4_threads.restype = ctypes.c_int
     lib.orin_q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_void_p]
+                                   ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
@@ -137,6 +138,11 @@ class Q4Weight:
     @property
     def group(self) -> int:
         return self.codes.shape[1] * LANES // self.scales.shape[1]
+
+    @property
+    def bits(self) -> int:
+        """4 (8 uint32 words per 64 columns) or 8 (16: a byte a weight)."""
+        return 4 if self.codes.shape[2] == 8 else 8
 
 
 def fits(n: int, k: int, group: int, glu: bool = False) -> bool:
@@ -172,10 +178,11 @@ def half_exact(a: np.ndarray) -> np.ndarray | None:
 
 
 def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None, zeros: np.ndarray | None = None,
-         int8: bool = False) -> Q4Weight:
+         int8: bool = False, bits: int = 4) -> Q4Weight:
     """A weight w = scales * q + mins (or (q - zeros) * scales) in the operator's form; ValueError where the scales
     or minimums are not values of half precision (the kernel would not compute this weight). int8: for the
-    operator's int8-activation form (attribute int8 = 1), which is not exact: a head's candidates only."""
+    operator's int8-activation form (attribute int8 = 1), which is not exact: a head's candidates only. bits=8:
+    codes 0..255, a byte a weight in column order (GGUF's Q8_0 as q + 128 with zero point 128)."""
     s = np.asarray(scales, np.float32)
     if mins is None:
         z = np.zeros_like(s) if zeros is None else np.asarray(zeros, np.float32)
@@ -184,7 +191,13 @@ def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None, 
     if s16 is None or m16 is None:
         raise ValueError("the operator keeps scales and minimums in half precision, and these are not all values of "
                          "it (GGUF's Q4_0 / Q4_1 are)")
-    return Q4Weight((byte_order if int8 else lanes)(np.asarray(codes)), s16, m16, int8)
+    c = np.asarray(codes)
+    if bits == 8:
+        if int8:
+            raise ValueError("the int8-activation form takes 4-bit codes only")
+        n, k = c.shape
+        return Q4Weight(np.ascontiguousarray(c, np.uint8).view(np.uint32).reshape(n, k // LANES, 16), s16, m16)
+    return Q4Weight((byte_order if int8 else lanes)(c), s16, m16, int8)
 
 
 def glu_rows(n_half: int) -> np.ndarray:
@@ -208,5 +221,5 @@ def matmul(x: np.ndarray, w: Q4Weight, glu: bool = False, cache_dir: str | Path 
     y = np.empty((xs.shape[0], n // 2 if glu else n), np.float32)
     ptr = (lambda a: a.ctypes.data)
     _cdll(path).orin_q4_matmul(ptr(xs), xs.shape[0], k, n, ptr(w.codes), ptr(w.scales), ptr(w.mins), w.group,
-                               int(glu), int(w.int8), ptr(y))
+                               int(glu), int(w.int8), w.bits, ptr(y))
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -11,19 +11,19 @@ LIB = ort_q4.library()
 needs_lib = pytest.mark.skipif(LIB is None, reason=f"the operator did not build here: {ort_q4.unavailable()}")
 
 
-def weight(n: int, k: int, group: int, seed: int, zeros: bool = False):
+def weight(n: int, k: int, group: int, seed: int, zeros: bool = False, bits: int = 4):
     """Random codes, scales and minimums that are values of half precision (as GGUF's are), the packed weight and its
-    dequantisation in float64."""
+    dequantisation in float64. bits=8 with zeros: GGUF's Q8_0 (codes q + 128, zero point 128)."""
     rng = np.random.default_rng(seed)
-    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    codes = rng.integers(0, 1 << bits, (n, k)).astype(np.uint8)
     s = (rng.random((n, k // group)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
-    if zeros:  # Q4_0's form: z = 8 (any zero point whose -z * scale is a value of half precision)
-        z = np.full((n, k // group), 8)
-        packed = ort_q4.pack(codes, s, zeros=z)
+    if zeros:  # Q4_0's form: z = 8, Q8_0's: 128 (any zero point whose -z * scale is a value of half precision)
+        z = np.full((n, k // group), 1 << (bits - 1))
+        packed = ort_q4.pack(codes, s, zeros=z, bits=bits)
         m = -(z * s)
     else:
         m = (-s * rng.random((n, k // group)) * 15).astype(np.float16).astype(np.float32)
-        packed = ort_q4.pack(codes, s, m)
+        packed = ort_q4.pack(codes, s, m, bits=bits)
     w = codes.astype(np.float64).reshape(n, k // group, group) * s[..., None] + m[..., None]
     return packed, w.reshape(n, k)
 
@@ -33,10 +33,12 @@ def silu(v: np.ndarray) -> np.ndarray:
 
 
 @needs_lib
-@pytest.mark.parametrize("n,k,group", [(1536, 576, 32), (576, 1536, 32), (192, 576, 64), (64, 256, 128)])
+@pytest.mark.parametrize("n,k,group,bits", [(1536, 576, 32, 4), (576, 1536, 32, 4), (192, 576, 64, 4),
+                                            (64, 256, 128, 4), (576, 576, 32, 8), (128, 256, 64, 8)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])  # 1-3: one row of x at a time; from 4: dequantise-once
-def test_matmul_is_the_dequantised_product(n: int, k: int, group: int, rows: int) -> None:
-    packed, w = weight(n, k, group, seed=n + k + rows)
+def test_matmul_is_the_dequantised_product(n: int, k: int, group: int, bits: int, rows: int) -> None:
+    packed, w = weight(n, k, group, seed=n + k + rows, zeros=bits == 8, bits=bits)
+    assert packed.bits == bits
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
     want = x.astype(np.float64) @ w.T
     for threads in (1, 2):
@@ -205,9 +207,21 @@ def _q4_1(w: np.ndarray, group: int = 32):
     return QuantWeight(4, codes, s, None, m, group)
 
 
+def _q8_0(w: np.ndarray, group: int = 32):
+    """w (N, K) as GGUF's Q8_0 would hold it: codes q + 128 (zero point 128) and a half-precision scale per group."""
+    from partition.build.ort_decoder import QuantWeight
+
+    n, k = w.shape
+    b = w.reshape(n, k // group, group)
+    s = np.maximum(np.abs(b).max(-1) / 127, 1e-4).astype(np.float16).astype(np.float32)
+    codes = (np.clip(np.rint(b / s[..., None]), -127, 127) + 128).astype(np.uint8).reshape(n, k)
+    return QuantWeight(8, codes, s, np.full(s.shape, 128), None, group)
+
+
 @needs_lib
-def test_a_native_decoder_graph_matches_the_fp32_one() -> None:
-    """A small model's Q4_1 projections: the "native" graph (every projection one Q4MatMul node, gate/up with its
+@pytest.mark.parametrize("quant", [_q4_1, _q8_0])
+def test_a_native_decoder_graph_matches_the_fp32_one(quant) -> None:
+    """A small model's Q4_1 (or Q8_0) projections: the "native" graph (every projection one Q4MatMul node, gate/up with its
     activation inside) gives the fp32 graph's logits to fp32 rounding, on a prefill and a decode step; its session
     runs ONNX Runtime on one thread, and the runner reports the operator's team as its threads."""
     import dataclasses
@@ -222,7 +236,7 @@ def test_a_native_decoder_graph_matches_the_fp32_one() -> None:
     cfg = ModelConfig("LlamaForCausalLM", 512, 128, 3, 4, 2, 32, 256, max_position_embeddings=256,
                       tie_word_embeddings=True)
     w = weights_from_model(random_model(cfg, seed=12).eval())
-    w.layers = [dataclasses.replace(lw, **{n: _q4_1(getattr(lw, n)) for n in ("q", "k", "v", "o", "gate", "up", "down")})
+    w.layers = [dataclasses.replace(lw, **{n: quant(getattr(lw, n)) for n in ("q", "k", "v", "o", "gate", "up", "down")})
                 for lw in w.layers]
     native = build_decoder(w, 256, ACCURACY_NATIVE)
     ops = [nd.op_type for nd in native.graph.node]
@@ -321,6 +335,7 @@ def test_the_plain_c_loops_give_the_same_products(tmp_path) -> None:
     lib = ort_q4._cdll(so)
     lib.orin_q4_set_threads(2)
     packed, _ = weight(128, 192, 64, seed=40, zeros=True)
+    q8, _ = weight(128, 192, 64, seed=43, zeros=True, bits=8)
     codes = np.random.default_rng(42).integers(0, 16, (128, 192)).astype(np.uint8)
     i8 = ort_q4.pack(codes, packed.scales.astype(np.float32), zeros=np.full((128, 3), 8), int8=True)
     order = ort_q4.glu_rows(64)
@@ -328,7 +343,7 @@ def test_the_plain_c_loops_give_the_same_products(tmp_path) -> None:
     rng = np.random.default_rng(41)
     for rows in (1, 2, 6):
         x = rng.standard_normal((rows, 192)).astype(np.float32)
-        for w, glu in ((packed, False), (i8, False), (tiled, True)):
+        for w, glu in ((packed, False), (i8, False), (tiled, True), (q8, False)):
             want = ort_q4.matmul(x, w, glu=glu)
             got = ort_q4.matmul(x, w, glu=glu, library_path=so)
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * max(1.0, float(np.abs(want).max())))

@@ -21,7 +21,7 @@ from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, ACCURACY_N
     DecoderWeights, QuantWeight, build_decoder, weights_from_gguf
 from partition.digest import sha256
 
-FORMAT = 10  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
+FORMAT = 11  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
 GRAPH = "decoder.onnx"
 MAX_ROPE = 1 << 17  # rotary cache rows are cheap (64 floats each for head_dim 128): cover any context
 
@@ -155,9 +155,10 @@ def _checkpoint_weights(model_dir: Path) -> DecoderWeights:
 #           ._split_input): 100 % on every text (2026-12-06), the int8 kernel's speed plus ~11 small nodes per
 #           layer input; faster than "fp32" where MLAS's fp32 kernel is slow (AVX2 without AVX-512: 12.6 against
 #           17.1 ms a SmolLM2 step on a 2-core AMD EPYC, docs/BENCHMARKS.md).
-#   "native": every 4-bit projection through orin-agent's own exact operator (kernels/ort_q4.c: fp32 activations,
-#           one node per projection, the MLP's activation inside the gate/up node), built with the machine's C
-#           compiler on first use; offered only where it builds (`exact_precisions`).
+#   "native": every 4- and 8-bit projection through orin-agent's own exact operator (kernels/ort_q4.c: fp32
+#           activations, one node per projection, the MLP's activation inside the gate/up node, o and down with the
+#           residual add and the next norm), built with the machine's C compiler on first use; offered only where
+#           it builds (`exact_precisions`): 100 % on every text (2026-12-07).
 #   "auto" (the default): the faster of the exact ones, measured once per model and machine
 #           (partition/runners/precision_choice.py).
 PRECISIONS: dict[str, tuple[int | dict[str, int], int]] = {
@@ -224,9 +225,10 @@ def weight_bytes(weights: DecoderWeights, precision: str = DEFAULT_PRECISION) ->
     def nbytes(w: object) -> int:
         if isinstance(w, QuantWeight):
             n, k = w.codes.shape
-            if (native and w.bits == 4 and ort_q4.fits(n, k, w.group) and ort_q4.half_exact(w.scales) is not None
-                    and (w.mins is None or ort_q4.half_exact(w.mins) is not None)):
-                return w.codes.size // 2 + 4 * w.scales.size
+            mins = w.mins if w.mins is not None else -w.scales * (w.zeros if w.zeros is not None else 1 << (w.bits - 1))
+            if (native and w.bits in (4, 8) and ort_q4.fits(n, k, w.group)
+                    and ort_q4.half_exact(w.scales) is not None and ort_q4.half_exact(mins) is not None):
+                return w.codes.size * w.bits // 8 + 4 * w.scales.size
             return w.codes.size * w.bits // 8 + sum(a.nbytes for a in (w.scales, w.zeros, w.mins) if a is not None)
         return int(getattr(w, "nbytes", 0))
 

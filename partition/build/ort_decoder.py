@@ -222,13 +222,13 @@ class _Graph:
         from kernels import ort_q4
 
         n, k = w.codes.shape
-        if w.bits != 4 or not ort_q4.fits(n, k, w.group, glu):
+        if w.bits not in (4, 8) or (int8 and w.bits != 4) or not ort_q4.fits(n, k, w.group, glu):
             return False
         zeros = w.zeros
         if zeros is None and w.mins is None:  # MatMulNBits' default zero point, 2^(bits - 1) (the candidate head's)
-            zeros = np.full(w.scales.shape, 8)
+            zeros = np.full(w.scales.shape, 1 << (w.bits - 1))
         try:
-            packed = ort_q4.pack(w.codes, w.scales, w.mins, zeros, int8=int8)
+            packed = ort_q4.pack(w.codes, w.scales, w.mins, zeros, int8=int8, bits=w.bits)
         except ValueError:  # scales or minimums half precision would round: not this operator's weight
             return False
         if glu:
@@ -502,7 +502,7 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
     levels = (accuracy_level,) if isinstance(accuracy_level, int) else tuple(accuracy_level.values())
     native_asked = ACCURACY_NATIVE in levels
     if native_asked and not g.native:
-        raise ValueError("no projection of this model fits orin-agent's native 4-bit operator (it takes 4-bit weights "
+        raise ValueError("no projection of this model fits orin-agent's native operator (it takes 4- and 8-bit weights "
                          "whose scales and minimums are half-precision values, K a multiple of 64); use split or fp32")
     graph = helper.make_graph(g.nodes, "decoder", inputs, outputs, g.inits)
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
