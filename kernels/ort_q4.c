@@ -1,4 +1,4 @@
-/* orin-agent's exact 4-bit weight-only matmul as an ONNX Runtime custom operator (kernels/ort_q4.py builds and
+/* orin-agent's exact 4- and 8-bit weight-only matmul as an ONNX Runtime custom operator (kernels/ort_q4.py builds and
  * loads this file; partition/build/ort_decoder.py emits the nodes).
  *
  *   orin_agent.Q4MatMul(X float (..., K), codes uint32 (N, K / 64, 8), scales, mins float16 (N, K / G))
@@ -21,8 +21,9 @@
  * take fp32 dot products. Either is the dequantised float model's product to fp32 rounding (no int8 activations).
  *
  * Threads: a team of this library's own (orin_q4_set_threads), the caller plus threads - 1 workers that spin
- * for a while after each call and then sleep on a condition variable. ONNX Runtime's own pool is not reachable
- * from a custom operator of this API version.
+ * for a while after each call and then sleep on a condition variable, taking chunks of weight rows from a shared
+ * counter. ONNX Runtime's own pool is not reachable from a custom operator of this API version; the decoder's
+ * session runs ONNX Runtime on one thread beside the team (partition/runners/ort_decoder_runner.py).
  *
  * The ONNX Runtime C API is used through its function table (OrtApi), whose order is append-only and stable
  * across releases; only entries of its first version (onnxruntime 1.2) are used, at the positions that
@@ -32,7 +33,6 @@
  */
 #include <math.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -61,12 +61,13 @@ typedef struct {
 } OrtApiBase;
 
 enum { /* positions in OrtApi (version 1 of the API) */
-  API_CREATE_STATUS = 0, API_CREATE_CUSTOM_OP_DOMAIN = 26, API_CUSTOM_OP_DOMAIN_ADD = 27, API_ADD_CUSTOM_OP_DOMAIN = 28,
+  API_CREATE_CUSTOM_OP_DOMAIN = 26, API_CUSTOM_OP_DOMAIN_ADD = 27, API_ADD_CUSTOM_OP_DOMAIN = 28,
   API_GET_TENSOR_MUTABLE_DATA = 51, API_GET_DIMENSIONS_COUNT = 61, API_GET_DIMENSIONS = 62,
-  API_GET_TENSOR_TYPE_AND_SHAPE = 65, API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85, API_KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86, API_KERNEL_CONTEXT_GET_INPUT = 90,
-  API_KERNEL_CONTEXT_GET_OUTPUT = 91, API_RELEASE_STATUS = 93, API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99
+  API_GET_TENSOR_TYPE_AND_SHAPE = 65, API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85,
+  API_KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86,
+  API_KERNEL_CONTEXT_GET_INPUT = 90, API_KERNEL_CONTEXT_GET_OUTPUT = 91, API_RELEASE_STATUS = 93,
+  API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99
 };
-enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
 enum { TYPE_FLOAT = 1, TYPE_FLOAT16 = 10, TYPE_UINT32 = 12 };
 #define CUSTOM_OP_VERSION 8
 
@@ -85,7 +86,6 @@ typedef struct OrtCustomOp {
   int (*GetOutputCharacteristic)(const struct OrtCustomOp *op, size_t index);
 } OrtCustomOp;
 
-typedef OrtStatus *(*CreateStatusFn)(int code, const char *msg);
 typedef void (*ReleaseStatusFn)(OrtStatus *);
 typedef OrtStatus *(*CreateCustomOpDomainFn)(const char *domain, OrtCustomOpDomain **out);
 typedef OrtStatus *(*CustomOpDomainAddFn)(OrtCustomOpDomain *domain, const OrtCustomOp *op);
@@ -277,8 +277,6 @@ static void silu_mul(const float *g, const float *u, float *out, int count) {
   for (; i < count; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-/* Rows [n0, n1) of the weight (a multiple of 4 apart) against one row of x: acc[r] = sum over 32-column halves of
-   scale * sum(q * x), then + sum over groups of min * sum(x). */
 /* an IEEE half as a float (exact: every half is a float) */
 static inline float h2f(uint16_t h) {
 #if Q4_AVX2
@@ -373,13 +371,13 @@ static inline float dot_h(const uint16_t *h, const float *b, int k) {
 #endif
 
 #if Q4_AVX2
-/* Four weight rows against one row of x; plain arguments, so the compiler keeps the 4 x 2 accumulators in registers
-   (read through the problem structure, the same loop ran 1.5-1.8x slower here) */
-static inline __attribute__((always_inline)) void rows4_impl(const float *x, const uint32_t *c0, int words,
-                                                             const uint16_t *d0, int gk, int k, int shift, float *res) {
+/* Four weight rows against one row of x (each load of x serves the four): per 32 columns s = sum(q * x) in fp32,
+   acc += scale * s; the codes of the rows after these are prefetched meanwhile */
+static void rows4(const float *x, const uint32_t *c0, int words, const uint16_t *d0, int gk, int k, int shift,
+                  float *res) {
   const __m256i mask = _mm256_set1_epi32(15);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  const char *next = (const char *)(c0 + (size_t)PREFETCH_ROWS * words); /* rows ahead, fetched while these are summed */
+  const char *next = (const char *)(c0 + (size_t)PREFETCH_ROWS * words);
   for (int i = 0; i < k / 64; i++) {
     __m256i v[4];
     for (int r = 0; r < 4; r++) v[r] = _mm256_loadu_si256((const __m256i *)(c0 + (size_t)r * words + 8 * i));
@@ -404,15 +402,6 @@ static inline __attribute__((always_inline)) void rows4_impl(const float *x, con
     res[r] = _mm_cvtss_f32(a);
   }
 }
-
-/* groups of 32 (GGUF's Q4_0 / Q4_1) with the group index a constant expression of the loop */
-static void rows4(const float *x, const uint32_t *c0, int words, const uint16_t *d0, int gk, int k, int shift,
-                  float *res) {
-  if (shift == 0)
-    rows4_impl(x, c0, words, d0, gk, k, 0, res);
-  else
-    rows4_impl(x, c0, words, d0, gk, k, shift, res);
-}
 #endif
 
 /* The int8 form, for a head's candidates (whose top logits are recomputed exactly after): codes in byte order (per
@@ -431,8 +420,8 @@ static void rows4_i8(const int8_t *xq, const float *xqs, const uint8_t *c0, int 
       const __m256i v = _mm256_loadu_si256((const __m256i *)(c0 + (size_t)r * bytes + 32 * i));
       const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       /* |q x| <= 15 * 127 a product, 4 products a 16-bit lane: no saturation */
-      const __m256i sum = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)),
-                                            ones);
+      const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+      const __m256i sum = _mm256_madd_epi16(pairs, ones);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(h2f(d0[(size_t)r * gk + g]) * xqs[i]), acc[r]);
     }
   }
@@ -493,6 +482,8 @@ static void rows4_q8(const float *x, const uint8_t *c0, int k, const uint16_t *d
 #endif
 }
 
+/* Rows [n0, n1) of the weight (a multiple of 4 apart) against row `row` of x: the codes' term by the form the weight
+   is in, then + sum over groups of min * sum(x) */
 static void gemv_rows(const problem *p, int row, int n0, int n1, float *out) {
   const int words = p->k / 64 * 8, gk = p->k / p->group, per = p->group / 32;
   const float *x = p->x + (size_t)row * p->k, *xg = p->xg + (size_t)row * gk;

@@ -168,7 +168,8 @@ def byte_order(codes: np.ndarray) -> np.ndarray:
     holding column b in its low nibble and column 32 + b in its high one."""
     n, k = codes.shape
     g = codes.reshape(n, k // LANES, 2, 32).astype(np.uint8)
-    return np.ascontiguousarray(g[:, :, 0, :] | (g[:, :, 1, :] << np.uint8(4))).view(np.uint32).reshape(n, k // LANES, 8)
+    packed = np.ascontiguousarray(g[:, :, 0, :] | (g[:, :, 1, :] << np.uint8(4)))
+    return packed.view(np.uint32).reshape(n, k // LANES, 8)
 
 
 def half_exact(a: np.ndarray) -> np.ndarray | None:

@@ -221,9 +221,9 @@ def _q8_0(w: np.ndarray, group: int = 32):
 @needs_lib
 @pytest.mark.parametrize("quant", [_q4_1, _q8_0])
 def test_a_native_decoder_graph_matches_the_fp32_one(quant) -> None:
-    """A small model's Q4_1 (or Q8_0) projections: the "native" graph (every projection one Q4MatMul node, gate/up with its
-    activation inside) gives the fp32 graph's logits to fp32 rounding, on a prefill and a decode step; its session
-    runs ONNX Runtime on one thread, and the runner reports the operator's team as its threads."""
+    """A small model's Q4_1 (or Q8_0) projections: the "native" graph (every projection one Q4MatMul node, gate/up
+    with its activation inside) gives the fp32 graph's logits to fp32 rounding, on a prefill and a decode step; its
+    session runs ONNX Runtime on one thread, and the runner reports the operator's team as its threads."""
     import dataclasses
 
     from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_NATIVE, build_decoder, weights_from_model
@@ -236,8 +236,8 @@ def test_a_native_decoder_graph_matches_the_fp32_one(quant) -> None:
     cfg = ModelConfig("LlamaForCausalLM", 512, 128, 3, 4, 2, 32, 256, max_position_embeddings=256,
                       tie_word_embeddings=True)
     w = weights_from_model(random_model(cfg, seed=12).eval())
-    w.layers = [dataclasses.replace(lw, **{n: quant(getattr(lw, n)) for n in ("q", "k", "v", "o", "gate", "up", "down")})
-                for lw in w.layers]
+    names = ("q", "k", "v", "o", "gate", "up", "down")
+    w.layers = [dataclasses.replace(lw, **{n: quant(getattr(lw, n)) for n in names}) for lw in w.layers]
     native = build_decoder(w, 256, ACCURACY_NATIVE)
     ops = [nd.op_type for nd in native.graph.node]
     # per layer q/k/v and gate/up (with its activation) as Q4MatMul; o and down (but the last layer's) with the
@@ -307,15 +307,14 @@ def test_skip_norm_form_is_the_product_then_onnxruntimes_skip_rms_norm() -> None
                                                helper.make_tensor_value_info("skip", f, [1, "T", n])],
                                   [helper.make_tensor_value_info("y", f, [1, "T", n]),
                                    helper.make_tensor_value_info("sum", f, [1, "T", n])], inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ort_q4.DOMAIN, 1),
-                                                        helper.make_opsetid(MS_DOMAIN, 1)])
+        opsets = [helper.make_opsetid("", 17), helper.make_opsetid(ort_q4.DOMAIN, 1), helper.make_opsetid(MS_DOMAIN, 1)]
+        model = helper.make_model(graph, opset_imports=opsets)
         model.ir_version = 8
         so = ort.SessionOptions()
         so.register_custom_ops_library(str(LIB))
         sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        feed = {"x": rng.standard_normal((1, 3, k)).astype(np.float32), "skip": rng.standard_normal((1, 3, n)).astype(np.float32)}
-        if outs:
-            feed = outs[0][2]
+        feed = outs[0][2] if outs else {"x": rng.standard_normal((1, 3, k)).astype(np.float32),
+                                        "skip": rng.standard_normal((1, 3, n)).astype(np.float32)}
         outs.append((*sess.run(["y", "sum"], feed), feed))
     (y, s, _), (y_ref, s_ref, _) = outs
     np.testing.assert_array_equal(s, s_ref)  # the same product, the same add
