@@ -43,8 +43,9 @@ IR_VERSION = 8
 # accuracy level (this module's own, beside MatMulNBits' 0 and 4): int8 kernels on split activations, x = x_hi + x_lo
 # with x_hi exactly on the kernel's int8 grid and x_lo the residual (`_Graph._split_input`)
 ACCURACY_SPLIT = -4
-# and the exact 4-bit custom operator of kernels/ort_q4.c (fp32 activations, a node per projection, the MLP's
-# activation inside the gate/up node): a graph at this level needs that library registered in its session
+# and the exact 4- and 8-bit custom operator of kernels/ort_q4.c (fp32 activations, a node per projection, the MLP's
+# activation inside the gate/up node, o and down with the residual add and the next norm): a graph at this level
+# needs that library registered in its session
 ACCURACY_NATIVE = -5
 
 
@@ -196,7 +197,7 @@ class _Graph:
                                  f"of {w.group}")
             level = self.level(prefix)
             if level == ACCURACY_NATIVE and self._native_linear(prefix, x, out, w):
-                pass  # else (an 8-bit weight, or a shape or scales it does not take): as split, below
+                pass  # else (a shape or scales the operator does not take): as split, below
             elif (level in (ACCURACY_SPLIT, ACCURACY_NATIVE)
                   or (w.bits == 8 and w.mins is None and level != ACCURACY_INT8)):
                 # 8-bit codes with fp32 activations: MLAS's 8-bit fp32 path dequantises every call, and the
@@ -216,8 +217,8 @@ class _Graph:
 
     def _native_linear(self, prefix: str, x: str, y: str, w: QuantWeight, glu: bool = False, int8: bool = False
                        ) -> bool:
-        """y = x @ w^T through orin_agent.Q4MatMul (kernels/ort_q4.c), for a 4-bit weight of a shape it takes;
-        False (nothing added) otherwise. glu: w is gate rows then up rows, and y = silu(gate) * up. int8: its
+        """y = x @ w^T through orin_agent.Q4MatMul (kernels/ort_q4.c), for a 4- or 8-bit weight of a shape and scales
+        it takes; False (nothing added) otherwise. glu: w is gate rows then up rows, and y = silu(gate) * up. int8: its
         int8-activation form, not exact (a rescored head's candidates)."""
         from kernels import ort_q4
 
@@ -244,8 +245,8 @@ class _Graph:
     def _native_skip_norm(self, prefix: str, x: str, w: QuantWeight, skip: str, gamma: str, eps: float, out: str,
                           sum_out: str) -> bool:
         """out, sum_out = SkipSimplifiedLayerNormalization(x @ w^T, skip, gamma) as one
-        orin_agent.Q4MatMulSkipNorm node (the projection, the residual add and the next RMSNorm), for a 4-bit weight
-        the operator takes; False (nothing added) otherwise."""
+        orin_agent.Q4MatMulSkipNorm node (the projection, the residual add and the next RMSNorm), for a weight the
+        operator takes; False (nothing added) otherwise."""
         if not self._native_linear(prefix, x, sum_out, w):
             return False
         node = self.nodes[-1]  # the plain Q4MatMul just added, made the fused one
@@ -360,7 +361,8 @@ def candidate_head(head: QuantWeight, half: bool = False) -> QuantWeight:
     scale = np.abs(blocks).max(-1) / 7
     scale[scale == 0] = 1.0  # an all-zero block: any scale reproduces it
     if half:
-        scale = np.maximum(scale.astype(np.float16), np.float16(6.1e-5)).astype(np.float32)  # no zero, no subnormal
+        # (clipped to half precision's normal range: no zero, no subnormal, no infinity)
+        scale = np.clip(scale, 6.1e-5, 65504).astype(np.float16).astype(np.float32)
     codes = np.clip(np.rint(blocks / scale[..., None]), -7, 7) + 8
     return QuantWeight(4, codes.reshape(n, k).astype(np.uint8), scale.astype(np.float32), None, None, group)
 
