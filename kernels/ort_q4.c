@@ -245,6 +245,13 @@ typedef struct {
 } problem;
 
 #if Q4_AVX2
+/* the sum of a vector's 8 lanes */
+static inline float hsum(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_hadd_ps(a, a);
+  return _mm_cvtss_f32(_mm_hadd_ps(a, a));
+}
+
 /* exp(x) for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial), within a few
    ulp of expf over its range; the MLP's silu over a whole row without a libm call per element */
 static inline __m256 exp8(__m256 x) {
@@ -310,11 +317,7 @@ static inline float vsum(const float *a, int n) {
     s2 = _mm256_add_ps(s2, _mm256_loadu_ps(a + i + 16));
     s3 = _mm256_add_ps(s3, _mm256_loadu_ps(a + i + 24));
   }
-  s0 = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-  t = _mm_hadd_ps(t, t);
-  t = _mm_hadd_ps(t, t);
-  return _mm_cvtss_f32(t);
+  return hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
 #else
   float s = 0;
   for (int i = 0; i < n; i++) s += a[i];
@@ -330,11 +333,7 @@ static inline float dot(const float *a, const float *b, int k) {
     s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
     s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
   }
-  s0 = _mm256_add_ps(s0, s1);
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-  t = _mm_hadd_ps(t, t);
-  t = _mm_hadd_ps(t, t);
-  float s = _mm_cvtss_f32(t);
+  float s = hsum(_mm256_add_ps(s0, s1));
   for (; i < k; i++) s += a[i] * b[i];
   return s;
 #else
@@ -352,10 +351,7 @@ static inline float dot_h(const uint16_t *h, const float *b, int k) {
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= k; i += 8)
     acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))), _mm256_loadu_ps(b + i), acc);
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  t = _mm_hadd_ps(t, t);
-  t = _mm_hadd_ps(t, t);
-  s = _mm_cvtss_f32(t);
+  s = hsum(acc);
 #endif
   for (; i < k; i++) s += h2f(h[i]) * b[i];
   return s;
@@ -395,12 +391,7 @@ static void rows4(const float *x, const uint32_t *c0, int words, const uint16_t 
       for (int r = 0; r < 4; r++) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(d0[(size_t)r * gk + gi])), s[r], acc[r]);
     }
   }
-  for (int r = 0; r < 4; r++) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    a = _mm_hadd_ps(a, a);
-    a = _mm_hadd_ps(a, a);
-    res[r] = _mm_cvtss_f32(a);
-  }
+  for (int r = 0; r < 4; r++) res[r] = hsum(acc[r]);
 }
 #endif
 
@@ -425,12 +416,7 @@ static void rows4_i8(const int8_t *xq, const float *xqs, const uint8_t *c0, int 
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(h2f(d0[(size_t)r * gk + g]) * xqs[i]), acc[r]);
     }
   }
-  for (int r = 0; r < 4; r++) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    a = _mm_hadd_ps(a, a);
-    a = _mm_hadd_ps(a, a);
-    res[r] = _mm_cvtss_f32(a);
-  }
+  for (int r = 0; r < 4; r++) res[r] = hsum(acc[r]);
 #else
   for (int r = 0; r < 4; r++) {
     float acc = 0;
@@ -463,12 +449,7 @@ static void rows4_q8(const float *x, const uint8_t *c0, int k, const uint16_t *d
     for (int r = 0; r < 4; r++)
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(d0[(size_t)r * gk + (b >> shift)])), s[r], acc[r]);
   }
-  for (int r = 0; r < 4; r++) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    a = _mm_hadd_ps(a, a);
-    a = _mm_hadd_ps(a, a);
-    res[r] = _mm_cvtss_f32(a);
-  }
+  for (int r = 0; r < 4; r++) res[r] = hsum(acc[r]);
 #else
   for (int r = 0; r < 4; r++) {
     float acc = 0;
@@ -583,12 +564,8 @@ static void dots4x2(const float *w, int k, const float *xa, const float *xb, flo
     }
   }
   for (int r = 0; r < 4; r++) {
-    __m128 ta = _mm_add_ps(_mm256_castps256_ps128(a[r]), _mm256_extractf128_ps(a[r], 1));
-    __m128 tb = _mm_add_ps(_mm256_castps256_ps128(b[r]), _mm256_extractf128_ps(b[r], 1));
-    ta = _mm_hadd_ps(ta, ta);
-    tb = _mm_hadd_ps(tb, tb);
-    out_a[r] = _mm_cvtss_f32(_mm_hadd_ps(ta, ta));
-    out_b[r] = _mm_cvtss_f32(_mm_hadd_ps(tb, tb));
+    out_a[r] = hsum(a[r]);
+    out_b[r] = hsum(b[r]);
     for (int t = i; t < k; t++) {
       out_a[r] += w[(size_t)r * k + t] * xa[t];
       out_b[r] += w[(size_t)r * k + t] * xb[t];
