@@ -1,7 +1,7 @@
 """The exact 4- and 8-bit matmul custom operator (kernels/ort_q4.c), built on first use and loaded into ONNX Runtime.
 
 `library()` compiles ort_q4.c with the machine's C compiler (`CC`, else cc or gcc; -O3 -march=native) into
-~/.cache/orin-agent/native/ (keyed on the source, the compiler and the CPU), once per machine, and returns the
+~/.cache/orin-agent/native/ (the unit's CacheDirectory under systemd; keyed on the source, the compiler and the CPU), once per machine, and returns the
 shared library's path, or None with the reason in `unavailable()` where it cannot (no compiler, a failed build).
 A session that runs the operator registers the path (`SessionOptions.register_custom_ops_library`); `set_threads`
 sizes the operator's own thread team. numpy only: no torch here.
@@ -62,8 +62,12 @@ def _cpu_key() -> str:
 
 
 def default_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "orin-agent" / "native"
+    """Where the built library is kept: systemd's CacheDirectory= for the service (CACHE_DIRECTORY, whose home is
+    read-only under ProtectHome=read-only), else $XDG_CACHE_HOME/orin-agent or ~/.cache/orin-agent."""
+    unit = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
+    if unit:
+        return Path(unit) / "native"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "orin-agent" / "native"
 
 
 def library(cache_dir: str | Path | None = None, log=None) -> Path | None:
@@ -84,9 +88,14 @@ def library(cache_dir: str | Path | None = None, log=None) -> Path | None:
         if not path.exists():
             if log is not None:
                 log(f"building the exact 4-bit kernel ({cc}, {SOURCE.name}) into {folder}")
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-            os.close(fd)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+                os.close(fd)
+            except OSError as exc:  # a read-only cache: the other precisions still run
+                _reason[key] = f"cannot write the kernel's build into {folder}: {exc}"
+                _built[key] = None
+                return None
             r = subprocess.run([cc, *FLAGS, *ARCH_FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
             if r.returncode != 0:
                 os.unlink(tmp)

@@ -346,3 +346,29 @@ def test_the_plain_c_loops_give_the_same_products(tmp_path) -> None:
             want = ort_q4.matmul(x, w, glu=glu)
             got = ort_q4.matmul(x, w, glu=glu, library_path=so)
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * max(1.0, float(np.abs(want).max())))
+
+
+def test_a_read_only_cache_gets_a_reason_not_an_error(tmp_path) -> None:
+    """Under the unit's ProtectHome=read-only a home cache cannot be written: library() says so and returns None (auto
+    then leaves native out), instead of failing the model's load."""
+    import os
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o500)
+    try:
+        if os.access(ro, os.W_OK):  # root ignores the mode: a path under a file cannot be made by anyone
+            (tmp_path / "file").write_text("")
+            ro = tmp_path / "file"
+        assert ort_q4.library(ro / "native") is None
+        assert "cannot write" in ort_q4.unavailable(ro / "native")
+    finally:
+        os.chmod(tmp_path / "ro", 0o700)
+
+
+def test_the_service_builds_into_its_cache_directory(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CACHE_DIRECTORY", f"{tmp_path}/unit:{tmp_path}/other")
+    assert ort_q4.default_dir() == tmp_path / "unit" / "native"
+    monkeypatch.delenv("CACHE_DIRECTORY")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ort_q4.default_dir() == tmp_path / "xdg" / "orin-agent" / "native"
