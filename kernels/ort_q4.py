@@ -1,8 +1,9 @@
 """The exact 4- and 8-bit matmul custom operator (kernels/ort_q4.c), built on first use and loaded into ONNX Runtime.
 
 `library()` compiles ort_q4.c with the machine's C compiler (`CC`, else cc or gcc; -O3 -march=native) into
-~/.cache/orin-agent/native/ (the unit's CacheDirectory under systemd; keyed on the source, the compiler and the CPU), once per machine, and returns the
-shared library's path, or None with the reason in `unavailable()` where it cannot (no compiler, a failed build).
+~/.cache/orin-agent/native/ (the unit's CacheDirectory under systemd), keyed on the source, the compiler and the
+CPU, once per machine, and returns the shared library's path, or None with the reason in `unavailable()` where it
+cannot (no compiler, a failed build, a cache it cannot write).
 A session that runs the operator registers the path (`SessionOptions.register_custom_ops_library`); `set_threads`
 sizes the operator's own thread team. numpy only: no torch here.
 
