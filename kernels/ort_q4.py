@@ -88,7 +88,7 @@ def library(cache_dir: str | Path | None = None, log=None) -> Path | None:
         path = folder / f"ort_q4-{digest.hexdigest()[:16]}.so"
         if not path.exists():
             if log is not None:
-                log(f"building the exact 4-bit kernel ({cc}, {SOURCE.name}) into {folder}")
+                log(f"building orin-agent's CPU operator ({cc}, {SOURCE.name}) into {folder} (once)")
             try:
                 folder.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
@@ -131,7 +131,7 @@ def set_threads(threads: int, cache_dir: str | Path | None = None) -> int:
     """Size the operator's thread team (the caller counts as one); returns the size it got."""
     path = library(cache_dir)
     if path is None:
-        raise RuntimeError(unavailable(cache_dir) or "the exact 4-bit kernel is not built")
+        raise RuntimeError(unavailable(cache_dir) or "the operator is not built")
     return int(_cdll(path).orin_q4_set_threads(int(threads)))
 
 
@@ -224,7 +224,7 @@ def matmul(x: np.ndarray, w: Q4Weight, glu: bool = False, cache_dir: str | Path 
     ort_q4.c than `library()`'s."""
     path = library_path or library(cache_dir)
     if path is None:
-        raise RuntimeError(unavailable(cache_dir) or "the exact 4-bit kernel is not built")
+        raise RuntimeError(unavailable(cache_dir) or "the operator is not built")
     n, k = w.codes.shape[0], w.codes.shape[1] * LANES
     if not fits(n, k, w.group, glu) or x.shape[-1] != k:
         raise ValueError(f"x {x.shape} and a {n} x {k} weight in groups of {w.group}: not a shape the kernel takes")

@@ -54,7 +54,7 @@ class OrtDecoderRunner(SliceRunner):
         if options.activations == "native":
             # the projections and the head run on the operator's own team; ONNX Runtime's pool beside it, spinning
             # or not, only competes for the same cores (SmolLM2 Q4_1, 2 cores: 22.0 ms a step with its spinning pool
-            # of 2, 9.9 with a sleeping one, 9.7 with none; docs/BENCHMARKS.md)
+            # of 2; 8.28 with a sleeping one against 7.99 with none, 9 interleaved rounds; docs/BENCHMARKS.md)
             so.intra_op_num_threads = 1
         src = model if isinstance(model, bytes) else str(model)
         self.session = ort.InferenceSession(src, so, providers=self.providers)
@@ -168,8 +168,8 @@ def native_session(so: ort.SessionOptions, options: OrtOptions) -> None:
     path = ort_q4.library()
     if path is None:
         if options.activations == "native":
-            raise RuntimeError(f"--activations native needs orin-agent's exact 4-bit kernel, which did not build here: "
-                               f"{ort_q4.unavailable()}; use --activations split or fp32")
+            raise RuntimeError("--activations native needs orin-agent's own operator (kernels/ort_q4.c), not built "
+                               f"here: {ort_q4.unavailable()}; use --activations split or fp32")
         return
     so.register_custom_ops_library(str(path))
     ort_q4.set_threads(options.intra_op_threads)
