@@ -112,7 +112,7 @@ typedef void (*task_fn)(void *arg, int part, int parts);
    2 threads, from memory) in 4.94 ms against 5.70 without, 5.03 at 8 rows and 5.26 at 16 (the fastest of 9 rounds of
    5, interleaved; scripts/bench_weight_only.py --stream) */
 #define PREFETCH_ROWS 4
-#define CHUNK_ROWS 64 /* at most this many weight rows a thread takes at a time (a multiple of 8, glu's tile) */
+#define CHUNK_ROWS 64 /* a thread's grab of rows is worked in pieces of at most this many (a multiple of 8) */
 static struct {
   pthread_mutex_t lock;
   pthread_cond_t wake;
@@ -235,7 +235,7 @@ typedef struct {
   float *y;           /* (m, n) or (m, n / 2) with glu */
   int m, k, n, group, glu;
   int shift;          /* log2(group / 32): the group of a 32-column block b is b >> shift */
-  int chunk;          /* weight rows a thread takes at a time */
+  int chunk;          /* a thread's grab takes 1 / chunk of the weight rows left */
   atomic_int next;    /* the next chunk of weight rows a thread takes */
   /* int8 = 1 (candidates only: not exact): codes in byte order, x rounded to int8 per 64 columns */
   int int8;
@@ -594,16 +594,17 @@ static void store(const problem *p, float *yrow, int n, const float *v, int coun
   silu_mul(g, u, yrow + n / 2, count / 2);
 }
 
-/* Threads take chunks of weight rows from a shared counter, so a thread on a slower or busier core takes fewer (2
-   vCPUs of one cloud machine here ran this kernel 1.65x apart; an even split waited for the slow one). A chunk is
-   CHUNK_ROWS rows, or fewer where that would leave under 8 chunks a thread (a 576-row projection in 18 chunks on 2
-   threads, not 9). */
+/* Threads take runs of weight rows from a shared counter, guided: a grab is 1 / threads of the rows left, at least
+   64. Long runs stream best (a SmolLM2 step, 2 threads, 11 interleaved rounds: 7.85 ms in 64-row chunks, 6.45 in
+   4 runs, 6.13 in an even split, 6.42 guided), and the shorter tail lets a thread on a slower or busier core take
+   less (2 vCPUs of one cloud machine here ran this kernel 1.65x apart, where an even split waits for the slow one). */
+static void task_rows(problem *p, int n0, int n1, float *w, float *vals);
+
 static void task(void *arg, int part, int parts) {
   problem *p = arg;
   (void)part;
   (void)parts;
-  const int tile = p->glu ? 8 : 4, out_n = p->glu ? p->n / 2 : p->n;
-  float *w = NULL, *vals = NULL, scratch[8];
+  float *w = NULL, *vals = NULL;
   if (p->m >= 4) { /* 8 weight rows dequantised, and the chunk's results for every row of x */
     w = malloc(sizeof(float) * 8 * (size_t)p->k);
     vals = malloc(sizeof(float) * (size_t)p->m * CHUNK_ROWS);
@@ -614,31 +615,44 @@ static void task(void *arg, int part, int parts) {
     }
   }
   for (;;) {
-    const int n0 = atomic_fetch_add(&p->next, 1) * p->chunk;
-    if (n0 >= p->n) break;
-    const int n1 = n0 + p->chunk < p->n ? n0 + p->chunk : p->n;
-    if (p->m < 4) {
-      float buf[CHUNK_ROWS];
-      for (int row = 0; row < p->m; row++) {
-        gemv_rows(p, row, n0, n1, buf);
-        store(p, p->y + (size_t)row * out_n, n0, buf, n1 - n0);
-      }
-      continue;
+    /* guided: a grab takes 1 / p->chunk of the rows left (a multiple of 8, at least 64), so a thread streams long runs
+       first and the shorter ones at the end go to whoever is free */
+    int g0 = atomic_load(&p->next), g1 = g0;
+    while (g0 < p->n) {
+      const int size = (p->n - g0) / p->chunk / 8 * 8;
+      g1 = g0 + (size < 64 ? 64 : size) < p->n ? g0 + (size < 64 ? 64 : size) : p->n;
+      if (atomic_compare_exchange_weak(&p->next, &g0, g1)) break;
     }
-    for (int n = n0; n < n1; n += tile) {
-      dequant4(p, n, w);
-      if (tile == 8) dequant4(p, n + 4, w + 4 * (size_t)p->k);
-      for (int row = 0; row < p->m; row += 2) { /* two rows of x a pass; an odd last row pairs with itself */
-        const float *xa = p->x + (size_t)row * p->k, *xb = row + 1 < p->m ? xa + p->k : xa;
-        float *va = vals + (size_t)row * CHUNK_ROWS + (n - n0), *vb = row + 1 < p->m ? va + CHUNK_ROWS : scratch;
-        for (int r = 0; r < tile; r += 4) dots4x2(w + (size_t)r * p->k, p->k, xa, xb, va + r, vb + r);
-      }
-    }
-    for (int row = 0; row < p->m; row++) /* the chunk's outputs a row at a time: glu's silu over 32 at once */
-      store(p, p->y + (size_t)row * out_n, n0, vals + (size_t)row * CHUNK_ROWS, n1 - n0);
+    if (g0 >= p->n) break;
+    for (int n0 = g0; n0 < g1; n0 += CHUNK_ROWS) task_rows(p, n0, n0 + CHUNK_ROWS < g1 ? n0 + CHUNK_ROWS : g1, w, vals);
   }
   free(vals);
   free(w);
+}
+
+/* Weight rows [n0, n1), at most CHUNK_ROWS, against every row of x */
+static void task_rows(problem *p, int n0, int n1, float *w, float *vals) {
+  const int tile = p->glu ? 8 : 4, out_n = p->glu ? p->n / 2 : p->n;
+  float scratch[8];
+  if (p->m < 4) {
+    float buf[CHUNK_ROWS];
+    for (int row = 0; row < p->m; row++) {
+      gemv_rows(p, row, n0, n1, buf);
+      store(p, p->y + (size_t)row * out_n, n0, buf, n1 - n0);
+    }
+    return;
+  }
+  for (int n = n0; n < n1; n += tile) {
+    dequant4(p, n, w);
+    if (tile == 8) dequant4(p, n + 4, w + 4 * (size_t)p->k);
+    for (int row = 0; row < p->m; row += 2) { /* two rows of x a pass; an odd last row pairs with itself */
+      const float *xa = p->x + (size_t)row * p->k, *xb = row + 1 < p->m ? xa + p->k : xa;
+      float *va = vals + (size_t)row * CHUNK_ROWS + (n - n0), *vb = row + 1 < p->m ? va + CHUNK_ROWS : scratch;
+      for (int r = 0; r < tile; r += 4) dots4x2(w + (size_t)r * p->k, p->k, xa, xb, va + r, vb + r);
+    }
+  }
+  for (int row = 0; row < p->m; row++) /* the chunk's outputs a row at a time: glu's silu over 32 at once */
+    store(p, p->y + (size_t)row * out_n, n0, vals + (size_t)row * CHUNK_ROWS, n1 - n0);
 }
 
 /* y = x @ w^T on plain pointers (the tests and scripts/bench_weight_only.py call this through ctypes) */
@@ -666,8 +680,7 @@ void orin_q4_matmul(const float *x, int m, int k, int n, const uint32_t *codes, 
         xqs[(size_t)row * (k / 64) + b] = amax / 127.0f;
       }
   }
-  int chunk = n / (8 * team.threads) / 8 * 8;
-  chunk = chunk > CHUNK_ROWS ? CHUNK_ROWS : chunk < 8 ? 8 : chunk;
+  const int chunk = team.threads; /* a grab takes 1 / chunk of the rows left: the first, a thread's even share */
   problem p = {x, xg, codes, scales, mins, y, m, k, n, group, glu, shift, chunk, 0, int8 && bits == 4, bits, xq, xqs};
   run_team(task, &p);
   free(xg);
