@@ -516,7 +516,18 @@ NO_CONTRACT static void dequant4(const problem *p, int n, float *w) {
     float *wr = w + (size_t)r * p->k;
     if (p->bits == 8) {
       const uint8_t *cb = (const uint8_t *)p->codes + (size_t)(n + r) * p->k;
-      for (int col = 0; col < p->k; col++) wr[col] = (float)cb[col] * h2f(sc[col / p->group]) + h2f(mn[col / p->group]);
+      for (int g = 0; g < gk; g++) {
+        const float s = h2f(sc[g]), m = h2f(mn[g]);
+        const int c0 = g * p->group;
+        int col = c0;
+#if Q4_AVX2
+        for (; col + 8 <= c0 + p->group; col += 8) {
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cb + col))));
+          _mm256_storeu_ps(wr + col, _mm256_add_ps(_mm256_mul_ps(q, _mm256_set1_ps(s)), _mm256_set1_ps(m)));
+        }
+#endif
+        for (; col < c0 + p->group; col++) wr[col] = (float)cb[col] * s + m;
+      }
       continue;
     }
     if (p->int8) { /* byte order */
