@@ -366,11 +366,11 @@ static inline float dot_h(const uint16_t *h, const float *b, int k) {
 #define NO_CONTRACT
 #endif
 
-#if Q4_AVX2
 /* Four weight rows against one row of x (each load of x serves the four): per 32 columns s = sum(q * x) in fp32,
    acc += scale * s; the codes of the rows after these are prefetched meanwhile */
 static void rows4(const float *x, const uint32_t *c0, int words, const uint16_t *d0, int gk, int k, int shift,
                   float *res) {
+#if Q4_AVX2
   const __m256i mask = _mm256_set1_epi32(15);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   const char *next = (const char *)(c0 + (size_t)PREFETCH_ROWS * words);
@@ -392,8 +392,24 @@ static void rows4(const float *x, const uint32_t *c0, int words, const uint16_t 
     }
   }
   for (int r = 0; r < 4; r++) res[r] = hsum(acc[r]);
-}
+#else
+  for (int r = 0; r < 4; r++) {
+    const uint32_t *c = c0 + (size_t)r * words;
+    float acc = 0;
+    for (int b = 0; b < k / 32; b++) {
+      float lanes[8] = {0};
+      const int i = b / 2, h = b % 2;
+      for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 8; l++)
+          lanes[l] += (float)((c[8 * i + l] >> (16 * h + 4 * j)) & 15) * x[32 * b + 8 * j + l];
+      float sum = 0;
+      for (int l = 0; l < 8; l++) sum += lanes[l];
+      acc += h2f(d0[(size_t)r * gk + (b >> shift)]) * sum;
+    }
+    res[r] = acc;
+  }
 #endif
+}
 
 /* The int8 form, for a head's candidates (whose top logits are recomputed exactly after): codes in byte order (per
    64 columns 32 bytes, byte b = column b in its low nibble, column 32 + b in its high one) against x rounded to
@@ -466,42 +482,18 @@ static void rows4_q8(const float *x, const uint8_t *c0, int k, const uint16_t *d
 /* Rows [n0, n1) of the weight (a multiple of 4 apart) against row `row` of x: the codes' term by the form the weight
    is in, then + sum over groups of min * sum(x) */
 static void gemv_rows(const problem *p, int row, int n0, int n1, float *out) {
-  const int words = p->k / 64 * 8, gk = p->k / p->group, per = p->group / 32;
+  const int words = p->k / 64 * 8, gk = p->k / p->group;
   const float *x = p->x + (size_t)row * p->k, *xg = p->xg + (size_t)row * gk;
-  (void)per;
   for (int n = n0; n < n1; n += 4) {
     float res[4];
-    if (p->bits == 8) {
-      rows4_q8(x, (const uint8_t *)p->codes + (size_t)n * p->k, p->k, p->scales + (size_t)n * gk, gk, p->shift, res);
-      for (int r = 0; r < 4; r++) out[n - n0 + r] = res[r] + dot_h(p->mins + (size_t)(n + r) * gk, xg, gk);
-      continue;
-    }
-    if (p->int8) {
+    const uint16_t *d0 = p->scales + (size_t)n * gk;
+    if (p->bits == 8)
+      rows4_q8(x, (const uint8_t *)p->codes + (size_t)n * p->k, p->k, d0, gk, p->shift, res);
+    else if (p->int8)
       rows4_i8(p->xq + (size_t)row * p->k, p->xqs + (size_t)row * (p->k / 64),
-               (const uint8_t *)(p->codes + (size_t)n * words), 4 * words, p->scales + (size_t)n * gk, gk, p->k,
-               p->shift, res);
-      for (int r = 0; r < 4; r++) out[n - n0 + r] = res[r] + dot_h(p->mins + (size_t)(n + r) * gk, xg, gk);
-      continue;
-    }
-#if Q4_AVX2
-    rows4(x, p->codes + (size_t)n * words, words, p->scales + (size_t)n * gk, gk, p->k, p->shift, res);
-#else
-    for (int r = 0; r < 4; r++) {
-      const uint32_t *c = p->codes + (size_t)(n + r) * words;
-      float acc = 0;
-      for (int b = 0; b < p->k / 32; b++) {
-        float lanes[8] = {0};
-        int i = b / 2, h = b % 2;
-        for (int j = 0; j < 4; j++)
-          for (int l = 0; l < 8; l++)
-            lanes[l] += (float)((c[8 * i + l] >> (16 * h + 4 * j)) & 15) * x[32 * b + 8 * j + l];
-        float s = 0;
-        for (int l = 0; l < 8; l++) s += lanes[l];
-        acc += h2f(p->scales[(size_t)(n + r) * gk + b / per]) * s;
-      }
-      res[r] = acc;
-    }
-#endif
+               (const uint8_t *)(p->codes + (size_t)n * words), 4 * words, d0, gk, p->k, p->shift, res);
+    else
+      rows4(x, p->codes + (size_t)n * words, words, d0, gk, p->k, p->shift, res);
     for (int r = 0; r < 4; r++) out[n - n0 + r] = res[r] + dot_h(p->mins + (size_t)(n + r) * gk, xg, gk);
   }
 }

@@ -17,6 +17,7 @@ keeps that projection on another form).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -116,6 +117,7 @@ def unavailable(cache_dir: str | Path | None = None) -> str | None:
     return _reason.get(folder, "not built")
 
 
+@functools.lru_cache(maxsize=None)
 def _cdll(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))  # the same handle ONNX Runtime's dlopen of this path gets: one thread team
     lib.orin_q4_set_threads.argtypes = [ctypes.c_int]
