@@ -214,22 +214,27 @@ def stream(threads: list[int], rounds: int, layers: int = 30, passes: int = 5) -
     """A decode step's projections through the native operator, each weight its own (so a pass streams them from
     memory): the fastest of `passes` passes per round, rounds interleaved over the thread counts."""
     rng = np.random.default_rng(0)
-    calls = []
+    lib = ort_q4._cdll(ort_q4.library())
+    keep, calls = [], []  # the C function called directly on prepared buffers: the kernel's time, not Python's
     for _ in range(layers):
         for n, k, glu in STREAM_LAYER:
             s = np.full((n, k // BLOCK), 2.0 ** -7, np.float32)
             w = ort_q4.pack(rng.integers(0, 16, (n, k)).astype(np.uint8), s, -8 * s)
-            calls.append((rng.standard_normal((1, k)).astype(np.float32), w, glu))
-    nbytes = sum(w.codes.nbytes + w.scales.nbytes + w.mins.nbytes for _, w, _ in calls)
+            x = rng.standard_normal((1, k)).astype(np.float32)
+            y = np.empty((1, n // 2 if glu else n), np.float32)
+            keep.append((w, x, y))
+            calls.append((x.ctypes.data, 1, k, n, w.codes.ctypes.data, w.scales.ctypes.data, w.mins.ctypes.data,
+                          w.group, int(glu), 0, w.bits, y.ctypes.data))
+    nbytes = sum(w.codes.nbytes + w.scales.nbytes + w.mins.nbytes for w, _, _ in keep)
     times: dict[int, list[float]] = {t: [] for t in threads}
     for _ in range(rounds):
         for t in threads:
-            ort_q4.set_threads(t)
+            lib.orin_q4_set_threads(t)
             best = float("inf")
             for _ in range(passes):
                 t0 = time.perf_counter()
-                for x, w, glu in calls:
-                    ort_q4.matmul(x, w, glu=glu)
+                for args in calls:
+                    lib.orin_q4_matmul(*args)
                 best = min(best, time.perf_counter() - t0)
             times[t].append(best)
     out = []
