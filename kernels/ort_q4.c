@@ -110,7 +110,7 @@ static OrtApiTable api;
 typedef void (*task_fn)(void *arg, int part, int parts);
 /* rows4 prefetches the codes this many rows ahead: 4 (the next row group) streamed SmolLM2's 120 projections (66 MB,
    2 threads, from memory) in 4.94 ms against 5.70 without, 5.03 at 8 rows and 5.26 at 16 (the fastest of 9 rounds of
-   5, interleaved; scripts/bench_weight_only.py --stream) */
+   5, interleaved; the loop that is now scripts/bench_weight_only.py --stream, with the 64-row chunks of then) */
 #define PREFETCH_ROWS 4
 #define CHUNK_ROWS 64 /* a thread's grab of rows is worked in pieces of at most this many (a multiple of 8) */
 static struct {

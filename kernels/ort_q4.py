@@ -190,20 +190,38 @@ def half_exact(a: np.ndarray) -> np.ndarray | None:
     return np.ascontiguousarray(h) if np.array_equal(h.astype(np.float32), np.asarray(a, np.float32)) else None
 
 
-def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None, zeros: np.ndarray | None = None,
-         int8: bool = False, bits: int = 4) -> Q4Weight:
-    """A weight w = scales * q + mins (or (q - zeros) * scales) in the operator's form; ValueError where the scales
-    or minimums are not values of half precision (the kernel would not compute this weight). int8: for the
-    operator's int8-activation form (attribute int8 = 1), which is not exact: a head's candidates only. bits=8:
-    codes 0..255, a byte a weight in column order (GGUF's Q8_0 as q + 128 with zero point 128)."""
+def half_forms(scales: np.ndarray, mins: np.ndarray | None = None, zeros: np.ndarray | None = None, bits: int = 4
+               ) -> tuple[np.ndarray, np.ndarray] | None:
+    """The scales and minimums in half precision, or None where half precision would round one of them. Without
+    minimums, w = (q - zeros) * scales: minimum -zeros * scale, the zero point 2^(bits - 1) where none is given
+    (MatMulNBits' default, the project's QuantWeight convention)."""
     s = np.asarray(scales, np.float32)
     if mins is None:
-        z = np.zeros_like(s) if zeros is None else np.asarray(zeros, np.float32)
+        z = np.full(s.shape, float(1 << (bits - 1)), np.float32) if zeros is None else np.asarray(zeros, np.float32)
         mins = -z * s
     s16, m16 = half_exact(s), half_exact(mins)
-    if s16 is None or m16 is None:
+    return None if s16 is None or m16 is None else (s16, m16)
+
+
+def accepts(n: int, k: int, bits: int, group: int, scales: np.ndarray, mins: np.ndarray | None = None,
+            zeros: np.ndarray | None = None, glu: bool = False) -> bool:
+    """Whether the operator computes this weight exactly: 4 or 8 bits, a shape it takes (`fits`), and scales and
+    minimums that are values of half precision (`half_forms`)."""
+    return bits in (4, 8) and fits(n, k, group, glu) and half_forms(scales, mins, zeros, bits) is not None
+
+
+def pack(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None, zeros: np.ndarray | None = None,
+         int8: bool = False, bits: int = 4) -> Q4Weight:
+    """A weight w = scales * q + mins (or (q - zeros) * scales, the zero point 2^(bits - 1) where neither is given)
+    in the operator's form; ValueError where the scales or minimums are not values of half precision (the kernel
+    would not compute this weight). int8: for the operator's int8-activation form (attribute int8 = 1), which is not
+    exact: a head's candidates only. bits=8: codes 0..255, a byte a weight in column order (GGUF's Q8_0 as q + 128
+    with zero point 128)."""
+    forms = half_forms(scales, mins, zeros, bits)
+    if forms is None:
         raise ValueError("the operator keeps scales and minimums in half precision, and these are not all values of "
                          "it (GGUF's Q4_0 / Q4_1 are)")
+    s16, m16 = forms
     c = np.asarray(codes)
     if bits == 8:
         if int8:

@@ -225,9 +225,7 @@ def weight_bytes(weights: DecoderWeights, precision: str = DEFAULT_PRECISION) ->
     def nbytes(w: object) -> int:
         if isinstance(w, QuantWeight):
             n, k = w.codes.shape
-            mins = w.mins if w.mins is not None else -w.scales * (w.zeros if w.zeros is not None else 1 << (w.bits - 1))
-            if (native and w.bits in (4, 8) and ort_q4.fits(n, k, w.group)
-                    and ort_q4.half_exact(w.scales) is not None and ort_q4.half_exact(mins) is not None):
+            if native and ort_q4.accepts(n, k, w.bits, w.group, w.scales, w.mins, w.zeros):
                 return w.codes.size * w.bits // 8 + 4 * w.scales.size
             return w.codes.size * w.bits // 8 + sum(a.nbytes for a in (w.scales, w.zeros, w.mins) if a is not None)
         return int(getattr(w, "nbytes", 0))

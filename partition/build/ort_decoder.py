@@ -223,15 +223,9 @@ class _Graph:
         from kernels import ort_q4
 
         n, k = w.codes.shape
-        if w.bits not in (4, 8) or (int8 and w.bits != 4) or not ort_q4.fits(n, k, w.group, glu):
-            return False
-        zeros = w.zeros
-        if zeros is None and w.mins is None:  # MatMulNBits' default zero point, 2^(bits - 1) (the candidate head's)
-            zeros = np.full(w.scales.shape, 1 << (w.bits - 1))
-        try:
-            packed = ort_q4.pack(w.codes, w.scales, w.mins, zeros, int8=int8, bits=w.bits)
-        except ValueError:  # scales or minimums half precision would round: not this operator's weight
-            return False
+        if (int8 and w.bits != 4) or not ort_q4.accepts(n, k, w.bits, w.group, w.scales, w.mins, w.zeros, glu):
+            return False  # e.g. scales half precision would round: not this operator's weight
+        packed = ort_q4.pack(w.codes, w.scales, w.mins, w.zeros, int8=int8, bits=w.bits)
         if glu:
             order = ort_q4.glu_rows(n // 2)
             packed = ort_q4.Q4Weight(packed.codes[order], packed.scales[order], packed.mins[order], packed.int8)
