@@ -13,6 +13,10 @@
  *   attribute int8 = 1: codes in byte order and x rounded to int8 per 64 columns, for one to three rows of x (more
  *       dequantise as above): NOT exact, for the output head's candidates only, whose top logits the decoder
  *       recomputes exactly (partition/build/ort_decoder.py, _rescored_head).
+ *   orin_agent.CacheAttention(qkv, past_key, past_value, seqlens_k, total_sequence_length, cos, sin)
+ *       -> out, present_key, present_value: com.microsoft GroupQueryAttention as the decoder graph runs it (packed
+ *       qkv, do_rotary = 1, rotary_interleaved = 0, each present bound to its past's buffer), on the team below;
+ *       attn_compute's comment has the details.
  *
  * Codes are in "lanes" order: per row, 64 columns at a time as 8 uint32 words, nibble j of word l = column 8 j + l,
  * so one shift and one mask give 8 consecutive columns' codes in 8 SIMD lanes. Arithmetic is fp32 throughout:
@@ -68,7 +72,7 @@ enum { /* positions in OrtApi (version 1 of the API) */
   API_KERNEL_CONTEXT_GET_INPUT = 90, API_KERNEL_CONTEXT_GET_OUTPUT = 91, API_RELEASE_STATUS = 93,
   API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99
 };
-enum { TYPE_FLOAT = 1, TYPE_FLOAT16 = 10, TYPE_UINT32 = 12 };
+enum { TYPE_FLOAT = 1, TYPE_INT32 = 6, TYPE_FLOAT16 = 10, TYPE_UINT32 = 12 };
 #define CUSTOM_OP_VERSION 8
 
 typedef struct OrtCustomOp {
@@ -691,6 +695,164 @@ void orin_q4_matmul(const float *x, int m, int k, int n, const uint32_t *codes, 
   free(xqs);
 }
 
+/* ---- attention over the KV-cache (orin_agent.CacheAttention) ---- */
+typedef struct {
+  const float *qkv;       /* (B, T, (H + 2 KV) hd): each token's q heads, then its k heads, then its v heads */
+  const float *k, *v;     /* the caches (B, KV, S, hd), the T new tokens' K (rotated) and V already in them */
+  const int32_t *seqlens; /* (B,) each row's last new position */
+  const float *cos, *sin; /* (positions, rot / 2) */
+  float *out;             /* (B, T, H hd) */
+  int b, t, h, kv, hd, s, rot;
+  float scale;
+  float *scratch;         /* per thread: q rotated (hd), then the scores (s) */
+  atomic_int next;        /* the next (row, token, head) a thread takes */
+} attn_problem;
+
+/* x's first rot dimensions rotated as position p's (cos, sin) give (rotate-half form: dimension i pairs with
+   i + rot / 2, as GroupQueryAttention's rotary_interleaved = 0), the rest copied */
+static void rope(const float *x, const float *cos, const float *sin, int hd, int rot, float *out) {
+  const int half = rot / 2;
+  for (int i = 0; i < half; i++) {
+    out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+    out[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
+  }
+  for (int i = rot; i < hd; i++) out[i] = x[i];
+}
+
+/* scores[j] = scale * q . k_j for j in [0, n) (rows of hd floats) */
+static void qk_scores(const float *q, const float *k, int hd, int n, float scale, float *scores) {
+  int j = 0;
+#if Q4_AVX2
+  if (hd % 8 == 0) /* 8 keys at a time: 8 independent FMA chains, their sums transposed into one vector */
+    for (; j + 8 <= n; j += 8) {
+      __m256 a[8];
+      for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+      for (int c = 0; c < hd; c += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + c);
+        for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + (size_t)(j + r) * hd + c), a[r]);
+      }
+      const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+      const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+      const __m256 s03 = _mm256_hadd_ps(s01, s23), s47 = _mm256_hadd_ps(s45, s67);
+      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20), _mm256_permute2f128_ps(s03, s47, 0x31));
+      _mm256_storeu_ps(scores + j, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+    }
+#endif
+  for (; j < n; j++) scores[j] = dot(q, k + (size_t)j * hd, hd) * scale;
+}
+
+/* scores[j] = exp(scores[j] - max) for j in [0, n); returns their sum */
+static float softmax_weights(float *scores, int n) {
+  float mx = -INFINITY, sum = 0;
+  int j = 0;
+#if Q4_AVX2
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  for (; j + 8 <= n; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(scores + j));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top);
+  for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+#endif
+  for (; j < n; j++) mx = scores[j] > mx ? scores[j] : mx; /* (not fmaxf: a libm call a score here) */
+  j = 0;
+#if Q4_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(scores + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; j < n; j++) {
+    scores[j] = expf(scores[j] - mx);
+    sum += scores[j];
+  }
+  return sum;
+}
+
+/* out = sum_j w[j] v_j / total for j in [0, n) (rows of hd floats) */
+static void weighted_values(const float *w, const float *v, int hd, int n, float total, float *out) {
+  const float inv = 1.0f / total;
+#if Q4_AVX2
+  if (hd % 64 == 0) { /* 64 dimensions a pass: 8 accumulators in registers, so the FMAs' latency is hidden */
+    for (int d = 0; d < hd; d += 64) {
+      __m256 a[8];
+      for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+      for (int j = 0; j < n; j++) {
+        const __m256 wj = _mm256_set1_ps(w[j]);
+        const float *vj = v + (size_t)j * hd + d;
+        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + 8 * c), a[c]);
+      }
+      for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + d + 8 * c, _mm256_mul_ps(a[c], _mm256_set1_ps(inv)));
+    }
+    return;
+  }
+  if (hd % 8 == 0) {
+    for (int d = 0; d < hd; d += 8) {
+      __m256 a = _mm256_setzero_ps();
+      for (int j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v + (size_t)j * hd + d), a);
+      _mm256_storeu_ps(out + d, _mm256_mul_ps(a, _mm256_set1_ps(inv)));
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < hd; i++) out[i] = 0;
+  for (int j = 0; j < n; j++)
+    for (int i = 0; i < hd; i++) out[i] += w[j] * v[(size_t)j * hd + i];
+  for (int i = 0; i < hd; i++) out[i] *= inv;
+}
+
+/* Threads take one (row, token, query head) at a time: its q rotated, its scores over slots [0, position], their
+   softmax in fp32, and the weighted sum of the values */
+static void attn_task(void *arg, int part, int parts) {
+  attn_problem *p = arg;
+  (void)parts;
+  float *q = p->scratch + (size_t)part * (p->hd + p->s), *scores = q + p->hd;
+  const int units = p->b * p->t * p->h, group = p->h / p->kv, width = (p->h + 2 * p->kv) * p->hd;
+  for (int u; (u = atomic_fetch_add(&p->next, 1)) < units;) {
+    const int head = u % p->h, t = u / p->h % p->t, row = u / p->h / p->t;
+    const int pos = p->seqlens[row] + 1 - p->t + t, n = pos + 1;
+    rope(p->qkv + ((size_t)row * p->t + t) * width + (size_t)head * p->hd, p->cos + (size_t)pos * (p->rot / 2),
+         p->sin + (size_t)pos * (p->rot / 2), p->hd, p->rot, q);
+    const size_t cache = ((size_t)row * p->kv + head / group) * p->s * p->hd;
+    qk_scores(q, p->k + cache, p->hd, n, p->scale, scores);
+    const float total = softmax_weights(scores, n);
+    weighted_values(scores, p->v + cache, p->hd, n, total, p->out + ((size_t)row * p->t + t) * p->h * p->hd +
+                                                          (size_t)head * p->hd);
+  }
+}
+
+/* GroupQueryAttention's arithmetic (com.microsoft, do_rotary = 1, rotary_interleaved = 0, the caches shared with
+   the outputs) on plain pointers: row r's T new tokens sit at positions seqlens[r] + 1 - T .. seqlens[r]; their K
+   (rotated) and V go into slots of the caches k, v (B, KV, S, hd) by position, then each token attends to slots
+   [0, its position]. Returns 0, or -1 when a position falls outside the caches or the rotary tables, or memory ran
+   out (nothing written then). */
+int orin_q4_attention(const float *qkv, int b, int t, int h, int kv, int hd, float *k, float *v, int s,
+                      const int32_t *seqlens, const float *cos, const float *sin, int positions, int rot, float scale,
+                      float *out) {
+  if (b < 1 || t < 1 || kv < 1 || h % kv || rot < 2 || rot % 2 || rot > hd) return -1;
+  for (int r = 0; r < b; r++)
+    if (seqlens[r] + 1 - t < 0 || seqlens[r] >= s || seqlens[r] >= positions) return -1;
+  float *scratch = malloc(sizeof(float) * ((size_t)hd + s) * (size_t)team.threads);
+  if (!scratch) return -1;
+  const int width = (h + 2 * kv) * hd;
+  for (int r = 0; r < b; r++)
+    for (int i = 0; i < t; i++) {
+      const int pos = seqlens[r] + 1 - t + i;
+      const float *tok = qkv + ((size_t)r * t + i) * width;
+      for (int g = 0; g < kv; g++) {
+        const size_t slot = (((size_t)r * kv + g) * s + pos) * hd;
+        rope(tok + (size_t)(h + g) * hd, cos + (size_t)pos * (rot / 2), sin + (size_t)pos * (rot / 2), hd, rot,
+             k + slot);
+        memcpy(v + slot, tok + (size_t)(h + kv + g) * hd, sizeof(float) * (size_t)hd);
+      }
+    }
+  attn_problem p = {qkv, k, v, seqlens, cos, sin, out, b, t, h, kv, hd, s, rot, scale, scratch, 0};
+  run_team(attn_task, &p);
+  free(scratch);
+  return 0;
+}
+
 /* ---- the operator ---- */
 
 /* SkipSimplifiedLayerNormalization after the product (onnxruntime's contrib operator, which the decoder graph
@@ -822,6 +984,77 @@ static const OrtCustomOp skip_op = {CUSTOM_OP_VERSION, create_kernel, skip_name,
                                     skip_input_count, output_type, skip_output_count, compute, destroy, required,
                                     required};
 
+/* orin_agent.CacheAttention(qkv float (B, T, (H + 2 KV) hd), past_key, past_value float (B, KV, S, hd),
+   seqlens_k int32 (B,), total_sequence_length int32 (), cos, sin float (positions, rot / 2))
+   -> out float (B, T, H hd), present_key, present_value float (B, KV, S, hd); attributes num_heads, kv_num_heads,
+   scale (absent: 1 / sqrt(hd)). GroupQueryAttention's inputs and outputs as the decoder graph uses them (no separate
+   key / value inputs, do_rotary = 1, rotary_interleaved = 0), run by orin_q4_attention on the team. The decoder binds
+   each present to its past's buffer and the new K/V are written in place; a present of its own gets a copy of the
+   past first. total_sequence_length is not read (each row's length is its seqlens_k + 1). */
+typedef struct {
+  int heads, kv_heads;
+  float scale;
+} attn_kernel;
+
+static void attn_compute(void *kp, OrtKernelContext *ctx) {
+  const attn_kernel *kn = kp;
+  const OrtValue *in[7];
+  for (size_t i = 0; i < 7; i++) API(GetInputFn, API_KERNEL_CONTEXT_GET_INPUT)(ctx, i, &in[i]);
+  int64_t qd[8], kd[8], vd[8], ld[8], cd[8], sd[8];
+  const int64_t qr = dims_of(in[0], qd, 8), kr = dims_of(in[1], kd, 8), vr = dims_of(in[2], vd, 8);
+  const int64_t lr = dims_of(in[3], ld, 8), cr = dims_of(in[5], cd, 8), sr = dims_of(in[6], sd, 8);
+  int ok = qr == 3 && kr == 4 && vr == 4 && lr == 1 && cr == 2 && sr == 2 && kn->kv_heads > 0 &&
+           kn->heads % kn->kv_heads == 0 && kd[0] == qd[0] && kd[1] == kn->kv_heads && kd[3] > 0 &&
+           ld[0] == qd[0] && qd[2] == (kn->heads + 2 * (int64_t)kn->kv_heads) * kd[3] && cd[0] == sd[0] &&
+           cd[1] == sd[1] && cd[1] > 0 && 2 * cd[1] <= kd[3];
+  for (int i = 0; ok && i < 4; i++) ok = vd[i] == kd[i];
+  const int64_t hd = kr == 4 && kd[3] > 0 ? kd[3] : 1;
+  int64_t od[3] = {qr == 3 ? qd[0] : 1, qr == 3 ? qd[1] : 1, kn->heads * hd}, one[4] = {1, 1, 1, 1};
+  OrtValue *out = NULL, *present[2] = {NULL, NULL};
+  API(GetOutputFn, API_KERNEL_CONTEXT_GET_OUTPUT)(ctx, 0, od, 3, &out);
+  for (size_t i = 0; i < 2; i++)
+    API(GetOutputFn, API_KERNEL_CONTEXT_GET_OUTPUT)(ctx, 1 + i, kr == 4 ? kd : one, 4, &present[i]);
+  float *y = data_of(out), *pk = data_of(present[0]), *pv = data_of(present[1]);
+  if (ok) {
+    const size_t cache = (size_t)(kd[0] * kd[1] * kd[2] * kd[3]);
+    const float *past_k = data_of(in[1]), *past_v = data_of(in[2]);
+    if (pk != past_k) memcpy(pk, past_k, sizeof(float) * cache);
+    if (pv != past_v) memcpy(pv, past_v, sizeof(float) * cache);
+    ok = orin_q4_attention(data_of(in[0]), (int)qd[0], (int)qd[1], kn->heads, kn->kv_heads, (int)hd, pk, pv,
+                           (int)kd[2], data_of(in[3]), data_of(in[5]), data_of(in[6]), (int)cd[0], (int)(2 * cd[1]),
+                           kn->scale > 0 ? kn->scale : 1.0f / sqrtf((float)hd), y) == 0;
+  }
+  if (!ok) /* shapes the Python side never writes, or positions past the caches: NaN, never a number */
+    for (int64_t i = 0; i < od[0] * od[1] * od[2]; i++) y[i] = NAN;
+}
+
+static void *attn_create_kernel(const OrtCustomOp *op, OrtApiTable table, const OrtKernelInfo *info) {
+  (void)op;
+  (void)table;
+  attn_kernel *k = calloc(1, sizeof(attn_kernel));
+  int64_t heads = 0, kv_heads = 0;
+  OrtStatus *st = API(GetAttrIntFn, API_KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "num_heads", &heads);
+  if (st) API(ReleaseStatusFn, API_RELEASE_STATUS)(st); /* absent: 0, and every call is refused */
+  st = API(GetAttrIntFn, API_KERNEL_INFO_GET_ATTRIBUTE_INT64)(info, "kv_num_heads", &kv_heads);
+  if (st) API(ReleaseStatusFn, API_RELEASE_STATUS)(st);
+  if (k) {
+    k->heads = (int)heads;
+    k->kv_heads = (int)kv_heads;
+    st = API(GetAttrFloatFn, API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT)(info, "scale", &k->scale);
+    if (st) API(ReleaseStatusFn, API_RELEASE_STATUS)(st); /* absent: 0, read as 1 / sqrt(hd) */
+  }
+  return k;
+}
+
+static const char *attn_name(const OrtCustomOp *op) { (void)op; return "CacheAttention"; }
+static int attn_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 3 || i == 4 ? TYPE_INT32 : TYPE_FLOAT; }
+static size_t attn_input_count(const OrtCustomOp *op) { (void)op; return 7; }
+static size_t attn_output_count(const OrtCustomOp *op) { (void)op; return 3; }
+
+static const OrtCustomOp attn_op = {CUSTOM_OP_VERSION, attn_create_kernel, attn_name, op_provider, attn_input_type,
+                                    attn_input_count, output_type, attn_output_count, attn_compute, destroy, required,
+                                    required};
+
 /* The entry point ONNX Runtime's SessionOptions.register_custom_ops_library calls. */
 OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
   api = base->GetApi(1);
@@ -831,5 +1064,6 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
   if (st) return st;
   if ((st = API(CustomOpDomainAddFn, API_CUSTOM_OP_DOMAIN_ADD)(domain, &q4_op))) return st;
   if ((st = API(CustomOpDomainAddFn, API_CUSTOM_OP_DOMAIN_ADD)(domain, &skip_op))) return st;
+  if ((st = API(CustomOpDomainAddFn, API_CUSTOM_OP_DOMAIN_ADD)(domain, &attn_op))) return st;
   return API(AddCustomOpDomainFn, API_ADD_CUSTOM_OP_DOMAIN)(options, domain);
 }

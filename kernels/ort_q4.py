@@ -33,6 +33,7 @@ import numpy as np
 SOURCE = Path(__file__).with_name("ort_q4.c")
 DOMAIN = "orin_agent"
 OP = "Q4MatMul"
+ATTENTION_OP = "CacheAttention"  # GroupQueryAttention's arithmetic as the decoder graph uses it (ort_q4.c)
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
 # x86: the AVX2 intrinsic loops as written (GCC's vectoriser made them 1.4x slower on a Zen 3 EPYC, 2026-12-07: 76.8
 # against 55.1 us for a 1536 x 576 row at one thread, the minimum of 15 interleaved rounds); elsewhere the plain C

@@ -6,7 +6,7 @@ over nodes); beside it llama.cpp's per-token eval time on the same file (optiona
 the bytes / copy-rate floor of both. On a small model (the shipped 11 M-param one) the weights are a few
 MB, so the fixed costs, not the bytes, set the speed.
 
-    python3 scripts/profile_decode_step.py --gguf FILE.gguf [--activations fp32|int8|mixed] [--steps 64]
+    python3 scripts/profile_decode_step.py --gguf FILE.gguf [--activations native|split|fp32|mixed|int8] [--steps 64]
         [--threads 2] [--llama-python PY] [--json OUT]
 """
 from __future__ import annotations
@@ -55,8 +55,7 @@ def per_node_overhead(n_nodes: int, options: Any, runs: int = 400) -> float:
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from partition.runners.ort_decoder_runner import SPINS_BY_DEFAULT
-    from partition.runners.ort_runner import session_options
+    from partition.runners.ort_decoder_runner import decoder_session_options
 
     names = ["x"] + [f"h{i}" for i in range(n_nodes)]
     nodes = [helper.make_node("Add", [names[i], "one"], [names[i + 1]]) for i in range(n_nodes)]
@@ -65,7 +64,7 @@ def per_node_overhead(n_nodes: int, options: Any, runs: int = 400) -> float:
                               [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    so = session_options(options, spin_default=SPINS_BY_DEFAULT)
+    so = decoder_session_options(options)
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every Add
     sess = ort.InferenceSession(model.SerializeToString(),
                                 so, providers=["CPUExecutionProvider"])
@@ -86,8 +85,8 @@ def project_step(gguf: Path, activations: str, steps: int, threads: int, prompt:
 
     from partition.build.decoder_build import decoder_weights, ensure_decoder, weight_bytes
     from partition.gguf.reader import read_model
-    from partition.runners.ort_decoder_runner import SPINS_BY_DEFAULT, OrtDecoderRunner
-    from partition.runners.ort_runner import OrtOptions, session_options
+    from partition.runners.ort_decoder_runner import OrtDecoderRunner, decoder_session_options
+    from partition.runners.ort_runner import OrtOptions
     from partition.tokenizer import Tokenizer
 
     cfg = read_model(gguf).config
@@ -111,7 +110,7 @@ def project_step(gguf: Path, activations: str, steps: int, threads: int, prompt:
     wall = decode(runner, steps)
     # the same graph and settings with ONNX Runtime's profiler on: per-node kernel times
     prof_dir = Path(tempfile.mkdtemp(prefix="ortprof-"))
-    so = session_options(options, spin_default=SPINS_BY_DEFAULT)
+    so = decoder_session_options(options)
     so.enable_profiling = True
     so.profile_file_prefix = str(prof_dir / "step")
     runner.session = ort.InferenceSession(str(graph), so, providers=runner.providers)
@@ -143,9 +142,11 @@ def project_step(gguf: Path, activations: str, steps: int, threads: int, prompt:
 
 
 def main() -> None:
+    from partition.build.decoder_build import PRECISIONS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, required=True)
-    ap.add_argument("--activations", default="fp32", choices=("fp32", "mixed", "int8", "split"))
+    ap.add_argument("--activations", default="native", choices=tuple(PRECISIONS))
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-python", help="python with llama-cpp-python; absent: the project's side only")

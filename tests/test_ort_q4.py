@@ -155,6 +155,134 @@ def test_inconsistent_inputs_give_nan_not_a_crash() -> None:
     assert np.isnan(got).all()
 
 
+def _attention_session(op: str, heads: int, kv_heads: int, hd: int, rot: int, library=None):
+    """One attention node over (B, KV, S, hd) caches: onnxruntime's GroupQueryAttention as the decoder graph writes it
+    (op "GroupQueryAttention"), or the operator's CacheAttention registered from `library` (default: the built one)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    f = TensorProto.FLOAT
+    ins = [helper.make_tensor_value_info("qkv", f, ["B", "T", (heads + 2 * kv_heads) * hd]),
+           helper.make_tensor_value_info("pk", f, ["B", kv_heads, "S", hd]),
+           helper.make_tensor_value_info("pv", f, ["B", kv_heads, "S", hd]),
+           helper.make_tensor_value_info("sl", TensorProto.INT32, ["B"]),
+           helper.make_tensor_value_info("total", TensorProto.INT32, []),
+           helper.make_tensor_value_info("cos", f, ["P", rot // 2]), helper.make_tensor_value_info("sin", f, ["P", rot // 2])]
+    outs = [helper.make_tensor_value_info("o", f, None), helper.make_tensor_value_info("k", f, ["B", kv_heads, "S", hd]),
+            helper.make_tensor_value_info("v", f, ["B", kv_heads, "S", hd])]
+    attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": 1 / np.sqrt(hd)}
+    if op == "GroupQueryAttention":
+        node = helper.make_node(op, ["qkv", "", "", "pk", "pv", "sl", "total", "cos", "sin"], ["o", "k", "v"],
+                                domain="com.microsoft", do_rotary=1, rotary_interleaved=0, **attrs)
+    else:
+        node = helper.make_node(ort_q4.ATTENTION_OP, ["qkv", "pk", "pv", "sl", "total", "cos", "sin"], ["o", "k", "v"],
+                                domain=ort_q4.DOMAIN, **attrs)
+    model = helper.make_model(helper.make_graph([node], "attention", ins, outs),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(node.domain, 1)])
+    model.ir_version = 8
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    if op != "GroupQueryAttention":
+        so.register_custom_ops_library(str(library or LIB))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _attend(sess, qkv, k, v, seqlens, cos, sin, shared: bool = True):
+    """(out, present K, present V) of one run, the presents bound to the pasts' buffers as the decoder binds them
+    (shared), or left to onnxruntime to allocate."""
+    import onnxruntime as ort
+
+    b = sess.io_binding()
+    pk, pv = ort.OrtValue.ortvalue_from_numpy(k), ort.OrtValue.ortvalue_from_numpy(v)
+    for name, a in (("qkv", qkv), ("sl", seqlens), ("total", np.array(seqlens.max() + 1, np.int32)), ("cos", cos),
+                    ("sin", sin)):
+        b.bind_cpu_input(name, a)
+    b.bind_ortvalue_input("pk", pk)
+    b.bind_ortvalue_input("pv", pv)
+    b.bind_output("o")
+    if shared:
+        b.bind_ortvalue_output("k", pk)
+        b.bind_ortvalue_output("v", pv)
+        sess.run_with_iobinding(b)
+        return b.copy_outputs_to_cpu()[0], k, v
+    b.bind_output("k")
+    b.bind_output("v")
+    sess.run_with_iobinding(b)
+    return tuple(b.copy_outputs_to_cpu())
+
+
+def _rope_tables(positions: int, rot: int) -> tuple[np.ndarray, np.ndarray]:
+    angles = np.outer(np.arange(positions), 1 / 10000 ** (np.arange(0, rot, 2) / rot))
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+ATTENTION_CASES = [(1, 17, [16]), (1, 1, [0]), (1, 1, [40]), (1, 5, [30]), (2, 1, [10, 50]), (2, 6, [5, 5]),
+                   (3, 1, [63, 0, 7])]  # (B, T, each row's last position): prefill, decode, chunks, batches
+
+
+def _check_attention(library, heads: int, kv_heads: int, hd: int, rot: int, threads=(1, 2)) -> None:
+    gqa = _attention_session("GroupQueryAttention", heads, kv_heads, hd, rot)
+    ours = _attention_session(ort_q4.ATTENTION_OP, heads, kv_heads, hd, rot, library)
+    cos, sin = _rope_tables(80, rot)
+    rng = np.random.default_rng(heads * hd + rot)
+    for b, t, ends in ATTENTION_CASES:
+        k0, v0 = (rng.standard_normal((b, kv_heads, 64, hd)).astype(np.float32) for _ in range(2))
+        qkv = rng.standard_normal((b, t, (heads + 2 * kv_heads) * hd)).astype(np.float32)
+        seqlens = np.array(ends, np.int32)
+        want, wk, wv = _attend(gqa, qkv, k0.copy(), v0.copy(), seqlens, cos, sin)
+        for n in threads:
+            ort_q4.set_threads(n)
+            got, gk, gv = _attend(ours, qkv, k0.copy(), v0.copy(), seqlens, cos, sin)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+            for r, end in enumerate(ends):  # the slots a row may see: the same; past them, the cache untouched
+                np.testing.assert_allclose(gk[r, :, :end + 1], wk[r, :, :end + 1], rtol=0, atol=1e-6)
+                np.testing.assert_array_equal(gv[r, :, :end + 1], wv[r, :, :end + 1])
+                np.testing.assert_array_equal(gk[r, :, end + 1:], k0[r, :, end + 1:])
+                np.testing.assert_array_equal(gv[r, :, end + 1:], v0[r, :, end + 1:])
+
+
+@needs_lib
+@pytest.mark.parametrize("heads,kv_heads,hd,rot", [(6, 2, 64, 64), (9, 3, 64, 64), (4, 4, 32, 32), (8, 1, 48, 48),
+                                                   (4, 2, 128, 128), (4, 2, 64, 32)])
+def test_cache_attention_is_group_query_attention(heads: int, kv_heads: int, hd: int, rot: int) -> None:
+    """CacheAttention against onnxruntime's GroupQueryAttention on the same inputs: prefill, decode, chunked prefill
+    and batches whose rows stand at different positions; head sizes with and without the 64-wide loops, a partial
+    rotary; 1 and 2 threads. The outputs agree to fp32 rounding and the caches hold the same new K/V."""
+    _check_attention(LIB, heads, kv_heads, hd, rot)
+
+
+@needs_lib
+def test_cache_attention_with_presents_of_their_own() -> None:
+    """Presents not bound to the pasts' buffers (the decoder always binds them; a hand-made session may not): each
+    present is its past with the new K/V written in, as GroupQueryAttention's."""
+    heads, kv_heads, hd = 4, 2, 64
+    cos, sin = _rope_tables(80, hd)
+    rng = np.random.default_rng(5)
+    k0, v0 = (rng.standard_normal((1, kv_heads, 64, hd)).astype(np.float32) for _ in range(2))
+    qkv = rng.standard_normal((1, 1, (heads + 2 * kv_heads) * hd)).astype(np.float32)
+    seqlens = np.array([20], np.int32)
+    ours = _attention_session(ort_q4.ATTENTION_OP, heads, kv_heads, hd, hd)
+    got, gk, gv = _attend(ours, qkv, k0.copy(), v0.copy(), seqlens, cos, sin, shared=False)
+    want, wk, wv = _attend(ours, qkv, k0.copy(), v0.copy(), seqlens, cos, sin)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(gk, wk)
+    np.testing.assert_array_equal(gv, wv)
+    assert not np.array_equal(gk, k0)
+
+
+@needs_lib
+def test_cache_attention_past_the_caches_gives_nan() -> None:
+    """A position past the caches' slots (the runner grows them first; only a hand-made call could): NaN out, and no
+    write outside the buffers."""
+    heads, kv_heads, hd = 4, 2, 64
+    cos, sin = _rope_tables(80, hd)
+    k0 = np.zeros((1, kv_heads, 16, hd), np.float32)
+    qkv = np.ones((1, 1, (heads + 2 * kv_heads) * hd), np.float32)
+    sess = _attention_session(ort_q4.ATTENTION_OP, heads, kv_heads, hd, hd)
+    got, gk, _ = _attend(sess, qkv, k0.copy(), k0.copy(), np.array([16], np.int32), cos, sin)
+    assert np.isnan(got).all() and not gk.any()
+
+
 def test_a_machine_without_a_compiler_gets_a_reason(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(ort_q4, "_compiler", lambda: None)
     assert ort_q4.library(tmp_path) is None
@@ -222,7 +350,7 @@ def _q8_0(w: np.ndarray, group: int = 32):
 @pytest.mark.parametrize("quant", [_q4_1, _q8_0])
 def test_a_native_decoder_graph_matches_the_fp32_one(quant) -> None:
     """A small model's Q4_1 (or Q8_0) projections: the "native" graph (every projection one Q4MatMul node, gate/up
-    with its activation inside) gives the fp32 graph's logits to fp32 rounding, on a prefill and a decode step; its
+    with its activation inside, attention as CacheAttention) gives the fp32 graph's logits to fp32 rounding, on a prefill and a decode step; its
     session runs ONNX Runtime on one thread, and the runner reports the operator's team as its threads."""
     import dataclasses
 
@@ -245,6 +373,7 @@ def test_a_native_decoder_graph_matches_the_fp32_one(quant) -> None:
     assert ops.count(ort_q4.OP) == 2 * cfg.n_layers + 1 and ops.count("Q4MatMulSkipNorm") == 2 * cfg.n_layers - 1
     assert "Sigmoid" not in ops and "MatMulNBits" not in ops
     assert ops.count("SkipSimplifiedLayerNormalization") == 1  # the final norm, after the last position is sliced
+    assert ops.count(ort_q4.ATTENTION_OP) == cfg.n_layers and "GroupQueryAttention" not in ops
     assert sum(1 for nd in native.graph.node if nd.op_type == ort_q4.OP and nd.attribute) == cfg.n_layers  # glu
     runners = [OrtDecoderRunner(native.SerializeToString(), cfg.n_layers, 64, options=OrtOptions(activations="native")),
                OrtDecoderRunner(build_decoder(w, 256, ACCURACY_FP32).SerializeToString(), cfg.n_layers, 64,
@@ -346,6 +475,8 @@ def test_the_plain_c_loops_give_the_same_products(tmp_path) -> None:
             want = ort_q4.matmul(x, w, glu=glu)
             got = ort_q4.matmul(x, w, glu=glu, library_path=so)
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * max(1.0, float(np.abs(want).max())))
+    for heads, kv_heads, hd in ((9, 3, 64), (8, 1, 48)):  # CacheAttention: its 64-wide loops and the rest
+        _check_attention(so, heads, kv_heads, hd, hd, threads=(2,))
 
 
 def test_a_read_only_cache_gets_a_reason_not_an_error(tmp_path) -> None:

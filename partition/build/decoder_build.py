@@ -21,7 +21,7 @@ from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, ACCURACY_N
     DecoderWeights, QuantWeight, build_decoder, weights_from_gguf
 from partition.digest import sha256
 
-FORMAT = 11  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
+FORMAT = 12  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
 GRAPH = "decoder.onnx"
 MAX_ROPE = 1 << 17  # rotary cache rows are cheap (64 floats each for head_dim 128): cover any context
 

@@ -7,6 +7,9 @@ These are the operators onnxruntime-genai's model builder emits for CPU (its bui
 writes the same structure from the project's weights. Per layer: 1 norm, 1 fused QKV projection,
 GQA, o_proj, 1 norm, 1 fused gate/up projection, SiLU * up, down_proj (plus 3 small nodes per
 projection whose weights carry a float group minimum, kernels/matmul_nbits.py: offset_matmul_nodes).
+At "native" precision (ACCURACY_NATIVE) kernels/ort_q4.c's operators take their place where they apply:
+Q4MatMul / Q4MatMulSkipNorm for the projections (the residual add and the next norm inside), and
+CacheAttention for GQA (its inputs, outputs and arithmetic, on the operator's thread team).
 
 Graph contract (partition/runners/ort_decoder_runner.py binds it):
   inputs   input_ids int32 (B, T); seqlens_k int32 (B,) = last new position per row;
@@ -156,7 +159,8 @@ class _Graph:
         self.inits: list[Any] = []
         self.levels = dict(accuracy_level) if isinstance(accuracy_level, dict) else {}
         self.split_cache: dict[str, tuple[str, str]] = {}
-        self.native = False  # whether a node of kernels/ort_q4.c's operator was added
+        self.native = False  # whether a node of kernels/ort_q4.c's operators was added
+        self.native_projections = 0  # of them, the projections (Q4MatMul, Q4MatMulSkipNorm)
         self.default_level = (accuracy_level if isinstance(accuracy_level, int)
                               else self.levels.get("default", ACCURACY_INT8))
 
@@ -234,7 +238,25 @@ class _Graph:
                               self.const(f"{prefix}.q4mins", packed.mins)], [y], prefix, domain=ort_q4.DOMAIN,
                   **({"glu": 1} if glu else {}), **({"int8": 1} if int8 else {}))
         self.native = True
+        self.native_projections += 1
         return True
+
+    def attention(self, prefix: str, qkv: str, past: list[str], present: list[str], heads: int, kv_heads: int,
+                  head_dim: int) -> None:
+        """A layer's attention over its KV-cache (the graph contract in the module docstring): onnxruntime's
+        GroupQueryAttention, or at native precision kernels/ort_q4.c's CacheAttention, the same inputs and
+        arithmetic (RoPE, the in-place cache write, fp32 softmax) on the operator's thread team (SmolLM2's
+        shape, 2 threads, 100 slots: 8.8 against 20.6 us a layer; docs/BENCHMARKS.md)."""
+        args = [qkv, *past, "seqlens_k", "total_sequence_length", "rope.cos", "rope.sin"]
+        attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": 1.0 / math.sqrt(head_dim)}
+        if self.level(prefix) == ACCURACY_NATIVE:
+            from kernels import ort_q4
+
+            self.node(ort_q4.ATTENTION_OP, args, [prefix, *present], prefix, domain=ort_q4.DOMAIN, **attrs)
+            self.native = True
+        else:
+            self.node("GroupQueryAttention", [qkv, "", "", *args[1:]], [prefix, *present], prefix, domain=MS_DOMAIN,
+                      do_rotary=1, rotary_interleaved=0, **attrs)
 
     def _native_skip_norm(self, prefix: str, x: str, w: QuantWeight, skip: str, gamma: str, eps: float, out: str,
                           sum_out: str) -> bool:
@@ -445,9 +467,7 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
             inputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", kv, "S", hd]))
         for n in present:
             outputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", kv, "S", hd]))
-        g.node("GroupQueryAttention", [f"{p}.qkv_out", "", "", *past, "seqlens_k", "total_sequence_length",
-                                       "rope.cos", "rope.sin"], [f"{p}.attn", *present], f"{p}.attn", domain=MS_DOMAIN,
-               num_heads=h, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0, scale=1.0 / math.sqrt(hd))
+        g.attention(f"{p}.attn", f"{p}.qkv_out", past, present, h, kv, hd)
         mlp_norm = g.const(f"{p}.mlp_norm", lw.mlp_norm.astype(np.float32))
         if not (isinstance(lw.o, QuantWeight) and g.level(f"{p}.o") == ACCURACY_NATIVE
                 and g._native_skip_norm(f"{p}.o", f"{p}.attn", lw.o, residual, mlp_norm, eps, f"{p}.mn",
@@ -497,7 +517,7 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
         g.linear("lm_head", "hn", "logits", head)
     levels = (accuracy_level,) if isinstance(accuracy_level, int) else tuple(accuracy_level.values())
     native_asked = ACCURACY_NATIVE in levels
-    if native_asked and not g.native:
+    if native_asked and not g.native_projections:  # (its session runs ONNX Runtime's own kernels on one thread)
         raise ValueError("no projection of this model fits orin-agent's native operator (it takes 4- and 8-bit weights "
                          "whose scales and minimums are half-precision values, K a multiple of 64); use split or fp32")
     graph = helper.make_graph(g.nodes, "decoder", inputs, outputs, g.inits)

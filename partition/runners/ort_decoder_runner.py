@@ -47,15 +47,8 @@ class OrtDecoderRunner(SliceRunner):
         self.spec = SliceSpec(0, n_layers, n_layers)
         self.max_seq, self.max_batch, self.options = max_seq, max_batch, options
         self.providers = resolve_providers(providers)
-        so = session_options(options, spin_default=SPINS_BY_DEFAULT)
+        so = decoder_session_options(options)
         self.threads = options.intra_op_threads  # what a step computes on: ONNX Runtime's pool or the operator's team
-        if options.activations in ("native", "auto"):
-            native_session(so, options)
-        if options.activations == "native":
-            # the projections and the head run on the operator's own team; ONNX Runtime's pool beside it, spinning
-            # or not, only competes for the same cores (SmolLM2 Q4_1, 2 cores: 22.0 ms a step with its spinning pool
-            # of 2; 8.28 with a sleeping one against 7.99 with none, 9 interleaved rounds; docs/BENCHMARKS.md)
-            so.intra_op_num_threads = 1
         src = model if isinstance(model, bytes) else str(model)
         self.session = ort.InferenceSession(src, so, providers=self.providers)
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -157,6 +150,19 @@ class OrtDecoderRunner(SliceRunner):
             for c, s in zip(self.cache, scratch):
                 c[rows] = s
         return logits[:, -1].copy()
+
+
+def decoder_session_options(options: OrtOptions) -> ort.SessionOptions:
+    """The session options a decoder graph runs under (OrtDecoderRunner's, and scripts/profile_decode_step.py's)."""
+    so = session_options(options, spin_default=SPINS_BY_DEFAULT)
+    if options.activations in ("native", "auto"):
+        native_session(so, options)
+    if options.activations == "native":
+        # the projections and the head run on the operator's own team; ONNX Runtime's pool beside it, spinning
+        # or not, only competes for the same cores (SmolLM2 Q4_1, 2 cores: 22.0 ms a step with its spinning pool
+        # of 2; 8.28 with a sleeping one against 7.99 with none, 9 interleaved rounds; docs/BENCHMARKS.md)
+        so.intra_op_num_threads = 1
+    return so
 
 
 def native_session(so: ort.SessionOptions, options: OrtOptions) -> None:
