@@ -234,6 +234,7 @@ static void run_team(task_fn fn, void *arg) {
 typedef struct {
   const float *x;     /* (m, k) */
   const float *xg;    /* (m, k / group): sums of x over each group of columns (the minimums' term) */
+  const float *xs;    /* (m, k): x scaled per nibble for the AVX2 rows4 (scale_nibbles), or NULL */
   const uint32_t *codes;
   const uint16_t *scales, *mins; /* IEEE half precision: GGUF's own d and m, exactly */
   float *y;           /* (m, n) or (m, n / 2) with glu */
@@ -371,11 +372,14 @@ static inline float dot_h(const uint16_t *h, const float *b, int k) {
 #endif
 
 /* Four weight rows against one row of x (each load of x serves the four): per 32 columns s = sum(q * x) in fp32,
-   acc += scale * s; the codes of the rows after these are prefetched meanwhile */
+   acc += scale * s; the codes of the rows after these are prefetched meanwhile. The AVX2 loop takes x pre-scaled
+   (`scale_nibbles`): nibble n of a word is masked in place, its value q 16^n converted exactly, and multiplied by
+   x 16^-n, the same fp32 product q x; an AND, a convert and an FMA per 8 weights instead of a shift too (nibble 7,
+   whose value would set the sign bit, is shifted down instead, against x as it is). The plain C loop takes x as it
+   is. */
 static void rows4(const float *x, const uint32_t *c0, int words, const uint16_t *d0, int gk, int k, int shift,
                   float *res) {
 #if Q4_AVX2
-  const __m256i mask = _mm256_set1_epi32(15);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   const char *next = (const char *)(c0 + (size_t)PREFETCH_ROWS * words);
   for (int i = 0; i < k / 64; i++) {
@@ -386,9 +390,11 @@ static void rows4(const float *x, const uint32_t *c0, int words, const uint16_t 
     for (int h = 0; h < 2; h++) {
       __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
       for (int j = 0; j < 4; j++) {
-        __m256 xv = _mm256_loadu_ps(x + 64 * i + 32 * h + 8 * j);
+        const int nib = 4 * h + j;
+        __m256 xv = _mm256_loadu_ps(x + 64 * i + 8 * nib);
         for (int r = 0; r < 4; r++)
-          s[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[r], 16 * h + 4 * j), mask)),
+          s[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nib == 7 ? _mm256_srli_epi32(v[r], 28)
+                                                             : _mm256_and_si256(v[r], _mm256_set1_epi32(15 << 4 * nib))),
                                  xv, s[r]);
       }
       const int gi = (2 * i + h) >> shift;
@@ -497,7 +503,7 @@ static void gemv_rows(const problem *p, int row, int n0, int n1, float *out) {
       rows4_i8(p->xq + (size_t)row * p->k, p->xqs + (size_t)row * (p->k / 64),
                (const uint8_t *)(p->codes + (size_t)n * words), 4 * words, d0, gk, p->k, p->shift, res);
     else
-      rows4(x, p->codes + (size_t)n * words, words, d0, gk, p->k, p->shift, res);
+      rows4(p->xs ? p->xs + (size_t)row * p->k : x, p->codes + (size_t)n * words, words, d0, gk, p->k, p->shift, res);
     for (int r = 0; r < 4; r++) out[n - n0 + r] = res[r] + dot_h(p->mins + (size_t)(n + r) * gk, xg, gk);
   }
 }
@@ -662,6 +668,19 @@ static void task_rows(problem *p, int n0, int n1, float *w, float *vals) {
     store(p, p->y + (size_t)row * out_n, n0, vals + (size_t)row * CHUNK_ROWS, n1 - n0);
 }
 
+/* out[c] = x[c] 16^-n, n = c % 64 / 8 (the nibble of a lanes-order word that column c's code is in), except nibble 7,
+   which rows4 shifts down instead: exact, a power of two (x below ~2^-98 would become subnormal; activations are
+   not). count a multiple of 64. */
+static void scale_nibbles(const float *x, size_t count, float *out) {
+  static const float factor[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+#if Q4_AVX2
+  for (size_t c = 0; c < count; c += 8)
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_loadu_ps(x + c), _mm256_set1_ps(factor[c % 64 / 8])));
+#else
+  for (size_t c = 0; c < count; c++) out[c] = x[c] * factor[c % 64 / 8];
+#endif
+}
+
 /* y = x @ w^T on plain pointers (the tests and scripts/bench_weight_only.py call this through ctypes) */
 void orin_q4_matmul(const float *x, int m, int k, int n, const uint32_t *codes, const uint16_t *scales,
                     const uint16_t *mins,
@@ -687,9 +706,20 @@ void orin_q4_matmul(const float *x, int m, int k, int n, const uint32_t *codes, 
         xqs[(size_t)row * (k / 64) + b] = amax / 127.0f;
       }
   }
+  float *xs = NULL;
+  if (Q4_AVX2 && bits == 4 && !int8 && m < 4) { /* rows4's form of x: column 8 n + l of each 64 times 16^-n */
+    xs = malloc(sizeof(float) * (size_t)m * k);
+    if (!xs) {
+      for (size_t i = 0; i < (size_t)m * (glu ? n / 2 : n); i++) y[i] = NAN;
+      free(xg);
+      return;
+    }
+    scale_nibbles(x, (size_t)m * k, xs);
+  }
   const int chunk = team.threads; /* a grab takes 1 / chunk of the rows left: the first, a thread's even share */
-  problem p = {x, xg, codes, scales, mins, y, m, k, n, group, glu, shift, chunk, 0, int8 && bits == 4, bits, xq, xqs};
+  problem p = {x, xg, xs, codes, scales, mins, y, m, k, n, group, glu, shift, chunk, 0, int8 && bits == 4, bits, xq, xqs};
   run_team(task, &p);
+  free(xs);
   free(xg);
   free(xq);
   free(xqs);
