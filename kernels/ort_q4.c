@@ -23,6 +23,9 @@
  * one row of X at a time, per 32 columns sum(q * x) in fp32, times the group's scale, plus the group's minimum
  * times the sum of those 32 x; several rows of X at a time (prefill) dequantise 4 weight rows once into fp32 and
  * take fp32 dot products. Either is the dequantised float model's product to fp32 rounding (no int8 activations).
+ * The loops come in three forms: AVX2 + FMA + F16C (x86), NEON (AArch64: an Orin's Cortex-A78AE; the decode loops,
+ * the prefill's dot products and the attention's value sums; tested under qemu-user, never run on an Orin), and
+ * plain C for the rest and for any other CPU (-DQ4_PORTABLE forces it).
  *
  * Threads: a team of this library's own (orin_q4_set_threads), the caller plus threads - 1 workers that spin
  * for a while after each call and then sleep on a condition variable, taking chunks of weight rows from a shared
@@ -48,6 +51,12 @@
 #define Q4_AVX2 1
 #else
 #define Q4_AVX2 0 /* the plain C loops (any CPU; -DQ4_PORTABLE forces them, as the tests do on x86) */
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON) && !defined(Q4_PORTABLE)
+#include <arm_neon.h>
+#define Q4_NEON 1 /* an Orin's Cortex-A78AE and any AArch64 CPU: 128-bit NEON forms of the decode loops */
+#else
+#define Q4_NEON 0
 #endif
 
 /* ---- the part of ONNX Runtime's C API used here ---- */
@@ -234,7 +243,7 @@ static void run_team(task_fn fn, void *arg) {
 typedef struct {
   const float *x;     /* (m, k) */
   const float *xg;    /* (m, k / group): sums of x over each group of columns (the minimums' term) */
-  const float *xs;    /* (m, k): x scaled per nibble for the AVX2 rows4 (scale_nibbles), or NULL */
+  const float *xs;    /* (m, k): x scaled per nibble for the AVX2 and NEON rows4 (scale_nibbles), or NULL */
   const uint32_t *codes;
   const uint16_t *scales, *mins; /* IEEE half precision: GGUF's own d and m, exactly */
   float *y;           /* (m, n) or (m, n / 2) with glu */
@@ -293,6 +302,10 @@ static void silu_mul(const float *g, const float *u, float *out, int count) {
 static inline float h2f(uint16_t h) {
 #if Q4_AVX2
   return _cvtsh_ss(h);
+#elif Q4_NEON
+  __fp16 f;
+  memcpy(&f, &h, 2);
+  return (float)f;
 #else
   const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, f = h & 1023;
   uint32_t bits;
@@ -323,6 +336,15 @@ static inline float vsum(const float *a, int n) {
     s3 = _mm256_add_ps(s3, _mm256_loadu_ps(a + i + 24));
   }
   return hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#elif Q4_NEON
+  float32x4_t s0 = vld1q_f32(a), s1 = vld1q_f32(a + 4), s2 = vld1q_f32(a + 8), s3 = vld1q_f32(a + 12);
+  for (int i = 16; i < n; i += 16) {
+    s0 = vaddq_f32(s0, vld1q_f32(a + i));
+    s1 = vaddq_f32(s1, vld1q_f32(a + i + 4));
+    s2 = vaddq_f32(s2, vld1q_f32(a + i + 8));
+    s3 = vaddq_f32(s3, vld1q_f32(a + i + 12));
+  }
+  return vaddvq_f32(vaddq_f32(vaddq_f32(s0, s1), vaddq_f32(s2, s3)));
 #else
   float s = 0;
   for (int i = 0; i < n; i++) s += a[i];
@@ -341,6 +363,16 @@ static inline float dot(const float *a, const float *b, int k) {
   float s = hsum(_mm256_add_ps(s0, s1));
   for (; i < k; i++) s += a[i] * b[i];
   return s;
+#elif Q4_NEON
+  float32x4_t s0 = vdupq_n_f32(0), s1 = vdupq_n_f32(0);
+  int i = 0;
+  for (; i + 8 <= k; i += 8) {
+    s0 = vfmaq_f32(s0, vld1q_f32(a + i), vld1q_f32(b + i));
+    s1 = vfmaq_f32(s1, vld1q_f32(a + i + 4), vld1q_f32(b + i + 4));
+  }
+  float s = vaddvq_f32(vaddq_f32(s0, s1));
+  for (; i < k; i++) s += a[i] * b[i];
+  return s;
 #else
   float s = 0;
   for (int i = 0; i < k; i++) s += a[i] * b[i];
@@ -357,6 +389,10 @@ static inline float dot_h(const uint16_t *h, const float *b, int k) {
   for (; i + 8 <= k; i += 8)
     acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))), _mm256_loadu_ps(b + i), acc);
   s = hsum(acc);
+#elif Q4_NEON
+  float32x4_t acc = vdupq_n_f32(0);
+  for (; i + 4 <= k; i += 4) acc = vfmaq_f32(acc, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))), vld1q_f32(b + i));
+  s = vaddvq_f32(acc);
 #endif
   for (; i < k; i++) s += h2f(h[i]) * b[i];
   return s;
@@ -402,6 +438,39 @@ static void rows4(const float *x, const uint32_t *c0, int words, const uint16_t 
     }
   }
   for (int r = 0; r < 4; r++) res[r] = hsum(acc[r]);
+#elif Q4_NEON
+  /* the same form in two 4-lane halves: words 0-3 of each 64 columns hold columns 8 n + 0..3, words 4-7 8 n + 4..7 */
+  float32x4_t acc[4][2];
+  for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = vdupq_n_f32(0);
+  const uint32_t *next = c0 + (size_t)PREFETCH_ROWS * words;
+  for (int i = 0; i < k / 64; i++) {
+    uint32x4_t v[4][2];
+    for (int r = 0; r < 4; r++) {
+      v[r][0] = vld1q_u32(c0 + (size_t)r * words + 8 * i);
+      v[r][1] = vld1q_u32(c0 + (size_t)r * words + 8 * i + 4);
+      if (i % 2 == 0) __builtin_prefetch(next + (size_t)r * words + 8 * i);
+    }
+    for (int h = 0; h < 2; h++) {
+      float32x4_t sm[4][2];
+      for (int r = 0; r < 4; r++) sm[r][0] = sm[r][1] = vdupq_n_f32(0);
+      for (int j = 0; j < 4; j++) {
+        const int nib = 4 * h + j;
+        const float32x4_t x0 = vld1q_f32(x + 64 * i + 8 * nib), x1 = vld1q_f32(x + 64 * i + 8 * nib + 4);
+        for (int r = 0; r < 4; r++)
+          for (int half = 0; half < 2; half++) {
+            const uint32x4_t q = nib == 7 ? vshrq_n_u32(v[r][half], 28) : vandq_u32(v[r][half], vdupq_n_u32(15u << 4 * nib));
+            sm[r][half] = vfmaq_f32(sm[r][half], vcvtq_f32_u32(q), half ? x1 : x0);
+          }
+      }
+      const int gi = (2 * i + h) >> shift;
+      for (int r = 0; r < 4; r++) {
+        const float d = h2f(d0[(size_t)r * gk + gi]);
+        acc[r][0] = vfmaq_n_f32(acc[r][0], sm[r][0], d);
+        acc[r][1] = vfmaq_n_f32(acc[r][1], sm[r][1], d);
+      }
+    }
+  }
+  for (int r = 0; r < 4; r++) res[r] = vaddvq_f32(vaddq_f32(acc[r][0], acc[r][1]));
 #else
   for (int r = 0; r < 4; r++) {
     const uint32_t *c = c0 + (size_t)r * words;
@@ -476,6 +545,24 @@ static void rows4_q8(const float *x, const uint8_t *c0, int k, const uint16_t *d
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(d0[(size_t)r * gk + (b >> shift)])), s[r], acc[r]);
   }
   for (int r = 0; r < 4; r++) res[r] = hsum(acc[r]);
+#elif Q4_NEON
+  float32x4_t acc[4];
+  for (int r = 0; r < 4; r++) acc[r] = vdupq_n_f32(0);
+  for (int b = 0; b < k / 32; b++) {
+    float32x4_t sm[4][2];
+    for (int r = 0; r < 4; r++) sm[r][0] = sm[r][1] = vdupq_n_f32(0);
+    for (int j = 0; j < 4; j++) {
+      const float32x4_t x0 = vld1q_f32(x + 32 * b + 8 * j), x1 = vld1q_f32(x + 32 * b + 8 * j + 4);
+      for (int r = 0; r < 4; r++) {
+        const uint16x8_t q = vmovl_u8(vld1_u8(c0 + (size_t)r * k + 32 * b + 8 * j));
+        sm[r][0] = vfmaq_f32(sm[r][0], vcvtq_f32_u32(vmovl_u16(vget_low_u16(q))), x0);
+        sm[r][1] = vfmaq_f32(sm[r][1], vcvtq_f32_u32(vmovl_u16(vget_high_u16(q))), x1);
+      }
+    }
+    for (int r = 0; r < 4; r++)
+      acc[r] = vfmaq_n_f32(acc[r], vaddq_f32(sm[r][0], sm[r][1]), h2f(d0[(size_t)r * gk + (b >> shift)]));
+  }
+  for (int r = 0; r < 4; r++) res[r] = vaddvq_f32(acc[r]);
 #else
   for (int r = 0; r < 4; r++) {
     float acc = 0;
@@ -579,6 +666,26 @@ static void dots4x2(const float *w, int k, const float *xa, const float *xb, flo
   for (int r = 0; r < 4; r++) {
     out_a[r] = hsum(a[r]);
     out_b[r] = hsum(b[r]);
+    for (int t = i; t < k; t++) {
+      out_a[r] += w[(size_t)r * k + t] * xa[t];
+      out_b[r] += w[(size_t)r * k + t] * xb[t];
+    }
+  }
+#elif Q4_NEON
+  float32x4_t a[4], b[4];
+  for (int r = 0; r < 4; r++) a[r] = b[r] = vdupq_n_f32(0);
+  int i = 0;
+  for (; i + 4 <= k; i += 4) {
+    const float32x4_t va = vld1q_f32(xa + i), vb = vld1q_f32(xb + i);
+    for (int r = 0; r < 4; r++) {
+      const float32x4_t wv = vld1q_f32(w + (size_t)r * k + i);
+      a[r] = vfmaq_f32(a[r], wv, va);
+      b[r] = vfmaq_f32(b[r], wv, vb);
+    }
+  }
+  for (int r = 0; r < 4; r++) {
+    out_a[r] = vaddvq_f32(a[r]);
+    out_b[r] = vaddvq_f32(b[r]);
     for (int t = i; t < k; t++) {
       out_a[r] += w[(size_t)r * k + t] * xa[t];
       out_b[r] += w[(size_t)r * k + t] * xb[t];
@@ -707,7 +814,7 @@ void orin_q4_matmul(const float *x, int m, int k, int n, const uint32_t *codes, 
       }
   }
   float *xs = NULL;
-  if (Q4_AVX2 && bits == 4 && !int8 && m < 4) { /* rows4's form of x: column 8 n + l of each 64 times 16^-n */
+  if ((Q4_AVX2 || Q4_NEON) && bits == 4 && !int8 && m < 4) { /* rows4's form of x: column 8 n + l of each 64 times 16^-n */
     xs = malloc(sizeof(float) * (size_t)m * k);
     if (!xs) {
       for (size_t i = 0; i < (size_t)m * (glu ? n / 2 : n); i++) y[i] = NAN;
@@ -822,6 +929,19 @@ static void weighted_values(const float *w, const float *v, int hd, int n, float
       __m256 a = _mm256_setzero_ps();
       for (int j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v + (size_t)j * hd + d), a);
       _mm256_storeu_ps(out + d, _mm256_mul_ps(a, _mm256_set1_ps(inv)));
+    }
+    return;
+  }
+#elif Q4_NEON
+  if (hd % 32 == 0) { /* 32 dimensions a pass, 8 accumulators */
+    for (int d = 0; d < hd; d += 32) {
+      float32x4_t a[8];
+      for (int c = 0; c < 8; c++) a[c] = vdupq_n_f32(0);
+      for (int j = 0; j < n; j++) {
+        const float *vj = v + (size_t)j * hd + d;
+        for (int c = 0; c < 8; c++) a[c] = vfmaq_n_f32(a[c], vld1q_f32(vj + 4 * c), w[j]);
+      }
+      for (int c = 0; c < 8; c++) vst1q_f32(out + d + 4 * c, vmulq_n_f32(a[c], inv));
     }
     return;
   }

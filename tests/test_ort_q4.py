@@ -2,6 +2,8 @@
 thread team, its ONNX Runtime registration, and what it refuses."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -452,8 +454,8 @@ def test_skip_norm_form_is_the_product_then_onnxruntimes_skip_rms_norm() -> None
 
 @needs_lib
 def test_the_plain_c_loops_give_the_same_products(tmp_path) -> None:
-    """The loops a CPU without AVX2 builds (an Orin's aarch64 among them: only these were ever compiled for it, here
-    on x86 with -DQ4_PORTABLE) against the AVX2 build: the decode, int8, glu and prefill paths."""
+    """The loops a CPU without AVX2 or NEON builds (and an AArch64 build's loops without a NEON form), here on x86
+    with -DQ4_PORTABLE, against the AVX2 build: the decode, int8, glu and prefill paths."""
     import subprocess
 
     cc = ort_q4._compiler()
@@ -503,3 +505,78 @@ def test_the_service_builds_into_its_cache_directory(monkeypatch, tmp_path) -> N
     monkeypatch.delenv("CACHE_DIRECTORY")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert ort_q4.default_dir() == tmp_path / "xdg" / "orin-agent" / "native"
+
+
+def _cross_tools() -> tuple[str, str] | None:
+    import shutil
+
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    return (cc, qemu) if cc and qemu else None
+
+
+@pytest.mark.skipif(_cross_tools() is None or ort_q4._compiler() is None,
+                    reason="no AArch64 cross compiler and qemu-user here (apt: gcc-aarch64-linux-gnu qemu-user)")
+def test_the_neon_loops_under_emulation(tmp_path) -> None:
+    """The NEON forms (an Orin's CPU; never run on one): tests/native/ort_q4_harness.c built for AArch64 (an
+    A78AE's -march=armv8.2-a+fp16+dotprod) and run under qemu-user, against the dequantised product in float64 and
+    against the host's build of the same harness: the 4-bit decode loop (groups 32-128, 1-3 rows, glu), the
+    8-bit one, the prefill path, the int8 form, and CacheAttention (head sizes 64 and 48, decode, prefill, a batch)."""
+    import struct
+    import subprocess
+
+    cc, qemu = _cross_tools()
+    harness = Path(__file__).with_name("native") / "ort_q4_harness.c"
+    arm, host = tmp_path / "harness-aarch64", tmp_path / "harness-host"
+    subprocess.run([cc, "-O3", "-march=armv8.2-a+fp16+dotprod", "-static", "-pthread", str(harness), "-o", str(arm),
+                    "-lm"], check=True, capture_output=True)
+    subprocess.run([ort_q4._compiler(), "-O3", "-march=native", *ort_q4.ARCH_FLAGS, "-pthread", str(harness), "-o",
+                    str(host), "-lm"], check=True, capture_output=True)
+    cases, sizes, checks = [], [], []
+    for n, k, group, rows, glu, bits in [(192, 256, 32, 1, False, 4), (128, 192, 64, 2, False, 4),
+                                         (64, 256, 128, 3, False, 4), (128, 128, 32, 1, True, 4),
+                                         (96, 128, 32, 5, False, 4), (128, 192, 64, 1, False, 8),
+                                         (64, 128, 32, 6, False, 8)]:
+        packed, w = weight(n, k, group, seed=n + k + rows, zeros=bits == 8, bits=bits)
+        if glu:
+            packed = ort_q4.Q4Weight(packed.codes[ort_q4.glu_rows(n // 2)], packed.scales[ort_q4.glu_rows(n // 2)],
+                                     packed.mins[ort_q4.glu_rows(n // 2)])
+        x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+        want = x.astype(np.float64) @ w.T
+        if glu:
+            want = silu(want[:, : n // 2]) * want[:, n // 2:]
+        cases.append(struct.pack("<9i", 0, 2, rows, k, n, group, int(glu), 0, bits) + x.tobytes() +
+                     packed.codes.tobytes() + packed.scales.tobytes() + packed.mins.tobytes())
+        sizes.append(4 * want.size)
+        checks.append(("matmul", want))
+    heads, kv_heads = 4, 2
+    for hd, b, t, ends in [(64, 1, 1, [40]), (64, 1, 9, [8]), (48, 2, 1, [5, 30]), (64, 2, 3, [10, 20])]:
+        cos, sin = _rope_tables(64, hd)
+        rng = np.random.default_rng(hd + t)
+        k0, v0 = (rng.standard_normal((b, kv_heads, 48, hd)).astype(np.float32) for _ in range(2))
+        qkv = rng.standard_normal((b, t, (heads + 2 * kv_heads) * hd)).astype(np.float32)
+        cases.append(struct.pack("<10if", 1, 2, b, t, heads, kv_heads, hd, 48, 64, hd, hd ** -0.5) + qkv.tobytes() +
+                     k0.tobytes() + v0.tobytes() + np.array(ends, np.int32).tobytes() + cos.tobytes() + sin.tobytes())
+        sizes.append(4 + 4 * b * t * heads * hd + 8 * k0.size)
+        checks.append(("attention", (b, t, heads * hd, k0.shape)))
+    stdin = b"".join(cases)
+    outs = {}
+    for name, cmd in (("aarch64", [qemu, str(arm)]), ("host", [str(host)])):
+        r = subprocess.run(cmd, input=stdin, capture_output=True, timeout=300)
+        assert r.returncode == 0, r.stderr.decode()[-400:]
+        assert len(r.stdout) == sum(sizes)
+        outs[name] = r.stdout
+    at = 0
+    for size, (kind, spec) in zip(sizes, checks):
+        got, ref = (np.frombuffer(outs[n][at:at + size], np.uint8) for n in ("aarch64", "host"))
+        at += size
+        if kind == "matmul":
+            got, ref = got.view(np.float32).reshape(spec.shape), ref.view(np.float32).reshape(spec.shape)
+            np.testing.assert_allclose(got, spec, rtol=0, atol=2e-6 * np.abs(spec).max())
+            np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(spec).max())
+            continue
+        b, t, width, cache = spec
+        assert got[:4].view(np.int32)[0] == 0 == ref[:4].view(np.int32)[0]
+        g, r = got[4:].view(np.float32), ref[4:].view(np.float32)
+        n_out = b * t * width
+        np.testing.assert_allclose(g[:n_out], r[:n_out], rtol=0, atol=2e-6 * np.abs(r[:n_out]).max())
+        np.testing.assert_allclose(g[n_out:], r[n_out:], rtol=0, atol=1e-6)  # the caches with their new K/V
