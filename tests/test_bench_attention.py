@@ -42,7 +42,8 @@ def test_the_two_layer_sessions_compute_the_same_attention() -> None:
 
 
 def test_model_level_builds_each_attention(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
+    pytest.importorskip("torch")  # (test_gguf_synthetic's writer imports it)
+    pytest.importorskip("gguf")
     from gguf import GGMLQuantizationType as QT
     from test_gguf_synthetic import _config, write_gguf
 
