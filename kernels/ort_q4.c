@@ -841,8 +841,10 @@ typedef struct {
   float *out;             /* (B, T, H hd) */
   int b, t, h, kv, hd, s, rot;
   float scale;
-  float *scratch;         /* per thread: q rotated (hd), then the scores (s) */
-  atomic_int next;        /* the next (row, token, head) a thread takes */
+  int chunks;             /* pieces of each token's slots: a unit is (row, token, KV group, piece) */
+  float *parts;           /* chunks > 1: per unit and query head of its group, (max, sum, hd partial outputs) */
+  float *scratch;         /* per thread: the group's q rotated (G hd), their scores (G s), their sums (G hd) */
+  atomic_int next;        /* the next unit a thread takes */
 } attn_problem;
 
 /* x's first rot dimensions rotated as position p's (cos, sin) give (rotate-half form: dimension i pairs with
@@ -878,8 +880,8 @@ static void qk_scores(const float *q, const float *k, int hd, int n, float scale
   for (; j < n; j++) scores[j] = dot(q, k + (size_t)j * hd, hd) * scale;
 }
 
-/* scores[j] = exp(scores[j] - max) for j in [0, n); returns their sum */
-static float softmax_weights(float *scores, int n) {
+/* scores[j] = exp(scores[j] - max) for j in [0, n), max = the largest score (*largest); returns their sum */
+static float softmax_weights(float *scores, int n, float *largest) {
   float mx = -INFINITY, sum = 0;
   int j = 0;
 #if Q4_AVX2
@@ -904,31 +906,31 @@ static float softmax_weights(float *scores, int n) {
     scores[j] = expf(scores[j] - mx);
     sum += scores[j];
   }
+  *largest = mx;
   return sum;
 }
 
-/* out = sum_j w[j] v_j / total for j in [0, n) (rows of hd floats) */
-static void weighted_values(const float *w, const float *v, int hd, int n, float total, float *out) {
-  const float inv = 1.0f / total;
+/* acc += sum_j w[j] v_j for j in [0, n) (rows of hd floats) */
+static void accumulate_values(const float *w, const float *v, int hd, int n, float *acc) {
 #if Q4_AVX2
   if (hd % 64 == 0) { /* 64 dimensions a pass: 8 accumulators in registers, so the FMAs' latency is hidden */
     for (int d = 0; d < hd; d += 64) {
       __m256 a[8];
-      for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+      for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + d + 8 * c);
       for (int j = 0; j < n; j++) {
         const __m256 wj = _mm256_set1_ps(w[j]);
         const float *vj = v + (size_t)j * hd + d;
         for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + 8 * c), a[c]);
       }
-      for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + d + 8 * c, _mm256_mul_ps(a[c], _mm256_set1_ps(inv)));
+      for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + d + 8 * c, a[c]);
     }
     return;
   }
   if (hd % 8 == 0) {
     for (int d = 0; d < hd; d += 8) {
-      __m256 a = _mm256_setzero_ps();
+      __m256 a = _mm256_loadu_ps(acc + d);
       for (int j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v + (size_t)j * hd + d), a);
-      _mm256_storeu_ps(out + d, _mm256_mul_ps(a, _mm256_set1_ps(inv)));
+      _mm256_storeu_ps(acc + d, a);
     }
     return;
   }
@@ -936,39 +938,102 @@ static void weighted_values(const float *w, const float *v, int hd, int n, float
   if (hd % 32 == 0) { /* 32 dimensions a pass, 8 accumulators */
     for (int d = 0; d < hd; d += 32) {
       float32x4_t a[8];
-      for (int c = 0; c < 8; c++) a[c] = vdupq_n_f32(0);
+      for (int c = 0; c < 8; c++) a[c] = vld1q_f32(acc + d + 4 * c);
       for (int j = 0; j < n; j++) {
         const float *vj = v + (size_t)j * hd + d;
         for (int c = 0; c < 8; c++) a[c] = vfmaq_n_f32(a[c], vld1q_f32(vj + 4 * c), w[j]);
       }
-      for (int c = 0; c < 8; c++) vst1q_f32(out + d + 4 * c, vmulq_n_f32(a[c], inv));
+      for (int c = 0; c < 8; c++) vst1q_f32(acc + d + 4 * c, a[c]);
     }
     return;
   }
 #endif
-  for (int i = 0; i < hd; i++) out[i] = 0;
   for (int j = 0; j < n; j++)
-    for (int i = 0; i < hd; i++) out[i] += w[j] * v[(size_t)j * hd + i];
-  for (int i = 0; i < hd; i++) out[i] *= inv;
+    for (int i = 0; i < hd; i++) acc[i] += w[j] * v[(size_t)j * hd + i];
 }
 
-/* Threads take one (row, token, query head) at a time: its q rotated, its scores over slots [0, position], their
-   softmax in fp32, and the weighted sum of the values */
+#define ATTN_BLOCK 32 /* slots a block: a group's K (or V) rows of a block, 8 KB at head size 64, stay in L1 while
+                        each of its query heads takes them */
+
+/* Threads take a unit at a time: one KV group of one token (of one row), over one piece of its slots [0, position].
+   The group's query heads go together, a block of slots at a time, so each K and V row is read once a unit (from
+   memory: the caches of a 30-layer step are larger than the L3 the weights pass through) however many query heads
+   share it: scores for every head, their softmax in fp32, then the values' weighted sums. With one piece the unit
+   writes the outputs; with several (a decode step has too few groups to keep the team busy) it leaves each head's
+   (max, sum, partial outputs) for attn_merge. */
 static void attn_task(void *arg, int part, int parts) {
   attn_problem *p = arg;
   (void)parts;
-  float *q = p->scratch + (size_t)part * (p->hd + p->s), *scores = q + p->hd;
-  const int units = p->b * p->t * p->h, group = p->h / p->kv, width = (p->h + 2 * p->kv) * p->hd;
+  const int group = p->h / p->kv, width = (p->h + 2 * p->kv) * p->hd, units = p->b * p->t * p->kv * p->chunks;
+  float *q = p->scratch + (size_t)part * group * (2 * p->hd + p->s), *scores = q + (size_t)group * p->hd,
+        *acc = scores + (size_t)group * p->s;
   for (int u; (u = atomic_fetch_add(&p->next, 1)) < units;) {
-    const int head = u % p->h, t = u / p->h % p->t, row = u / p->h / p->t;
+    const int piece = u % p->chunks, g = u / p->chunks % p->kv, t = u / p->chunks / p->kv % p->t,
+              row = u / p->chunks / p->kv / p->t;
     const int pos = p->seqlens[row] + 1 - p->t + t, n = pos + 1;
-    rope(p->qkv + ((size_t)row * p->t + t) * width + (size_t)head * p->hd, p->cos + (size_t)pos * (p->rot / 2),
-         p->sin + (size_t)pos * (p->rot / 2), p->hd, p->rot, q);
-    const size_t cache = ((size_t)row * p->kv + head / group) * p->s * p->hd;
-    qk_scores(q, p->k + cache, p->hd, n, p->scale, scores);
-    const float total = softmax_weights(scores, n);
-    weighted_values(scores, p->v + cache, p->hd, n, total, p->out + ((size_t)row * p->t + t) * p->h * p->hd +
-                                                          (size_t)head * p->hd);
+    const int len = (n + p->chunks - 1) / p->chunks, j0 = piece * len < n ? piece * len : n,
+              j1 = j0 + len < n ? j0 + len : n;
+    const size_t cache = ((size_t)row * p->kv + g) * p->s * p->hd;
+    const float *tok = p->qkv + ((size_t)row * p->t + t) * width;
+    for (int i = 0; i < group; i++)
+      rope(tok + (size_t)(g * group + i) * p->hd, p->cos + (size_t)pos * (p->rot / 2),
+           p->sin + (size_t)pos * (p->rot / 2), p->hd, p->rot, q + (size_t)i * p->hd);
+    for (int j = j0; j < j1; j += ATTN_BLOCK) {
+      const int m = j + ATTN_BLOCK < j1 ? ATTN_BLOCK : j1 - j;
+      for (int i = 0; i < group; i++)
+        qk_scores(q + (size_t)i * p->hd, p->k + cache + (size_t)j * p->hd, p->hd, m, p->scale,
+                  scores + (size_t)i * p->s + (j - j0));
+    }
+    float top[64], total[64]; /* (a group of up to 64 query heads: attn_compute refuses more) */
+    for (int i = 0; i < group; i++) {
+      total[i] = j1 > j0 ? softmax_weights(scores + (size_t)i * p->s, j1 - j0, &top[i]) : 0.0f;
+      if (j1 == j0) top[i] = -INFINITY;
+      memset(acc + (size_t)i * p->hd, 0, sizeof(float) * (size_t)p->hd);
+    }
+    for (int j = j0; j < j1; j += ATTN_BLOCK) {
+      const int m = j + ATTN_BLOCK < j1 ? ATTN_BLOCK : j1 - j;
+      for (int i = 0; i < group; i++)
+        accumulate_values(scores + (size_t)i * p->s + (j - j0), p->v + cache + (size_t)j * p->hd, p->hd, m,
+                          acc + (size_t)i * p->hd);
+    }
+    for (int i = 0; i < group; i++) {
+      const int head = g * group + i;
+      if (p->chunks == 1) {
+        float *o = p->out + ((size_t)row * p->t + t) * p->h * p->hd + (size_t)head * p->hd;
+        for (int d = 0; d < p->hd; d++) o[d] = acc[(size_t)i * p->hd + d] / total[i];
+      } else {
+        float *r = p->parts + ((size_t)u * group + i) * (p->hd + 2);
+        r[0] = top[i];
+        r[1] = total[i];
+        memcpy(r + 2, acc + (size_t)i * p->hd, sizeof(float) * (size_t)p->hd);
+      }
+    }
+  }
+}
+
+/* The pieces of each (row, token, query head) into its output: max M over the pieces, each piece's sums and
+   outputs times exp(max - M), the outputs over the sums */
+static void attn_merge(const attn_problem *p) {
+  const int group = p->h / p->kv;
+  for (int u0 = 0; u0 < p->b * p->t * p->kv * p->chunks; u0 += p->chunks) {
+    const int g = u0 / p->chunks % p->kv, t = u0 / p->chunks / p->kv % p->t, row = u0 / p->chunks / p->kv / p->t;
+    for (int i = 0; i < group; i++) {
+      float mx = -INFINITY, total = 0;
+      for (int c = 0; c < p->chunks; c++) {
+        const float m = p->parts[((size_t)(u0 + c) * group + i) * (p->hd + 2)];
+        mx = m > mx ? m : mx;
+      }
+      float *o = p->out + ((size_t)row * p->t + t) * p->h * p->hd + (size_t)(g * group + i) * p->hd;
+      memset(o, 0, sizeof(float) * (size_t)p->hd);
+      for (int c = 0; c < p->chunks; c++) {
+        const float *r = p->parts + ((size_t)(u0 + c) * group + i) * (p->hd + 2);
+        if (r[1] == 0) continue; /* an empty piece */
+        const float f = expf(r[0] - mx);
+        total += f * r[1];
+        for (int d = 0; d < p->hd; d++) o[d] += f * r[2 + d];
+      }
+      for (int d = 0; d < p->hd; d++) o[d] /= total;
+    }
   }
 }
 
@@ -980,11 +1045,26 @@ static void attn_task(void *arg, int part, int parts) {
 int orin_q4_attention(const float *qkv, int b, int t, int h, int kv, int hd, float *k, float *v, int s,
                       const int32_t *seqlens, const float *cos, const float *sin, int positions, int rot, float scale,
                       float *out) {
-  if (b < 1 || t < 1 || kv < 1 || h % kv || rot < 2 || rot % 2 || rot > hd) return -1;
+  if (b < 1 || t < 1 || kv < 1 || h % kv || h / kv > 64 || rot < 2 || rot % 2 || rot > hd) return -1;
   for (int r = 0; r < b; r++)
     if (seqlens[r] + 1 - t < 0 || seqlens[r] >= s || seqlens[r] >= positions) return -1;
-  float *scratch = malloc(sizeof(float) * ((size_t)hd + s) * (size_t)team.threads);
-  if (!scratch) return -1;
+  const int group = h / kv;
+  /* pieces of the slots: enough units for two a thread where the groups alone are fewer, each piece at least
+     4 blocks long */
+  int chunks = 1, longest = 0;
+  for (int r = 0; r < b; r++) longest = seqlens[r] + 1 > longest ? seqlens[r] + 1 : longest;
+  if (b * t * kv < 2 * team.threads) {
+    chunks = (2 * team.threads + b * t * kv - 1) / (b * t * kv);
+    const int most = (longest + 4 * ATTN_BLOCK - 1) / (4 * ATTN_BLOCK);
+    chunks = chunks < most ? chunks : most;
+  }
+  float *scratch = malloc(sizeof(float) * (size_t)group * (2 * (size_t)hd + s) * (size_t)team.threads);
+  float *parts = chunks > 1 ? malloc(sizeof(float) * (size_t)b * t * kv * chunks * group * (hd + 2)) : NULL;
+  if (!scratch || (chunks > 1 && !parts)) {
+    free(scratch);
+    free(parts);
+    return -1;
+  }
   const int width = (h + 2 * kv) * hd;
   for (int r = 0; r < b; r++)
     for (int i = 0; i < t; i++) {
@@ -997,9 +1077,11 @@ int orin_q4_attention(const float *qkv, int b, int t, int h, int kv, int hd, flo
         memcpy(v + slot, tok + (size_t)(h + kv + g) * hd, sizeof(float) * (size_t)hd);
       }
     }
-  attn_problem p = {qkv, k, v, seqlens, cos, sin, out, b, t, h, kv, hd, s, rot, scale, scratch, 0};
+  attn_problem p = {qkv, k, v, seqlens, cos, sin, out, b, t, h, kv, hd, s, rot, scale, chunks, parts, scratch, 0};
   run_team(attn_task, &p);
+  if (chunks > 1) attn_merge(&p);
   free(scratch);
+  free(parts);
   return 0;
 }
 

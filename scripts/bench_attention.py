@@ -6,11 +6,11 @@ Per layer: 8 attention nodes of one shape in one session (each over its own KV-c
 decode token at a given number of cache slots, the session on ONNX Runtime's one thread as the native decoder runs
 it, the operator's team at each thread count; us a node.
 Model (--gguf): the native decoder graph built twice, once as it ships and once with GroupQueryAttention in
-CacheAttention's place (everything else the same), decode steps from a 32-token prompt; ms a step.
+CacheAttention's place (everything else the same), decode steps after a --context-token prompt; ms a step.
 Rounds are interleaved (each variant once a round, in turn); medians and ranges.
 
     python3 scripts/bench_attention.py [--rounds 7] [--slots 16,100,400] [--threads 1,2] [--gguf FILE.gguf]
-        [--steps 128] [--json OUT]
+        [--steps 128] [--context 32] [--json OUT]
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def per_layer(rounds: int, slots: list[int], threads: list[int], library: str) -
     return rows
 
 
-def model_level(gguf: Path, rounds: int, steps: int, threads: int) -> dict[str, Any]:
+def model_level(gguf: Path, rounds: int, steps: int, threads: int, context: int = 32) -> dict[str, Any]:
     import numpy as np
     import onnx
 
@@ -133,20 +133,20 @@ def model_level(gguf: Path, rounds: int, steps: int, threads: int) -> dict[str, 
             runners[name] = OrtDecoderRunner(path, cfg.n_layers, 1024, 1,
                                              options=OrtOptions(threads=threads, activations="native"))
     ort_q4.set_threads(threads)
-    prompt = np.arange(1, 33, dtype=np.int32)[None] % cfg.vocab_size
+    prompt = np.arange(1, context + 1, dtype=np.int32)[None] % cfg.vocab_size
     times: dict[str, list[float]] = {n: [] for n in runners}
     for _ in range(rounds):
         for name, r in runners.items():
             r.reset()
-            logits = r.run(prompt, np.arange(32, dtype=np.int32)[None])
+            logits = r.run(prompt, np.arange(context, dtype=np.int32)[None])
             ts = []
             for i in range(steps):
                 tok = int(logits[0].argmax())
                 t0 = time.perf_counter()
-                logits = r.run(np.array([[tok]], np.int32), np.array([[32 + i]], np.int32))
+                logits = r.run(np.array([[tok]], np.int32), np.array([[context + i]], np.int32))
                 ts.append(time.perf_counter() - t0)
             times[name].append(statistics.median(ts) * 1e3)
-    out = {"gguf": str(gguf), "threads": threads, "steps": steps,
+    out = {"gguf": str(gguf), "threads": threads, "steps": steps, "context": context,
            **{n: {"step_ms": statistics.median(v), "range": [min(v), max(v)]} for n, v in times.items()}}
     for n, v in times.items():
         print(f"{gguf.name}: {n:30s} {statistics.median(v):.3f} ms a step ({min(v):.3f}-{max(v):.3f})")
@@ -160,6 +160,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--gguf", type=Path, help="also time a GGUF's whole decoder step with each attention")
     ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--context", type=int, default=32, help="prompt tokens before the timed decode steps")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     from kernels import ort_q4
@@ -175,7 +176,7 @@ def main() -> None:
     threads = [int(t) for t in a.threads.split(",")]
     res["per_layer"] = per_layer(a.rounds, [int(s) for s in a.slots.split(",")], threads, str(library))
     if a.gguf is not None:
-        res["model"] = model_level(a.gguf, a.rounds, a.steps, max(threads))
+        res["model"] = model_level(a.gguf, a.rounds, a.steps, max(threads), a.context)
     res["load_average_1min_after"] = os.getloadavg()[0]
     if a.json:
         a.json.write_text(json.dumps(res, indent=1) + "\n")

@@ -218,23 +218,27 @@ def _rope_tables(positions: int, rot: int) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
+# (B, T, each row's last position): prefill, decode, chunks, batches; and decode steps long enough that a KV group's
+# slots are split in pieces across the team (orin_q4_attention: at least 4 blocks of 32 a piece)
 ATTENTION_CASES = [(1, 17, [16]), (1, 1, [0]), (1, 1, [40]), (1, 5, [30]), (2, 1, [10, 50]), (2, 6, [5, 5]),
-                   (3, 1, [63, 0, 7])]  # (B, T, each row's last position): prefill, decode, chunks, batches
+                   (3, 1, [63, 0, 7]), (1, 1, [300]), (1, 2, [390]), (2, 1, [200, 333])]
+ATTENTION_SLOTS = 400
 
 
-def _check_attention(library, heads: int, kv_heads: int, hd: int, rot: int, threads=(1, 2)) -> None:
+def _check_attention(library, heads: int, kv_heads: int, hd: int, rot: int, threads=(1, 2, 3)) -> None:
     gqa = _attention_session("GroupQueryAttention", heads, kv_heads, hd, rot)
     ours = _attention_session(ort_q4.ATTENTION_OP, heads, kv_heads, hd, rot, library)
-    cos, sin = _rope_tables(80, rot)
+    cos, sin = _rope_tables(ATTENTION_SLOTS, rot)
     rng = np.random.default_rng(heads * hd + rot)
     for b, t, ends in ATTENTION_CASES:
-        k0, v0 = (rng.standard_normal((b, kv_heads, 64, hd)).astype(np.float32) for _ in range(2))
+        k0, v0 = (rng.standard_normal((b, kv_heads, ATTENTION_SLOTS, hd)).astype(np.float32) for _ in range(2))
         qkv = rng.standard_normal((b, t, (heads + 2 * kv_heads) * hd)).astype(np.float32)
         seqlens = np.array(ends, np.int32)
         want, wk, wv = _attend(gqa, qkv, k0.copy(), v0.copy(), seqlens, cos, sin)
         for n in threads:
             ort_q4.set_threads(n)
             got, gk, gv = _attend(ours, qkv, k0.copy(), v0.copy(), seqlens, cos, sin)
+            assert np.isfinite(got).all()
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
             for r, end in enumerate(ends):  # the slots a row may see: the same; past them, the cache untouched
                 np.testing.assert_allclose(gk[r, :, :end + 1], wk[r, :, :end + 1], rtol=0, atol=1e-6)
@@ -549,12 +553,13 @@ def test_the_neon_loops_under_emulation(tmp_path) -> None:
         sizes.append(4 * want.size)
         checks.append(("matmul", want))
     heads, kv_heads = 4, 2
-    for hd, b, t, ends in [(64, 1, 1, [40]), (64, 1, 9, [8]), (48, 2, 1, [5, 30]), (64, 2, 3, [10, 20])]:
-        cos, sin = _rope_tables(64, hd)
+    for hd, b, t, ends, slots in [(64, 1, 1, [40], 48), (64, 1, 9, [8], 48), (48, 2, 1, [5, 30], 48),
+                                  (64, 2, 3, [10, 20], 48), (64, 1, 1, [300], 320)]:  # the last: pieces of slots
+        cos, sin = _rope_tables(slots, hd)
         rng = np.random.default_rng(hd + t)
-        k0, v0 = (rng.standard_normal((b, kv_heads, 48, hd)).astype(np.float32) for _ in range(2))
+        k0, v0 = (rng.standard_normal((b, kv_heads, slots, hd)).astype(np.float32) for _ in range(2))
         qkv = rng.standard_normal((b, t, (heads + 2 * kv_heads) * hd)).astype(np.float32)
-        cases.append(struct.pack("<10if", 1, 2, b, t, heads, kv_heads, hd, 48, 64, hd, hd ** -0.5) + qkv.tobytes() +
+        cases.append(struct.pack("<10if", 1, 2, b, t, heads, kv_heads, hd, slots, slots, hd, hd ** -0.5) + qkv.tobytes() +
                      k0.tobytes() + v0.tobytes() + np.array(ends, np.int32).tobytes() + cos.tobytes() + sin.tobytes())
         sizes.append(4 + 4 * b * t * heads * hd + 8 * k0.size)
         checks.append(("attention", (b, t, heads * hd, k0.shape)))
