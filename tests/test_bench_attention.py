@@ -2,25 +2,19 @@
 same outputs on the same caches, and its model-level A/B builds the native graph with each attention."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kernels import ort_q4
+from script_loader import load_script
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(ort_q4.library() is None, reason=f"the operator did not build: {ort_q4.unavailable()}")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "scripts" / "bench_attention.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_attention", mod)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+    return load_script("bench_attention")
 
 
 def test_the_two_layer_sessions_compute_the_same_attention() -> None:

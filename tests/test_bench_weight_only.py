@@ -3,25 +3,18 @@ other kernels get (the same codes, the minimums in half precision as a GGUF keep
 step's projections at the shapes the decoder graph gives it."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kernels import ort_q4
+from script_loader import load_script
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(ort_q4.library() is None, reason=f"the operator did not build: {ort_q4.unavailable()}")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_weight_only", ROOT / "scripts" / "bench_weight_only.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_weight_only", mod)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+    return load_script("bench_weight_only")
 
 
 def test_native_rows_time_the_operator() -> None:

@@ -3,7 +3,6 @@ project's own GGUF reader gives the checkpoint's weights (to the quantisation's 
 and greedy tokens, its config and its tokenizer; the Q/K row order is llama.cpp's converter's."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
+from script_loader import load_script
 from smollm2_helpers import full_logits
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,10 +21,7 @@ PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.Argu
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("export_gguf", ROOT / "scripts" / "export_gguf.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("export_gguf")
 
 
 @pytest.fixture(scope="module", autouse=True)
