@@ -984,7 +984,7 @@ static void attn_task(void *arg, int part, int parts) {
         qk_scores(q + (size_t)i * p->hd, p->k + cache + (size_t)j * p->hd, p->hd, m, p->scale,
                   scores + (size_t)i * p->s + (j - j0));
     }
-    float top[64], total[64]; /* (a group of up to 64 query heads: attn_compute refuses more) */
+    float top[64], total[64]; /* (a group of up to 64 query heads: orin_q4_attention refuses more) */
     for (int i = 0; i < group; i++) {
       total[i] = j1 > j0 ? softmax_weights(scores + (size_t)i * p->s, j1 - j0, &top[i]) : 0.0f;
       if (j1 == j0) top[i] = -INFINITY;

@@ -246,7 +246,7 @@ class _Graph:
         """A layer's attention over its KV-cache (the graph contract in the module docstring): onnxruntime's
         GroupQueryAttention, or at native precision kernels/ort_q4.c's CacheAttention, the same inputs and
         arithmetic (RoPE, the in-place cache write, fp32 softmax) on the operator's thread team (SmolLM2's
-        shape, 2 threads, 100 slots: 8.8 against 20.6 us a layer; docs/BENCHMARKS.md)."""
+        shape, 2 threads, 100 slots: 7.5 against 20.3 us a layer; docs/BENCHMARKS.md, nineteenth session)."""
         args = [qkv, *past, "seqlens_k", "total_sequence_length", "rope.cos", "rope.sin"]
         attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": 1.0 / math.sqrt(head_dim)}
         if self.level(prefix) == ACCURACY_NATIVE:
