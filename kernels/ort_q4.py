@@ -66,7 +66,8 @@ def _cpu_key() -> str:
 
 def default_dir() -> Path:
     """Where the built library is kept: systemd's CacheDirectory= for the service (CACHE_DIRECTORY, whose home is
-    read-only under ProtectHome=read-only), else $XDG_CACHE_HOME/orin-agent or ~/.cache/orin-agent."""
+    read-only under ProtectHome=read-only), else $XDG_CACHE_HOME/orin-agent or ~/.cache/orin-agent; native/ under
+    partition.paths.cache_root's rule, written out here because kernels import nothing above them."""
     unit = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
     if unit:
         return Path(unit) / "native"

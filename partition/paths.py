@@ -1,4 +1,5 @@
-"""Where things live relative to the installed package: the shipped small model.
+"""Where things live: the shipped small model (relative to the installed package), and the cache of what
+orin-agent builds and converts (`cache_root`).
 
 The model folder is committed at ``<checkout>/models/<name>`` and installed as package data of
 ``partition.shipped_models`` (setup.py maps that package onto ``models/``), so a wheel or a
@@ -6,6 +7,7 @@ non-editable ``pip install .`` carries it; an editable install finds it in the c
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 SHIPPED_MODEL_NAME = "stdlib-llama-8l"
@@ -24,3 +26,15 @@ def shipped_model_dir() -> Path:
 
 
 DEFAULT_MODEL_DIR: Path = shipped_model_dir()
+
+
+def cache_root() -> Path:
+    """Where orin-agent keeps what it builds and converts (ONNX slices and decoder graphs under builds/, TensorRT
+    engines under engines/, GGUF files' model folders under models/, kernels/ort_q4.c's library under native/):
+    systemd's CacheDirectory= for the service (CACHE_DIRECTORY; the unit's home is read-only under
+    ProtectHome=read-only, so ~/.cache there cannot be written), else $XDG_CACHE_HOME/orin-agent, else
+    ~/.cache/orin-agent. (kernels/ort_q4.py applies the same rule itself: kernels import nothing above them.)"""
+    unit = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
+    if unit:
+        return Path(unit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "orin-agent"

@@ -20,6 +20,7 @@ from partition.build.manifest import MANIFEST, BuildError, BuildManifest, graph_
 from partition.build.trt_check import CheckReport, check_trt_compat
 from partition.checkpoint import load_model, model_hash
 from partition.config import load_config
+from partition.paths import cache_root
 from partition.quantize import refuse_export
 from partition.slices import SliceSpec, parse_slices
 
@@ -102,7 +103,7 @@ def cache_key(digest: str, specs: Sequence[SliceSpec], options: ExportOptions) -
 
 
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "orin-agent" / "builds"
+    return cache_root() / "builds"
 
 
 def ensure_build(model_dir: str | Path, slices: str | Sequence[SliceSpec] | None = None,

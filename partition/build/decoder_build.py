@@ -20,6 +20,7 @@ from typing import Callable
 from partition.build.ort_decoder import ACCURACY_FP32, ACCURACY_INT8, ACCURACY_NATIVE, ACCURACY_SPLIT, \
     DecoderWeights, QuantWeight, build_decoder, weights_from_gguf
 from partition.digest import sha256
+from partition.paths import cache_root
 
 FORMAT = 12  # bump when the graph's contract or structure changes: old cached graphs are then rebuilt
 GRAPH = "decoder.onnx"
@@ -27,7 +28,7 @@ MAX_ROPE = 1 << 17  # rotary cache rows are cheap (64 floats each for head_dim 1
 
 
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "orin-agent" / "builds"
+    return cache_root() / "builds"
 
 
 def gguf_file(model: str | Path) -> Path | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from partition.digest import sha256
 from partition.gguf.errors import GGUFError
+from partition.paths import cache_root
 
 
 POINTER = "gguf.json"  # in a model folder: the GGUF file its weights come from
@@ -43,7 +44,7 @@ ALIASES: dict[str, Alias] = {
 
 
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "orin-agent" / "models"
+    return cache_root() / "models"
 
 
 def alias_file(name: str) -> Path:

@@ -18,9 +18,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from partition.paths import cache_root
+
 
 def default_engine_cache() -> Path:
-    return Path.home() / ".cache" / "orin-agent" / "engines"
+    return cache_root() / "engines"
 
 
 @dataclass(frozen=True)
