@@ -237,7 +237,7 @@ orin-agent twin create {TWIN_ROOT} --board agx-orin-64gb --l4t r36
     for name in ("orin-agent.service", "orin-agent-probe.service"):
         if not (wants / name).exists():
             (wants / name).symlink_to(f"/etc/systemd/system/{name}")
-    settings = {"port": PORT, "model_dir": f"{MODELS}/{model_name}", "twin_root": TWIN_ROOT,
+    settings = {"port": PORT, "model_dir": f"{MODELS}/{model_name}", "twin_root": TWIN_ROOT, "venv": VENV,
                 "restart_sec": restart_sec, "chaos_cycles": chaos_cycles,
                 "watchdog_sec": min(watchdog, TEST_WATCHDOG_SEC) if watchdog else 0,
                 "shutdown_grace_s": SHUTDOWN_GRACE_S}

@@ -203,6 +203,35 @@ def stop_during_stream() -> dict:
             "run_journal_left": RUN_JOURNAL.exists()}
 
 
+# Under the unit's sandbox (its file-system properties, from the installed unit): may the home cache and the one
+# partition.paths.cache_root picks be written?
+CACHE_PROBE = r"""
+import json, pathlib
+from partition.paths import cache_root
+def writable(d):
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "probe").write_text("ok")
+        return True
+    except OSError:
+        return False
+print(json.dumps({"home_cache": writable(pathlib.Path.home() / ".cache" / "orin-agent" / "probe"),
+                  "cache_root": str(cache_root()), "cache_root_writable": writable(cache_root() / "probe")}))
+"""
+
+
+def cache_sandbox() -> dict:
+    props = ["ProtectSystem", "ProtectHome", "CacheDirectory", "PrivateTmp", "User"]
+    shown = show(*props)
+    args = [f"--property={p}={shown[p]}" for p in props if shown.get(p)]
+    r = sh("systemd-run", "--wait", "--pipe", "--collect", "--quiet", *args,
+           f"{SETTINGS['venv']}/bin/python", "-c", CACHE_PROBE)
+    out = {"rc": r.returncode, "properties": args, "stderr": r.stderr[-2000:]}
+    if r.returncode == 0 and r.stdout.strip():
+        out.update(json.loads(r.stdout.strip().splitlines()[-1]))
+    return out
+
+
 def main() -> None:
     results: dict = {"boot": show("ActiveState", "Result", "MainPID")}
     if SETTINGS.get("chaos_cycles"):  # a boot for the chaos loop only (tests/test_systemd_chaos.py)
@@ -226,6 +255,7 @@ def main() -> None:
         ("watchdog", lambda: kill_scenario("STOP")),
         ("kill9", lambda: kill_scenario("KILL")),
         ("stop_stream", stop_during_stream),
+        ("cache_sandbox", cache_sandbox),
     ]
     for name, step in steps:
         t = time.monotonic()

@@ -1,6 +1,7 @@
 """The project's unit (systemd/orin-agent.service, installed by scripts/install.sh) under a real
 systemd booted in a container (tests/systemd_container.py), driven by tests/systemd_probe.py:
-Type=notify readiness, failing starts, the watchdog, kill -9, and `systemctl stop` during a stream.
+Type=notify readiness, failing starts, the watchdog, kill -9, `systemctl stop` during a stream, and where the
+sandbox lets it write its caches.
 One boot serves every test here (~1 min once the root file system is cached).
 Marked `systemd`: outside the default run; `python3 -m pytest -m systemd` runs them.
 """
@@ -176,6 +177,17 @@ def test_a_stream_cut_by_the_stop_ends_cleanly(boot: Boot) -> None:
     r = step(boot, "stop_stream")
     assert r["error_event"] and r["done"], r
     assert not any("Traceback" in m for _, _, m in unit_lines(boot, r["since_us"]))
+
+
+def test_under_the_units_sandbox_the_cache_root_is_writable_and_the_home_is_not(boot: Boot) -> None:
+    """ProtectHome=read-only makes the unit's ~/.cache read-only: every cache (partition.paths.cache_root) goes to its
+    CacheDirectory instead. A process with the installed unit's file-system properties (systemd-run) tries both."""
+    r = step(boot, "cache_sandbox")
+    assert r["rc"] == 0, r["stderr"]
+    assert "--property=ProtectHome=read-only" in r["properties"] and "--property=CacheDirectory=orin-agent" in \
+        r["properties"], r["properties"]
+    assert r["home_cache"] is False
+    assert r["cache_root"] == "/var/cache/orin-agent" and r["cache_root_writable"] is True
 
 
 def test_systemd_analyze_security_exposure_is_no_worse_than_recorded(boot: Boot) -> None:
