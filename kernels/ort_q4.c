@@ -408,8 +408,8 @@ static inline float dot_h(const uint16_t *h, const float *b, int k) {
 #endif
 
 /* Four weight rows against one row of x (each load of x serves the four): per 32 columns s = sum(q * x) in fp32,
-   acc += scale * s; the codes of the rows after these are prefetched meanwhile. The AVX2 loop takes x pre-scaled
-   (`scale_nibbles`): nibble n of a word is masked in place, its value q 16^n converted exactly, and multiplied by
+   acc += scale * s; the codes of the rows after these are prefetched meanwhile. The AVX2 and NEON loops take x
+   pre-scaled (`scale_nibbles`): nibble n of a word is masked in place, its value q 16^n converted exactly, and multiplied by
    x 16^-n, the same fp32 product q x; an AND, a convert and an FMA per 8 weights instead of a shift too (nibble 7,
    whose value would set the sign bit, is shifted down instead, against x as it is). The plain C loop takes x as it
    is. */

@@ -33,6 +33,7 @@ import numpy as np
 SOURCE = Path(__file__).with_name("ort_q4.c")
 DOMAIN = "orin_agent"
 OP = "Q4MatMul"
+SKIP_NORM_OP = "Q4MatMulSkipNorm"  # the product, the residual add and the next RMSNorm in one node (ort_q4.c)
 ATTENTION_OP = "CacheAttention"  # GroupQueryAttention's arithmetic as the decoder graph uses it (ort_q4.c)
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
 # x86: the AVX2 intrinsic loops as written (GCC's vectoriser made them 1.4x slower on a Zen 3 EPYC, 2026-12-07: 76.8
@@ -252,7 +253,13 @@ def matmul(x: np.ndarray, w: Q4Weight, glu: bool = False, cache_dir: str | Path 
         raise ValueError(f"x {x.shape} and a {n} x {k} weight in groups of {w.group}: not a shape the kernel takes")
     xs = np.ascontiguousarray(x, np.float32).reshape(-1, k)
     y = np.empty((xs.shape[0], n // 2 if glu else n), np.float32)
-    ptr = (lambda a: a.ctypes.data)
-    _cdll(path).orin_q4_matmul(ptr(xs), xs.shape[0], k, n, ptr(w.codes), ptr(w.scales), ptr(w.mins), w.group,
-                               int(glu), int(w.int8), w.bits, ptr(y))
+    _cdll(path).orin_q4_matmul(*matmul_args(xs, w, y, glu))
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def matmul_args(x: np.ndarray, w: Q4Weight, y: np.ndarray, glu: bool = False) -> tuple:
+    """orin_q4_matmul's arguments for y = x @ w^T (x (M, K) and y contiguous float32, kept alive by the caller):
+    what `matmul` passes, and what a benchmark calls the C function with directly to time the kernel, not Python."""
+    ptr = (lambda a: a.ctypes.data)
+    return (ptr(x), x.shape[0], x.shape[1], w.codes.shape[0], ptr(w.codes), ptr(w.scales), ptr(w.mins), w.group,
+            int(glu), int(w.int8), w.bits, ptr(y))

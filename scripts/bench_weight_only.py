@@ -223,8 +223,7 @@ def stream(threads: list[int], rounds: int, layers: int = 30, passes: int = 5) -
             x = rng.standard_normal((1, k)).astype(np.float32)
             y = np.empty((1, n // 2 if glu else n), np.float32)
             keep.append((w, x, y))
-            calls.append((x.ctypes.data, 1, k, n, w.codes.ctypes.data, w.scales.ctypes.data, w.mins.ctypes.data,
-                          w.group, int(glu), 0, w.bits, y.ctypes.data))
+            calls.append(ort_q4.matmul_args(x, w, y, glu))
     nbytes = sum(w.codes.nbytes + w.scales.nbytes + w.mins.nbytes for w, _, _ in keep)
     times: dict[int, list[float]] = {t: [] for t in threads}
     for _ in range(rounds):

@@ -219,6 +219,11 @@ class _Graph:
         if bias is not None:
             self.node("Add", [out, self.const(f"{prefix}.bias", np.asarray(bias, np.float32))], [y], f"{prefix}.add")
 
+    def native_level(self, prefix: str, w: object) -> bool:
+        """Whether projection `prefix`'s weight w is asked for at native precision (a quantised weight at level
+        ACCURACY_NATIVE): then `_native_linear` / `_native_skip_norm` try the operator, which may still not take it."""
+        return isinstance(w, QuantWeight) and self.level(prefix) == ACCURACY_NATIVE
+
     def _native_linear(self, prefix: str, x: str, y: str, w: QuantWeight, glu: bool = False, int8: bool = False
                        ) -> bool:
         """y = x @ w^T through orin_agent.Q4MatMul (kernels/ort_q4.c), for a 4- or 8-bit weight of a shape and scales
@@ -266,7 +271,9 @@ class _Graph:
         if not self._native_linear(prefix, x, sum_out, w):
             return False
         node = self.nodes[-1]  # the plain Q4MatMul just added, made the fused one
-        node.op_type = "Q4MatMulSkipNorm"
+        from kernels.ort_q4 import SKIP_NORM_OP
+
+        node.op_type = SKIP_NORM_OP
         node.input.extend([skip, gamma])
         del node.output[:]
         node.output.extend([out, sum_out])
@@ -469,7 +476,7 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
             outputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", kv, "S", hd]))
         g.attention(f"{p}.attn", f"{p}.qkv_out", past, present, h, kv, hd)
         mlp_norm = g.const(f"{p}.mlp_norm", lw.mlp_norm.astype(np.float32))
-        if not (isinstance(lw.o, QuantWeight) and g.level(f"{p}.o") == ACCURACY_NATIVE
+        if not (g.native_level(f"{p}.o", lw.o)
                 and g._native_skip_norm(f"{p}.o", f"{p}.attn", lw.o, residual, mlp_norm, eps, f"{p}.mn",
                                         f"{p}.res_mid")):
             g.linear(f"{p}.o", f"{p}.attn", f"{p}.o_out", lw.o)
@@ -478,7 +485,7 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
         residual = f"{p}.res_mid"
         inter = cfg.intermediate_size
         gate_up = _concat([lw.gate, lw.up])
-        if (isinstance(gate_up, QuantWeight) and g.level(f"{p}.gate_up") == ACCURACY_NATIVE
+        if (g.native_level(f"{p}.gate_up", gate_up)
                 and g._native_linear(f"{p}.gate_up", f"{p}.mn", f"{p}.act", gate_up, glu=True)):
             pass  # the activation is inside the node
         elif gate_up is not None:
@@ -494,8 +501,7 @@ def build_decoder(weights: DecoderWeights, max_seq: int, accuracy_level: int | d
             g.node("Mul", [f"{p}.silu", f"{p}.up_out"], [f"{p}.act"], f"{p}.act")
         x = f"{p}.down_out"
         nxt = f"layers.{i + 1}"
-        if (i + 1 < len(weights.layers) and isinstance(lw.down, QuantWeight)
-                and g.level(f"{p}.down") == ACCURACY_NATIVE
+        if (i + 1 < len(weights.layers) and g.native_level(f"{p}.down", lw.down)
                 and g._native_skip_norm(f"{p}.down", f"{p}.act", lw.down, residual,
                                         g.const(f"{nxt}.attn_norm", weights.layers[i + 1].attn_norm.astype(np.float32)),
                                         eps, f"{nxt}.xn", f"{nxt}.res_in")):
