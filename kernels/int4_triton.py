@@ -308,18 +308,76 @@ if triton is not None:
             tl.store(out_ptr + (pid_s * M + pid_m) * N + rows, out, mask=rows < N)
 
     @triton.jit
+    def _rms_inverse(h_ptr, pid_m, K, eps, NB: tl.constexpr = 1024):
+        """1 / sqrt(mean(h[pid_m]^2) + eps) over the K columns of row pid_m, in fp32 (norm_triton's RMSNorm formula)."""
+        acc = tl.zeros((NB,), tl.float32)
+        for c in range(0, K, NB):
+            cols = c + tl.arange(0, NB)
+            v = tl.load(h_ptr + pid_m * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+            acc += v * v
+        return tl.rsqrt(tl.sum(acc, axis=0) / K + eps)
+
+    @triton.jit
+    def _gemv_finish(tot, y_ptr, ws_ptr, cnt_ptr, res_ptr, g_ptr, xg_ptr, h_ptr, eps, pid_m, pid_t, N, NT, K,
+                     PAIR_OFF, TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, RES: tl.constexpr,
+                     XG: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr):
+        """A tile's whole sum tot (TN,) fp32 to y, through the epilogue the flags ask for (`int4_gemv_epilogue`):
+        NORM: times 1 / rms(h[pid_m]) (x was h * the norm's weight); RES: plus res[pid_m, rows]; XG: also
+        xg = y * g[rows] (the next norm's input); SILU: the rows' first half are gates, the second ups: the tile
+        pairs with the tile N / 2 rows on, and the second of the pair to finish writes silu(gate) * up."""
+        r = tl.arange(0, TN)
+        rows = pid_t * TN + r
+        ok = rows < N
+        dt = y_ptr.dtype.element_ty
+        if SILU:  # N / 2 a multiple of TN (`silu_pairs`): no masks
+            if MODE == 2 or SPLIT == 1:  # (MODE 1's scratch row holds the sum already)
+                tl.store(ws_ptr + pid_m * N + rows, tot)
+            tl.debug_barrier()  # the sum stored before the pair's count is released
+            half = NT // 2
+            pair = pid_t % half
+            pc = cnt_ptr + PAIR_OFF + pid_m * half + pair
+            if tl.atomic_add(pc, 1, sem="acq_rel") == 1:
+                other = tl.load(ws_ptr + pid_m * N + ((pid_t + half) % NT) * TN + r, cache_modifier=".cg")
+                first = pid_t < half
+                gate = tl.where(first, tot, other)
+                up = tl.where(first, other, tot)
+                if NORM:
+                    inv = _rms_inverse(h_ptr, pid_m, K, eps)
+                    gate = gate * inv
+                    up = up * inv
+                s = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # rounded as norm_triton's silu_mul
+                tl.store(y_ptr + pid_m * (N // 2) + pair * TN + r, (s * up).to(dt))
+                zero = tl.zeros((TN,), tl.float32)
+                tl.store(ws_ptr + pid_m * N + pair * TN + r, zero)
+                tl.store(ws_ptr + pid_m * N + (pair + half) * TN + r, zero)
+                tl.atomic_xchg(pc, 0, sem="relaxed")
+        else:
+            if NORM:
+                tot = tot * _rms_inverse(h_ptr, pid_m, K, eps)
+            if RES:
+                tot += tl.load(res_ptr + pid_m * N + rows, mask=ok, other=0.0).to(tl.float32)
+            y = tot.to(dt)
+            tl.store(y_ptr + pid_m * N + rows, y, mask=ok)
+            if XG:
+                g = tl.load(g_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+                tl.store(xg_ptr + pid_m * N + rows, (y.to(tl.float32) * g).to(dt), mask=ok)
+
+    @triton.jit
     def _gemv_reduced_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NT, KS, STEPS_SPLIT, stride_xm,
                              GROUP: tl.constexpr, TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
                              CH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                              UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True,
-                             PDL: tl.constexpr = False, CHAIN: tl.constexpr = False):
+                             PDL: tl.constexpr = False, CHAIN: tl.constexpr = False, res_ptr=None, g_ptr=None,
+                             xg_ptr=None, h_ptr=None, eps=0.0, PAIR_OFF=0, RES: tl.constexpr = False,
+                             XG: tl.constexpr = False, NORM: tl.constexpr = False, SILU: tl.constexpr = False):
         """y[m, rows] = x[m] . w[rows] in y's dtype, the split-K sum done in this kernel (REDUCE_MODES):
         every program of a (row, tile) adds its partial into the fp32 scratch (MODE 1: atomically into
         ws (M, N), which the last program zeroes again; MODE 2: its own slice of ws (SPLIT, M, N), which the
         last program sums in split order, CH splits per load), then counts itself in cnt (M, NT); the
         program that counts last writes y and resets its counter to 0, so the scratch is as it was found
         after every call (what lets the op declare no mutation, and CUDA graphs replay it). ACT8: x is
-        packed by `act8_quant` (see `_gemv_tile`); y_ptr's dtype is the output's. PDL: kernels.pdl."""
+        packed by `act8_quant` (see `_gemv_tile`); y_ptr's dtype is the output's. PDL: kernels.pdl.
+        RES, XG, NORM, SILU: the epilogue's (`_gemv_finish`; pair counters from cnt_ptr + PAIR_OFF)."""
         pdl.trigger(PDL)
         pid_m = tl.program_id(0)
         pid_t = tl.program_id(1)
@@ -328,9 +386,9 @@ if triton is not None:
                          STAGES, PREFETCH, UNROLL, ACT8, ASM, PDL, CHAIN)
         rows = pid_t * TN + tl.arange(0, TN)
         ok = rows < N
-        y_row = y_ptr + pid_m * N + rows
         if SPLIT == 1:
-            tl.store(y_row, out.to(y_ptr.dtype.element_ty), mask=ok)
+            _gemv_finish(out, y_ptr, ws_ptr, cnt_ptr, res_ptr, g_ptr, xg_ptr, h_ptr, eps, pid_m, pid_t, N, NT,
+                         KS * 64, PAIR_OFF, TN, SPLIT, MODE, RES, XG, NORM, SILU)
         else:
             if MODE == 1:
                 tl.atomic_add(ws_ptr + pid_m * N + rows, out, mask=ok, sem="relaxed")
@@ -341,7 +399,8 @@ if triton is not None:
             if done == SPLIT - 1:
                 if MODE == 1:
                     tot = tl.load(ws_ptr + pid_m * N + rows, mask=ok, cache_modifier=".cg")
-                    tl.store(ws_ptr + pid_m * N + rows, tl.zeros((TN,), tl.float32), mask=ok)
+                    if not SILU:  # (with SILU the pair's second program zeroes both rows)
+                        tl.store(ws_ptr + pid_m * N + rows, tl.zeros((TN,), tl.float32), mask=ok)
                 else:
                     tot = tl.zeros((TN,), tl.float32)
                     for s0 in tl.static_range(0, SPLIT, CH):
@@ -349,7 +408,8 @@ if triton is not None:
                         part = tl.load(ws_ptr + (sp[:, None] * M + pid_m) * N + rows[None, :],
                                        mask=(sp[:, None] < SPLIT) & ok[None, :], other=0.0, cache_modifier=".cg")
                         tot += tl.sum(part, axis=0)
-                tl.store(y_row, tot.to(y_ptr.dtype.element_ty), mask=ok)
+                _gemv_finish(tot, y_ptr, ws_ptr, cnt_ptr, res_ptr, g_ptr, xg_ptr, h_ptr, eps, pid_m, pid_t, N, NT,
+                             KS * 64, PAIR_OFF, TN, SPLIT, MODE, RES, XG, NORM, SILU)
                 tl.atomic_xchg(cnt_ptr + pid_m * NT + pid_t, 0, sem="relaxed")
 
     @triton.jit
@@ -738,11 +798,17 @@ REDUCE_CHUNK = 8  # splits per load in "last" mode's sum (8 x 512 fp32 = 32 regi
 
 
 def scratch(n: int, codes: Tensor) -> tuple[Tensor, Tensor]:
-    """The zeroed fp32 row scratch (GEMV_MAX_M, N) and int32 tile counters (GEMV_MAX_M, tiles) that the
-    in-kernel split-K modes use and leave zeroed; one pair per layer (kernels on one stream run one after
+    """The zeroed fp32 row scratch (GEMV_MAX_M, N) and int32 counters (2 GEMV_MAX_M, tiles) that the
+    in-kernel split-K modes use and leave zeroed (rows [0, GEMV_MAX_M): a tile's programs; the rest: the tile pairs
+    of the SiLU epilogue, `int4_gemv_epilogue`); one pair per layer (kernels on one stream run one after
     another, and a layer's calls never overlap)."""
     return (torch.zeros((GEMV_MAX_M, n), device=codes.device, dtype=torch.float32),
-            torch.zeros((GEMV_MAX_M, codes.shape[0]), device=codes.device, dtype=torch.int32))
+            torch.zeros((2 * GEMV_MAX_M, codes.shape[0]), device=codes.device, dtype=torch.int32))
+
+
+def silu_pairs(n: int, tile_n: int) -> bool:
+    """Whether an N-row weight of tile_n-row tiles can take the SiLU epilogue: its gate half ends on a tile's edge."""
+    return n % (2 * tile_n) == 0
 
 
 @torch.library.custom_op("orin_agent::int4_gemv_reduced", mutates_args=())
@@ -750,27 +816,68 @@ def int4_gemv_reduced(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Ten
                       split: int, mode: int) -> Tensor:
     """x (M, K) @ W^T -> (M, N) in x's dtype, the split-K sum inside the kernel (mode: REDUCE_MODES' 1 or 2).
     ws and cnt (`scratch`) are written during the call and left zeroed: no mutation is visible after it."""
-    return _reduced(x, False, x.shape[1], codes, sb, ws, cnt, n, group_size, split, mode, x.dtype)
+    return _reduced(x, False, x.shape[1], codes, sb, ws, cnt, n, group_size, split, mode, x.dtype)[0]
 
 
 def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int,
-             group_size: int, split: int, mode: int, dtype: torch.dtype) -> Tensor:
+             group_size: int, split: int, mode: int, dtype: torch.dtype, residual: Tensor | None = None,
+             next_weight: Tensor | None = None, rms_of: Tensor | None = None, eps: float = 0.0,
+             silu: bool = False) -> tuple[Tensor, Tensor | None]:
     """Launch `_gemv_reduced_kernel` on x (M, K) in a float dtype, or (act8) on an ACT8_FORMAT activation viewed as
-    int32 words; y (M, N) in dtype."""
+    int32 words: (y (M, N) in dtype, or (M, N / 2) with silu; xg (M, N) where next_weight is given, else None), the
+    epilogue as `int4_gemv_epilogue` describes it."""
     m = x.shape[0]
     nt, ks, tn, _ = codes.shape
     if m > ws.shape[0] or mode not in (1, 2):
         raise ValueError(f"int4_gemv_reduced takes up to {ws.shape[0]} rows and mode 1 or 2, got {m} rows, mode {mode}")
+    if silu and (residual is not None or next_weight is not None or not silu_pairs(n, tn)):
+        raise ValueError(f"the SiLU epilogue takes no residual or next weight, and N a multiple of 2 x {tn} rows; "
+                         f"got N={n}")
+    for name, t, width in (("residual", residual, n), ("rms_of", rms_of, k)):
+        if t is not None and (t.shape != (m, width) or t.stride() != (width, 1)):
+            raise ValueError(f"int4_gemv_epilogue: {name} must be contiguous ({m}, {width}), got {tuple(t.shape)}")
     warps, _, stages = gemv_config(n, k, 132, tn)
-    y = torch.empty((m, n), device=x.device, dtype=dtype)
+    y = torch.empty((m, n // 2 if silu else n), device=x.device, dtype=dtype)
+    xg = None if next_weight is None else torch.empty((m, n), device=x.device, dtype=dtype)
     part = ws if mode == 1 or split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     _gemv_reduced_kernel[(m, nt, split)](x, codes, sb, y, part, cnt, m, n, nt, ks, -(-ks // split), x.stride(0),
                                          GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
                                          CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
                                          PREFETCH=PREFETCH, UNROLL=UNROLL, ACT8=act8, ASM=_asm(),
                                          CHAIN=LOOP == "chain", num_warps=warps, enable_fp_fusion=FP_FUSION,
+                                         res_ptr=residual, g_ptr=next_weight, xg_ptr=xg, h_ptr=rms_of, eps=eps,
+                                         PAIR_OFF=ws.shape[0] * nt, RES=residual is not None,
+                                         XG=next_weight is not None, NORM=rms_of is not None, SILU=silu,
                                          **pdl.launch_args(x, m))
-    return y
+    return y, xg
+
+
+# The GEMV's epilogues (`int4_gemv_epilogue`, partition.model.GEMV_EPILOGUES): what the decode step's small kernels
+# between the GEMVs did, done by the program that finishes a tile (it holds the tile's whole sum): the residual add
+# after o_proj and down_proj (and the next RMSNorm's input h * weight), the RMSNorm's scale before qkv and gate/up
+# (x = h * weight goes in, the sum comes out times 1 / rms(h), which that program computes from h), and SiLU(gate) *
+# up after gate/up. A Llama layer's decode step then runs 7 kernels instead of 10.
+
+
+@torch.library.custom_op("orin_agent::int4_gemv_epilogue", mutates_args=())
+def int4_gemv_epilogue(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, group_size: int,
+                       split: int, mode: int, residual: Tensor | None, next_weight: Tensor | None,
+                       rms_of: Tensor | None, eps: float, silu: bool) -> tuple[Tensor, Tensor]:
+    """x (M, K) @ W^T as int4_gemv_reduced, then, in the kernel: times 1 / sqrt(mean(rms_of^2) + eps) where rms_of
+    (M, K) is given (x being rms_of times a norm's weight); plus residual (M, N) where given; with silu, W's rows
+    are [gates; ups] and y is silu(gate) * up (M, N / 2), else y (M, N), in x's dtype. The second output is y *
+    next_weight (N,) (the next RMSNorm's input) where next_weight is given, else an empty tensor."""
+    y, xg = _reduced(x, False, x.shape[1], codes, sb, ws, cnt, n, group_size, split, mode, x.dtype, residual,
+                     next_weight, rms_of, eps, silu)
+    return y, (x.new_empty((0,)) if xg is None else xg)
+
+
+@int4_gemv_epilogue.register_fake
+def _(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, group_size: int, split: int, mode: int,
+      residual: Tensor | None, next_weight: Tensor | None, rms_of: Tensor | None, eps: float,
+      silu: bool) -> tuple[Tensor, Tensor]:
+    m = x.shape[0]
+    return x.new_empty((m, n // 2 if silu else n)), x.new_empty((0,) if next_weight is None else (m, n))
 
 
 def _asm() -> bool:
@@ -853,7 +960,7 @@ def int4_gemv_a8(q: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, 
     k = act8_width_inverse(q.shape[1])
     if k != codes.shape[1] * 64:
         raise ValueError(f"int4_gemv_a8: the activation has K={k}, the weight {codes.shape[1] * 64}")
-    return _reduced(q.view(torch.int32), True, k, codes, sb, ws, cnt, n, group_size, split, mode, dtype)
+    return _reduced(q.view(torch.int32), True, k, codes, sb, ws, cnt, n, group_size, split, mode, dtype)[0]
 
 
 @int4_gemv_a8.register_fake

@@ -221,6 +221,28 @@ class QuantLinear(nn.Module):
         return (self.kernel == "int4_triton" and int4_triton.ACT == "int8" and int4_triton.REDUCE != "partials"
                 and x.numel() // x.shape[-1] <= int4_triton.GEMV_MAX_M)
 
+    def takes_epilogue(self, x: Tensor, silu: bool = False) -> bool:
+        """Whether `epilogue` can take x: the Triton INT4 GEMV with exact activations and its split-K sum in the
+        kernel, no bias, at most GEMV_MAX_M rows in x (a decode step); silu: gate and up halves on tile edges."""
+        return (self.kernel == "int4_triton" and int4_triton.ACT == "exact" and int4_triton.REDUCE != "partials"
+                and self.bias is None and x.numel() // x.shape[-1] <= int4_triton.GEMV_MAX_M
+                and (not silu or int4_triton.silu_pairs(self.out_features, self.weight.shape[2])))
+
+    def epilogue(self, x: Tensor, residual: Tensor | None = None, next_weight: Tensor | None = None,
+                 rms_of: Tensor | None = None, eps: float = 0.0, silu: bool = False) -> tuple[Tensor, Tensor | None]:
+        """x (..., K) @ W^T with the GEMV's epilogue (kernels.int4_triton.int4_gemv_epilogue, where `takes_epilogue`):
+        times 1 / rms(rms_of) (..., K); plus residual (..., N); silu: silu(first half) * second half (..., N / 2).
+        Returns (y, y * next_weight or None)."""
+        lead, k, n = x.shape[:-1], self.in_features, self.out_features
+
+        def rows(t: Tensor | None, width: int) -> Tensor | None:
+            return None if t is None else t.reshape(-1, width).contiguous()
+
+        y, xg = int4_triton.int4_gemv_epilogue(
+            rows(x, k), self.weight, self.sb, self.gemv_ws, self.gemv_cnt, n, self.group_size, self.split,
+            int4_triton.REDUCE_MODES[int4_triton.REDUCE], rows(residual, n), next_weight, rows(rms_of, k), eps, silu)
+        return y.reshape(*lead, n // 2 if silu else n), None if next_weight is None else xg.reshape(*lead, n)
+
     def forward(self, x: Tensor, x8: Tensor | None = None) -> Tensor:
         """x (..., K) -> (..., N) in x's dtype. x8: x's rows in ACT8_FORMAT, where `takes_act8(x)` (the GEMV then
         reads x8 only)."""

@@ -199,6 +199,10 @@ ROPE_FUSED = True
 # a graphed batch-1 decode step of a small model is bound by its kernel count (SmolLM2-135M on an H200: ~27 kernels
 # a layer, ~3 us each, docs/BENCHMARKS.md "SmolLM2 on the GPU").
 FUSED_ELEMENTWISE = True
+# A decode step over CUDA INT4 layers on the Triton GEMV (fused q/k/v and gate/up, exact activations) runs the work of
+# the small kernels between the GEMVs in the GEMVs' own epilogues (kernels.int4_triton.int4_gemv_epilogue,
+# DecoderLayer.run_epilogues): the residual adds, both RMSNorms and SiLU * up, 7 kernels a Llama layer instead of 10.
+GEMV_EPILOGUES = True
 # Where a decode step's INT4 GEMVs take int8 activations (kernels.int4_triton ACT "int8"), the RMSNorms and SiLU * up
 # before them write the codes too (kernels.norm_triton's `_a8` ops) instead of a quantise launch per GEMV (129 in
 # a Llama-3-8B step, ~1.4 us each on an H200, docs/BENCHMARKS.md). Off: each GEMV quantises its own input.
@@ -234,6 +238,22 @@ def _int4_prefetch(layers: nn.ModuleList, h: Tensor):
     from kernels.weight_only import LayerPrefetch
 
     return LayerPrefetch.of([layer.projections() for layer in layers], h.shape[0] * h.shape[1], h.dtype, h.device)
+
+
+def _gemv_epilogues(layers: nn.ModuleList, h: Tensor) -> bool:
+    """Whether every layer's decode step can run DecoderLayer.run_epilogues on h (GEMV_EPILOGUES): q/k/v and gate/up
+    fused (fuse_quantized_projections), and each of the four weights an INT4 QuantLinear whose GEMV takes h's rows
+    with an epilogue (QuantLinear.takes_epilogue; gate/up's halves on tile edges)."""
+    if not GEMV_EPILOGUES or not layers:
+        return False
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        lins = [getattr(a, "qkv_proj", None), a.o_proj, m.down_proj]
+        gate_up = getattr(m, "gate_up_proj", None)
+        if not (all(hasattr(lin, "takes_epilogue") and lin.takes_epilogue(h) for lin in lins)
+                and hasattr(gate_up, "takes_epilogue") and gate_up.takes_epilogue(h, silu=True)):
+            return False
+    return True
 
 
 def _triton_decode_shapes(q: Tensor, hd: int, grp: int, pv: str | None = None) -> bool:
@@ -286,17 +306,25 @@ class Attention(nn.Module):
         (B,) int32 visible slots per row (position + 1), where the caller computed them once for every layer; else
         a decode step computes them (from the slots on the Triton path, _in_place). x8: x's ACT8_FORMAT codes
         where its producer made them (`_takes_act8`)."""
-        b, t, _ = x.shape
         if hasattr(self, "qkv_proj"):  # fuse_projections: one weight read for the three
             qx, kx, vx = _proj(self.qkv_proj, x, x8).split(self.qkv_sizes, dim=-1)
         else:
             qx, kx, vx = _proj(self.q_proj, x, x8), _proj(self.k_proj, x, x8), _proj(self.v_proj, x, x8)
+        out, k, v = self.attend(qx, kx, vx, cos, sin, mask, past_k, past_v, slot, lengths)
+        return self.o_proj(out), k, v
+
+    def attend(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
+               past_v: Past, slot: Tensor | None = None,
+               lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """`forward` from the q/k/v projections' outputs (B, T, .) to o_proj's input (B, T, H * hd), in qx's dtype,
+        and (k, v) as forward returns them."""
+        b, t, _ = qx.shape
         if slot is not None:  # in-place cache mode: write, then attend over the cache view at model dtype
             return self._in_place(qx, kx, vx, cos, sin, mask, past_k, past_v, slot, lengths)
         q, k, v = self._rotated(qx, kx, vx, cos, sin)
         if t == 1 and hasattr(past_k, "attend"):  # a DecodePast: the same attention, in its own kernels
             out = past_k.attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], past_v)  # (B, H, hd) fp32
-            return self.o_proj(out.to(x.dtype).reshape(b, 1, -1)), k, v
+            return out.to(qx.dtype).reshape(b, 1, -1), k, v
         keys = torch.cat((dense_past(past_k, k.dtype), k), dim=2)  # (B, KV, P + T, hd)
         values = torch.cat((dense_past(past_v, v.dtype), v), dim=2)
         # Grouped-query attention without copying K/V per query head: fold each KV head's group of
@@ -309,7 +337,7 @@ class Attention(nn.Module):
         probs = torch.softmax(scores + mask, dim=-1).to(values.dtype)  # (B, KV, G*T, P+T), fp32 softmax
         out = torch.matmul(probs, values)  # (B, KV, G * T, hd)
         out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
-        return self.o_proj(out), k, v
+        return out, k, v
 
     def _rotated(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The projections' outputs (B, T, .) as heads, q and k rotated: (B, H, T, hd), (B, KV, T, hd) twice."""
@@ -348,7 +376,7 @@ class Attention(nn.Module):
             with sdpa_kernel(SDPA_BACKENDS):
                 out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
         out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
-        return self.o_proj(out), k, v
+        return out, k, v
 
 
 class MLP(nn.Module):
@@ -460,6 +488,20 @@ class DecoderLayer(nn.Module):
         normed, x, x8 = self.post_attention_layernorm.norm(x, a, _takes_act8(self.mlp.input_projections(), x))
         return x, self.mlp(normed, x8), k, v
 
+    def run_epilogues(self, h: Tensor, hg: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
+                      past_v: Past, slot: Tensor | None, lengths: Tensor | None,
+                      next_weight: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """A decode step of the layer with its norms, residual adds and SiLU * up inside the INT4 GEMVs' epilogues
+        (`_gemv_epilogues` says where): h the residual stream, hg = h * input_layernorm's weight (the previous
+        layer's down_proj made it). Returns (the stream after the layer, it times next_weight or None, k, v)."""
+        a, m = self.self_attn, self.mlp
+        qkv, _ = a.qkv_proj.epilogue(hg, rms_of=h, eps=self.input_layernorm.eps)
+        out, k, v = a.attend(*qkv.split(a.qkv_sizes, dim=-1), cos, sin, mask, past_k, past_v, slot, lengths)
+        h, hg = a.o_proj.epilogue(out, residual=h, next_weight=self.post_attention_layernorm.weight)
+        act, _ = m.gate_up_proj.epilogue(hg, rms_of=h, eps=self.post_attention_layernorm.eps, silu=True)
+        h, hg = m.down_proj.epilogue(act, residual=h, next_weight=next_weight)
+        return h, hg, k, v
+
     def _hold_int4(self, x: Tensor) -> list:
         """A prefill chunk on CUDA INT4 weights (kernels.int4_triton): the layer's weights dequantised in one launch
         and held for this call (kernels.weight_only.hold_prefill_weights), instead of one launch per projection;
@@ -544,6 +586,15 @@ class SliceModule(nn.Module):
         """The decoder layers on h, each layer's (k, v) appended to `new`; returns (h, the last MLP output not
         yet added or None). ahead: the INT4 prefill's kernels.weight_only.LayerPrefetch, or None."""
         pending: Tensor | None = None
+        if fused and _gemv_epilogues(self.layers, h):  # a decode step over INT4 layers: the GEMVs' epilogues
+            first = self.layers[0].input_layernorm.weight
+            hg = (h.float() * first.float()).to(h.dtype)
+            for i, layer in enumerate(self.layers):
+                nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else None
+                h, hg, k, v = layer.run_epilogues(h, hg, cos, sin, mask, past[2 * i], past[2 * i + 1], slot,
+                                                  lengths, nxt)
+                new += (k, v)
+            return h, None
         for i, layer in enumerate(self.layers):
             if ahead is not None:
                 ahead.begin(i)

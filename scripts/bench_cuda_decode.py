@@ -70,6 +70,7 @@ class Variant:
     pdl: str = ""  # kernels.pdl.MODE (programmatic dependent launch of the step's Triton kernels); "" = its default
     ahead_split: int = -1  # kernels.int4_triton.AHEAD_SPLIT (0: the dense split-K rule under PDL too); -1 = default
     loop: str = ""  # kernels.int4_triton.LOOP (the GEMV loop's form: "planes" or "chain"); "" = its default
+    epilogues: bool = True  # partition.model.GEMV_EPILOGUES: norms, residual adds, SiLU * up in the INT4 GEMVs
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -129,6 +130,10 @@ VARIANTS = {v.name: v for v in (
     Variant("graphs-compile-nopdl", True, buckets=False, compile=True, pdl="off"),
     Variant("int4-fused-nopdl", True, buckets=False, quant="int4", fused=True, pdl="off"),
     Variant("int4-fused-lmhead", True, buckets=False, quant="int4", fused=True, lm_head=True),
+    # the decode step with its norms, residual adds and SiLU * up as kernels of their own, not the GEMVs' epilogues
+    Variant("int4-fused-noepi", True, buckets=False, quant="int4", fused=True, epilogues=False),
+    Variant("int4-fused-lmhead-noepi", True, buckets=False, quant="int4", fused=True, lm_head=True, epilogues=False),
+    Variant("int4-fused-g32-noepi", True, buckets=False, quant="int4", fused=True, group=32, epilogues=False),
     # the GEMVs split as without loading ahead (kernels.int4_triton AHEAD_SPLIT 0, the default), and by the opt-in
     # rule for a loop that loads ahead (AHEAD_SPLIT 1)
     Variant("int4-fused-dense", True, buckets=False, quant="int4", fused=True, ahead_split=0),
@@ -359,7 +364,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = v.gemv or default_gemv
         int4_triton.AHEAD_SPLIT = default_ahead_split if v.ahead_split < 0 else v.ahead_split
         int4_triton.LOOP = v.loop or default_loop  # read at each launch (a graph keeps its capture's)
-        pm.ROPE_FUSED, pm.ACT8_FUSED = v.rope, v.act8_fused
+        pm.ROPE_FUSED, pm.ACT8_FUSED, pm.GEMV_EPILOGUES = v.rope, v.act8_fused, v.epilogues
         pdl.MODE = v.pdl or default_pdl  # read at each launch: a graph keeps what its capture launched
         try:
             if v.quant or v.fused:  # a model of its own (the shared one is the plain bf16 model)
@@ -378,6 +383,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         try:
             last = variants[-1]  # profiled with its quantisation and compile setting, graphed
             int4_triton.REDUCE, pm.ROPE_FUSED, pm.ACT8_FUSED = last.reduce or default_reduce, last.rope, last.act8_fused
+            pm.GEMV_EPILOGUES = last.epilogues
             int4_triton.PREFILL = last.prefill or default_prefill
             int4_triton.ACT = last.act or default_act
             int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = last.gemv or default_gemv

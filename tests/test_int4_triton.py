@@ -308,8 +308,71 @@ def check_act8(device: str, cases: list[tuple[int, int, int, bool, int]]) -> Non
             it.ACT = default
 
 
+def check_epilogues(device: str) -> None:
+    """int4_gemv_epilogue's four epilogues (residual add and the next norm's input; the norm's scale; SiLU(gate) * up
+    over tile pairs, with the norm's scale) against the same arithmetic in float64 on the kernel's own product, both
+    in-kernel sums, one split and several, one row and several; the scratch is left zeroed (pair counters included),
+    so a second call gives the same; bad shapes are refused."""
+    for seed, (n, k, group, tile_n) in enumerate(((256, 256, 32, 64), (512, 384, 128, 128))):
+        w = _weights(n, k, group, False, seed + 40)
+        codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=tile_n))
+        ws, cnt = it.scratch(n, codes)
+        ref = _reference(w).double().to(device)
+        gen = torch.Generator().manual_seed(seed)
+        for m, dtype, split, mode in ((1, torch.float32, 1, 1), (3, torch.float32, 4, 1), (2, torch.float32, 2, 2),
+                                      (1, torch.bfloat16, 4, 1))[seed::2] if device == "cpu" else (
+                (1, torch.float32, 1, 1), (3, torch.float32, 4, 1), (2, torch.float32, 2, 2), (1, torch.bfloat16, 4, 1),
+                (4, torch.bfloat16, 1, 2)):
+            tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+
+            def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+                assert got.dtype == dtype and got.shape == want.shape, (what, got.shape, want.shape)
+                err = float((got.double() - want).norm() / want.norm())
+                assert err < tol, (what, n, m, split, mode, dtype, err)
+
+            def run(x: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+                args = {"residual": None, "next_weight": None, "rms_of": None, "eps": 1e-5, "silu": False} | kw
+                out = it.int4_gemv_epilogue(x, codes, sb, ws, cnt, n, group, split, mode, **args)
+                assert int(cnt.abs().sum()) == 0 and float(ws.abs().sum()) == 0, (kw.keys(), split, mode)
+                return out
+
+            x = (torch.randn(m, k, generator=gen) * 3).to(device=device, dtype=dtype)
+            res = torch.randn(m, n, generator=gen).to(device=device, dtype=dtype)
+            g = (torch.rand(n, generator=gen) + 0.5).to(device=device, dtype=dtype)
+            prod = x.double() @ ref.T
+            # the residual add and the next norm's input (xg from y as it was rounded)
+            y, xg = run(x, residual=res, next_weight=g)
+            close(y, prod + res.double(), "residual")
+            close(xg, y.double() * g.double(), "next norm's input")
+            assert torch.equal(run(x, residual=res, next_weight=g)[0], y) or device == "cuda"
+            # the norm's scale: x is h * weight, the product comes out times 1 / rms(h)
+            h = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype) * 4
+            inv = torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+            y, none = run(x, rms_of=h)
+            assert none.numel() == 0
+            close(y, prod * inv, "norm")
+            # SiLU(gate) * up, the gates the first half of the rows, with and without the norm's scale
+            for scale in (None, h):
+                y, _ = run(x, rms_of=scale, silu=True)
+                p = prod * (inv if scale is not None else 1)
+                gate, up = p[:, :n // 2], p[:, n // 2:]
+                close(y, torch.nn.functional.silu(gate) * up, f"silu, norm {scale is not None}")
+                again, _ = run(x, rms_of=scale, silu=True)
+                assert device == "cuda" or torch.equal(again, y)
+        with pytest.raises(ValueError, match="SiLU epilogue"):
+            it.int4_gemv_epilogue(x, codes, sb, ws, cnt, n, group, 1, 1, res, None, None, 1e-5, True)
+        with pytest.raises(ValueError, match="residual must be contiguous"):
+            it.int4_gemv_epilogue(x, codes, sb, ws, cnt, n, group, 1, 1, res[:, :8], None, None, 1e-5, False)
+    w = _weights(192, 128, 32, False, 7)  # 192 rows: 3 tiles of 64, no pairs
+    codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=64))
+    assert not it.silu_pairs(192, 64) and it.silu_pairs(256, 64)
+    with pytest.raises(ValueError, match="N=192"):
+        it.int4_gemv_epilogue(torch.zeros(1, 128, device=device), codes, sb, *it.scratch(192, codes), 192, 32, 1, 1,
+                              None, None, None, 1e-5, True)
+
+
 # the parts of check_kernels, which the interpreter test runs as processes side by side
-KERNEL_CHECKS = (check_gemv, check_layer_and_split_k, check_entries)
+KERNEL_CHECKS = (check_gemv, check_layer_and_split_k, check_entries, check_epilogues)
 
 
 def check_compile(device: str) -> None:
@@ -346,6 +409,18 @@ def check_compile(device: str) -> None:
     assert torch.allclose(compiled(x), g(x), rtol=1e-5, atol=1e-6)
     assert torch.allclose(compiled(x), f(x), rtol=0.05, atol=0.05)  # int8 activations: ~1 % off exact
     it.ACT = default
+    nw = torch.linspace(0.5, 1.5, 64, device=device)  # the epilogues: optional tensors, two outputs, traced whole
+
+    def e(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        y, xg = it.int4_gemv_epilogue(x, codes, sb, ws, cnt, 64, 32, 2, 1, res, nw, None, 1e-5, False)
+        act, none = it.int4_gemv_epilogue(x, codes, sb, ws, cnt, 64, 32, 2, 1, None, None, x, 1e-5, True)
+        return torch.cat([y, xg, act, none.reshape(1, 0).expand(1, 0)], -1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(e, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    x, res = torch.randn(1, 256, device=device), torch.randn(1, 64, device=device)
+    for _ in range(2):
+        assert torch.allclose(compiled(x, res), e(x, res), atol=1e-5)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
@@ -359,3 +434,25 @@ def test_int4_kernels_in_triton_interpreter(request: pytest.FixtureRequest) -> N
 def test_int4_kernels_cuda() -> None:
     check_kernels("cuda")
     check_compile("cuda")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
+@pytest.mark.parametrize("arch", [87, 90])
+def test_gemv_epilogues_compile_for_orin_and_hopper(arch: int) -> None:
+    """The GEMV with each epilogue (int4_gemv_epilogue) compiles to SASS for sm_87 (Orin) and sm_90 without a GPU,
+    at Llama-3-8B's gate/up shape as the model launches it, with no spills to the stack and the plain GEMV's
+    registers at most (the epilogue runs after the loop)."""
+    from scripts.kv_kernel_sass import compile_kernel, resources
+
+    n, k = 28672, 4096
+    warps, split, _ = it.gemv_config(n, k, 132)
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+            "cnt_ptr": "*i32", "res_ptr": "*bf16", "g_ptr": "*bf16", "xg_ptr": "*bf16", "h_ptr": "*bf16", "eps": "fp32"}
+    consts = {"GROUP": 128, "TN": it.tile_rows(n), "SPLIT": split, "MODE": 1, "CH": min(it.REDUCE_CHUNK, split),
+              "STAGES": 1, "PREFETCH": 0, "UNROLL": 1, "ASM": True}
+    plain = {mode: resources(compile_kernel(it._gemv_reduced_kernel, ptrs, {**consts, "MODE": mode}, arch, warps, 1))
+             for mode in (1, 2)}
+    for epi in ({"RES": True, "XG": True}, {"NORM": True}, {"NORM": True, "SILU": True}, {"SILU": True, "MODE": 2}):
+        got = resources(compile_kernel(it._gemv_reduced_kernel, ptrs, {**consts, **epi}, arch, warps, 1))
+        want = plain[epi.get("MODE", 1)]
+        assert got["stack_bytes"] == 0 and got["registers"] <= want["registers"], (arch, epi, got, want)

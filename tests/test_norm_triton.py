@@ -158,6 +158,80 @@ def check_act8_model(device: str) -> None:
         it.ACT, it.REDUCE, it.act8_quant, pm.ACT8_FUSED = defaults
 
 
+def check_epilogue_model(device: str) -> None:
+    """A 2-layer INT4 model on kernels.int4_triton (fused q/k/v and gate/up): a decode step with the norms, residual
+    adds and SiLU * up in the GEMVs' epilogues (partition.model.GEMV_EPILOGUES) gives the logits and K/V of the step
+    with those kernels, in the export formulation and in in-place cache mode, with four epilogue GEMVs a layer and
+    one norm kernel (the final norm's) instead of two a layer and the SiLU's; a prefill takes the kernels."""
+    import partition.model as pm
+    from kernels import int4_triton as it
+    from kernels import norm_triton
+    from kernels.weight_only import QuantLinear
+    from partition.checkpoint import random_model
+    from partition.config import ModelConfig
+    from partition.quantize import default_spec, quantize_model
+
+    cfg = ModelConfig("LlamaForCausalLM", 320, 128, 2, 4, 2, 32, 256, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
+    pick = QuantLinear._pick_kernel
+    if device == "cpu":  # the interpreter runs the CUDA kernel choice's Triton kernels on CPU tensors
+        QuantLinear._pick_kernel = lambda self, *a: "int4_triton"
+    try:
+        model = random_model(cfg, seed=6, dtype=torch.float32, device=device)
+        gen = torch.Generator().manual_seed(6)
+        for norm in [model.model.norm, *(n for layer in model.model.layers
+                                         for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+            norm.weight.data = (torch.rand(cfg.hidden_size, generator=gen) + 0.5).to(device)  # each norm its own
+        model = quantize_model(model, default_spec(4, 32))
+        assert pm.fuse_quantized_projections(model) == 2
+    finally:
+        QuantLinear._pick_kernel = pick
+    sl = model.slice(0, 2)
+    calls: list[str] = []
+    saved = {n: getattr(norm_triton, n) for n in ("rms_norm", "add_rms_norm", "silu_mul")}
+    epilogue = it.int4_gemv_epilogue
+
+    def counting(name, f):
+        def g(*a, **kw):
+            calls.append(name)
+            return f(*a, **kw)
+        return g
+
+    def step(on: bool, in_place: bool, t: int = 1) -> tuple[torch.Tensor, ...]:
+        pm.GEMV_EPILOGUES = on
+        calls.clear()
+        ids = torch.arange(5, 5 + t, dtype=torch.int32, device=device)[None]
+        with torch.inference_mode():
+            if in_place:  # 6 tokens in the caches, this step writes slot 6
+                pos = torch.arange(6, 6 + t, dtype=torch.int32, device=device)[None]
+                past = [torch.randn(1, 2, 16, 32, generator=torch.Generator().manual_seed(i)).to(device)
+                        for i in range(4)]
+                out = sl.run(ids, pos, *past, cache_in_place=True)
+                return (out[0], *past)
+            pos = torch.arange(t, dtype=torch.int32, device=device)[None]
+            past = [torch.zeros(1, 2, 0, 32, device=device) for _ in range(4)]
+            return sl(ids, pos, *past)
+
+    try:
+        for n, f in saved.items():
+            setattr(norm_triton, n, counting(n, f))
+        it.int4_gemv_epilogue = counting("epilogue", epilogue)
+        for in_place in (False, True):
+            plain = step(False, in_place)
+            assert sorted(calls) == ["add_rms_norm"] * 4 + ["rms_norm", "silu_mul", "silu_mul"], calls
+            fused = step(True, in_place)
+            assert sorted(calls) == ["epilogue"] * 8 + ["rms_norm"], calls
+            for a, b in zip(fused, plain):  # fp32: the products' order of rounding apart
+                assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (in_place, float((a - b).abs().max()))
+        step(True, False, t=5)  # a prefill: rows past the GEMV's
+        assert "epilogue" not in calls and "silu_mul" in calls
+    finally:
+        for n, f in saved.items():
+            setattr(norm_triton, n, f)
+        it.int4_gemv_epilogue = epilogue
+        pm.GEMV_EPILOGUES = True
+
+
 def check_traceable(device: str) -> None:
     """The three ops inside torch.compile(fullgraph=True) (aot_eager: their fake implementations and
     functionalisation, what the compiled decode step traces through) give what they give eagerly."""
@@ -210,8 +284,8 @@ def check_model(device: str) -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
 @pytest.mark.interpreter("from tests.test_norm_triton import check_kernels, check_traceable; "
                          "check_kernels('cpu'); check_traceable('cpu')",
-                         "from tests.test_norm_triton import check_act8_model, check_model; "
-                         "check_model('cpu'); check_act8_model('cpu')", timeout=600)
+                         "from tests.test_norm_triton import check_act8_model, check_epilogue_model, check_model; "
+                         "check_model('cpu'); check_act8_model('cpu'); check_epilogue_model('cpu')", timeout=600)
 def test_norm_kernels_in_triton_interpreter(request: pytest.FixtureRequest) -> None:
     run_marked(request)
 

@@ -68,6 +68,10 @@ def test_interpreter_has_no_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
         pdl.triton_supports.cache_clear()
 
 
+# the INT4 GEMV's epilogue inputs and outputs (kernels.int4_triton._gemv_finish)
+EPILOGUE_PTRS = {"res_ptr": "*bf16", "g_ptr": "*bf16", "xg_ptr": "*bf16", "h_ptr": "*bf16", "eps": "fp32"}
+
+
 def _decode_step_kernels() -> list[tuple[str, object, dict[str, str], dict[str, object], int]]:
     """(name, kernel, pointer types, constexprs, warps) of each Triton kernel that a decode step launches with
     PDL, at Llama-3-8B's shapes (bf16)."""
@@ -82,6 +86,10 @@ def _decode_step_kernels() -> list[tuple[str, object, dict[str, str], dict[str, 
     return [
         ("gemv", it._gemv_reduced_kernel, {"x_ptr": "*bf16", **gemv_ptrs}, {**gemv, "ACT8": False}, warps),
         ("gemv int8", it._gemv_reduced_kernel, {"x_ptr": "*i32", **gemv_ptrs}, {**gemv, "ACT8": True}, warps),
+        ("gemv epilogue: residual, next norm's input", it._gemv_reduced_kernel,
+         {"x_ptr": "*bf16", **gemv_ptrs, **EPILOGUE_PTRS}, {**gemv, "RES": True, "XG": True}, warps),
+        ("gemv epilogue: norm, SiLU", it._gemv_reduced_kernel, {"x_ptr": "*bf16", **gemv_ptrs, **EPILOGUE_PTRS},
+         {**gemv, "NORM": True, "SILU": True}, warps),
         ("act8", it._act8_kernel, {"x_ptr": "*bf16", "q_ptr": "*i8"}, {"NB": it.ACT8_BLOCKS}, 4),
         ("norm", norm_triton._rms_norm_kernel, norm_ptrs, {"HAS_RES": True, "BLOCK": 4096, "ACT8": False, "CHUNK": 0},
          8),
