@@ -308,31 +308,30 @@ if triton is not None:
             tl.store(out_ptr + (pid_s * M + pid_m) * N + rows, out, mask=rows < N)
 
     @triton.jit
-    def _rms_inverse(h_ptr, pid_m, K, eps, NB: tl.constexpr = 1024):
-        """1 / sqrt(mean(h[pid_m]^2) + eps) over the K columns of row pid_m, in fp32 (norm_triton's RMSNorm formula)."""
-        acc = tl.zeros((NB,), tl.float32)
-        for c in range(0, K, NB):
-            cols = c + tl.arange(0, NB)
-            v = tl.load(h_ptr + pid_m * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-            acc += v * v
-        return tl.rsqrt(tl.sum(acc, axis=0) / K + eps)
+    def _sum_squares(h_ptr, pid_m, K, c0, c1, HB: tl.constexpr):
+        """sum(h[pid_m, c0:c1]^2) in fp32, c1 - c0 <= HB, in one load."""
+        cols = c0 + tl.arange(0, HB)
+        v = tl.load(h_ptr + pid_m * K + cols, mask=cols < c1, other=0.0).to(tl.float32)
+        return tl.sum(v * v, axis=0)
 
     @triton.jit
-    def _gemv_finish(tot, y_ptr, ws_ptr, cnt_ptr, res_ptr, g_ptr, xg_ptr, h_ptr, eps, pid_m, pid_t, N, NT, K,
-                     PAIR_OFF, TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, RES: tl.constexpr,
-                     XG: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr):
+    def _gemv_finish(tot, ss, resv, gv, y_ptr, ws_ptr, cnt_ptr, xg_ptr, eps, pid_m, pid_t, N, NT, K, PAIR_OFF,
+                     TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, RES: tl.constexpr, XG: tl.constexpr,
+                     NORM: tl.constexpr, SILU: tl.constexpr):
         """A tile's whole sum tot (TN,) fp32 to y, through the epilogue the flags ask for (`int4_gemv_epilogue`):
-        NORM: times 1 / rms(h[pid_m]) (x was h * the norm's weight); RES: plus res[pid_m, rows]; XG: also
-        xg = y * g[rows] (the next norm's input); SILU: the rows' first half are gates, the second ups: the tile
-        pairs with the tile N / 2 rows on, and the second of the pair to finish writes silu(gate) * up."""
+        NORM: times 1 / sqrt(ss / K + eps), ss the sum of squares of the norm's input row (x was that row times the
+        norm's weight); RES: plus resv (the residual's rows, loaded ahead); XG: also xg = y * gv (the next norm's
+        weight's rows, loaded ahead); SILU: the weight's first N / 2 rows are gates, the rest ups: the tile pairs
+        with the tile N / 2 rows on, and the second of the pair to finish writes silu(gate) * up."""
         r = tl.arange(0, TN)
         rows = pid_t * TN + r
         ok = rows < N
         dt = y_ptr.dtype.element_ty
+        if NORM:
+            tot = tot * tl.rsqrt(ss / K + eps)  # norm_triton's RMSNorm formula
         if SILU:  # N / 2 a multiple of TN (`silu_pairs`): no masks
-            if MODE == 2 or SPLIT == 1:  # (MODE 1's scratch row holds the sum already)
-                tl.store(ws_ptr + pid_m * N + rows, tot)
-            tl.debug_barrier()  # the sum stored before the pair's count is released
+            tl.store(ws_ptr + pid_m * N + rows, tot)  # (normed) for the pair's second program
+            tl.debug_barrier()  # stored before the pair's count is released
             half = NT // 2
             pair = pid_t % half
             pc = cnt_ptr + PAIR_OFF + pid_m * half + pair
@@ -341,10 +340,6 @@ if triton is not None:
                 first = pid_t < half
                 gate = tl.where(first, tot, other)
                 up = tl.where(first, other, tot)
-                if NORM:
-                    inv = _rms_inverse(h_ptr, pid_m, K, eps)
-                    gate = gate * inv
-                    up = up * inv
                 s = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # rounded as norm_triton's silu_mul
                 tl.store(y_ptr + pid_m * (N // 2) + pair * TN + r, (s * up).to(dt))
                 zero = tl.zeros((TN,), tl.float32)
@@ -352,15 +347,12 @@ if triton is not None:
                 tl.store(ws_ptr + pid_m * N + (pair + half) * TN + r, zero)
                 tl.atomic_xchg(pc, 0, sem="relaxed")
         else:
-            if NORM:
-                tot = tot * _rms_inverse(h_ptr, pid_m, K, eps)
             if RES:
-                tot += tl.load(res_ptr + pid_m * N + rows, mask=ok, other=0.0).to(tl.float32)
+                tot += resv
             y = tot.to(dt)
             tl.store(y_ptr + pid_m * N + rows, y, mask=ok)
             if XG:
-                g = tl.load(g_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-                tl.store(xg_ptr + pid_m * N + rows, (y.to(tl.float32) * g).to(dt), mask=ok)
+                tl.store(xg_ptr + pid_m * N + rows, (y.to(tl.float32) * gv).to(dt), mask=ok)
 
     @triton.jit
     def _gemv_reduced_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NT, KS, STEPS_SPLIT, stride_xm,
@@ -368,8 +360,9 @@ if triton is not None:
                              CH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                              UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True,
                              PDL: tl.constexpr = False, CHAIN: tl.constexpr = False, res_ptr=None, g_ptr=None,
-                             xg_ptr=None, h_ptr=None, eps=0.0, PAIR_OFF=0, RES: tl.constexpr = False,
-                             XG: tl.constexpr = False, NORM: tl.constexpr = False, SILU: tl.constexpr = False):
+                             xg_ptr=None, h_ptr=None, ss_ptr=None, eps=0.0, PAIR_OFF=0, RES: tl.constexpr = False,
+                             XG: tl.constexpr = False, NORM: tl.constexpr = False, SILU: tl.constexpr = False,
+                             HB: tl.constexpr = 64):
         """y[m, rows] = x[m] . w[rows] in y's dtype, the split-K sum done in this kernel (REDUCE_MODES):
         every program of a (row, tile) adds its partial into the fp32 scratch (MODE 1: atomically into
         ws (M, N), which the last program zeroes again; MODE 2: its own slice of ws (SPLIT, M, N), which the
@@ -377,7 +370,10 @@ if triton is not None:
         program that counts last writes y and resets its counter to 0, so the scratch is as it was found
         after every call (what lets the op declare no mutation, and CUDA graphs replay it). ACT8: x is
         packed by `act8_quant` (see `_gemv_tile`); y_ptr's dtype is the output's. PDL: kernels.pdl.
-        RES, XG, NORM, SILU: the epilogue's (`_gemv_finish`; pair counters from cnt_ptr + PAIR_OFF)."""
+        RES, XG, NORM, SILU: the epilogue's (`_gemv_finish`). The epilogue's inputs are read by every program before
+        it counts itself, so the last one finds them in registers: the residual's and the next weight's rows, and
+        for NORM the sum of squares of h[m] over the program's own columns (HB at most), which MODE 1 adds up in
+        ss_ptr (M, NT) fp32 beside the partials (MODE 2 keeps its sums in order: the last program reads all of h)."""
         pdl.trigger(PDL)
         pid_m = tl.program_id(0)
         pid_t = tl.program_id(1)
@@ -386,12 +382,26 @@ if triton is not None:
                          STAGES, PREFETCH, UNROLL, ACT8, ASM, PDL, CHAIN)
         rows = pid_t * TN + tl.arange(0, TN)
         ok = rows < N
+        K = KS * 64
+        resv = tl.zeros((TN,), tl.float32)
+        gv = tl.zeros((TN,), tl.float32)
+        if RES:
+            resv = tl.load(res_ptr + pid_m * N + rows, mask=ok, other=0.0).to(tl.float32)
+        if XG:
+            gv = tl.load(g_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        ss = 0.0
         if SPLIT == 1:
-            _gemv_finish(out, y_ptr, ws_ptr, cnt_ptr, res_ptr, g_ptr, xg_ptr, h_ptr, eps, pid_m, pid_t, N, NT,
-                         KS * 64, PAIR_OFF, TN, SPLIT, MODE, RES, XG, NORM, SILU)
+            if NORM:
+                ss = _sum_squares(h_ptr, pid_m, K, 0, K, HB)
+            _gemv_finish(out, ss, resv, gv, y_ptr, ws_ptr, cnt_ptr, xg_ptr, eps, pid_m, pid_t, N, NT, K, PAIR_OFF,
+                         TN, SPLIT, MODE, RES, XG, NORM, SILU)
         else:
             if MODE == 1:
                 tl.atomic_add(ws_ptr + pid_m * N + rows, out, mask=ok, sem="relaxed")
+                if NORM:  # this program's columns' share of the row's sum of squares
+                    c0 = pid_s * STEPS_SPLIT * 64
+                    part_ss = _sum_squares(h_ptr, pid_m, K, c0, tl.minimum(c0 + STEPS_SPLIT * 64, K), HB)
+                    tl.atomic_add(ss_ptr + pid_m * NT + pid_t, part_ss, sem="relaxed")
             else:
                 tl.store(ws_ptr + (pid_s * M + pid_m) * N + rows, out, mask=ok)
             tl.debug_barrier()  # every thread's partial issued before the count is released (CUTLASS's split-K semaphore)
@@ -399,6 +409,9 @@ if triton is not None:
             if done == SPLIT - 1:
                 if MODE == 1:
                     tot = tl.load(ws_ptr + pid_m * N + rows, mask=ok, cache_modifier=".cg")
+                    if NORM:
+                        ss = tl.load(ss_ptr + pid_m * NT + pid_t, cache_modifier=".cg")
+                        tl.store(ss_ptr + pid_m * NT + pid_t, 0.0)
                     if not SILU:  # (with SILU the pair's second program zeroes both rows)
                         tl.store(ws_ptr + pid_m * N + rows, tl.zeros((TN,), tl.float32), mask=ok)
                 else:
@@ -408,8 +421,11 @@ if triton is not None:
                         part = tl.load(ws_ptr + (sp[:, None] * M + pid_m) * N + rows[None, :],
                                        mask=(sp[:, None] < SPLIT) & ok[None, :], other=0.0, cache_modifier=".cg")
                         tot += tl.sum(part, axis=0)
-                _gemv_finish(tot, y_ptr, ws_ptr, cnt_ptr, res_ptr, g_ptr, xg_ptr, h_ptr, eps, pid_m, pid_t, N, NT,
-                             KS * 64, PAIR_OFF, TN, SPLIT, MODE, RES, XG, NORM, SILU)
+                    if NORM:
+                        for c0 in range(0, K, HB):
+                            ss += _sum_squares(h_ptr, pid_m, K, c0, K, HB)
+                _gemv_finish(tot, ss, resv, gv, y_ptr, ws_ptr, cnt_ptr, xg_ptr, eps, pid_m, pid_t, N, NT, K,
+                             PAIR_OFF, TN, SPLIT, MODE, RES, XG, NORM, SILU)
                 tl.atomic_xchg(cnt_ptr + pid_m * NT + pid_t, 0, sem="relaxed")
 
     @triton.jit
@@ -795,15 +811,16 @@ REDUCE = os.environ.get("ORIN_AGENT_INT4_REDUCE", "atomic")
 if REDUCE not in REDUCE_MODES:
     raise ValueError(f"ORIN_AGENT_INT4_REDUCE={REDUCE!r}: use one of {', '.join(REDUCE_MODES)}")
 REDUCE_CHUNK = 8  # splits per load in "last" mode's sum (8 x 512 fp32 = 32 registers a thread at 4 warps)
+NORM_BLOCK = 4096  # columns of h per load where the norm epilogue's last program reads a whole row (MODE 2)
 
 
 def scratch(n: int, codes: Tensor) -> tuple[Tensor, Tensor]:
-    """The zeroed fp32 row scratch (GEMV_MAX_M, N) and int32 counters (2 GEMV_MAX_M, tiles) that the
-    in-kernel split-K modes use and leave zeroed (rows [0, GEMV_MAX_M): a tile's programs; the rest: the tile pairs
-    of the SiLU epilogue, `int4_gemv_epilogue`); one pair per layer (kernels on one stream run one after
-    another, and a layer's calls never overlap)."""
+    """The zeroed fp32 row scratch (GEMV_MAX_M, N) and int32 counters (3 GEMV_MAX_M, tiles) that the in-kernel
+    split-K modes use and leave zeroed (rows [0, GEMV_MAX_M): a tile's programs; then the tile pairs of the SiLU
+    epilogue, `int4_gemv_epilogue`; then, as fp32 bits, the norm epilogue's sums of squares); one pair per layer
+    (kernels on one stream run one after another, and a layer's calls never overlap)."""
     return (torch.zeros((GEMV_MAX_M, n), device=codes.device, dtype=torch.float32),
-            torch.zeros((2 * GEMV_MAX_M, codes.shape[0]), device=codes.device, dtype=torch.int32))
+            torch.zeros((3 * GEMV_MAX_M, codes.shape[0]), device=codes.device, dtype=torch.int32))
 
 
 def silu_pairs(n: int, tile_n: int) -> bool:
@@ -840,14 +857,20 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
     y = torch.empty((m, n // 2 if silu else n), device=x.device, dtype=dtype)
     xg = None if next_weight is None else torch.empty((m, n), device=x.device, dtype=dtype)
     part = ws if mode == 1 or split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    _gemv_reduced_kernel[(m, nt, split)](x, codes, sb, y, part, cnt, m, n, nt, ks, -(-ks // split), x.stride(0),
+    steps = -(-ks // split)
+    # the columns of h one program reads for NORM: its own split's (the whole row where it has them all), at most
+    # NORM_BLOCK a load in MODE 2's pass over the row
+    hb = min(triton.next_power_of_2(steps * 64), NORM_BLOCK) if mode == 2 and split > 1 else triton.next_power_of_2(
+        steps * 64)
+    _gemv_reduced_kernel[(m, nt, split)](x, codes, sb, y, part, cnt, m, n, nt, ks, steps, x.stride(0),
                                          GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
                                          CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
                                          PREFETCH=PREFETCH, UNROLL=UNROLL, ACT8=act8, ASM=_asm(),
                                          CHAIN=LOOP == "chain", num_warps=warps, enable_fp_fusion=FP_FUSION,
-                                         res_ptr=residual, g_ptr=next_weight, xg_ptr=xg, h_ptr=rms_of, eps=eps,
+                                         res_ptr=residual, g_ptr=next_weight, xg_ptr=xg, h_ptr=rms_of,
+                                         ss_ptr=cnt[2 * ws.shape[0]:].view(torch.float32), eps=eps,
                                          PAIR_OFF=ws.shape[0] * nt, RES=residual is not None,
-                                         XG=next_weight is not None, NORM=rms_of is not None, SILU=silu,
+                                         XG=next_weight is not None, NORM=rms_of is not None, SILU=silu, HB=hb,
                                          **pdl.launch_args(x, m))
     return y, xg
 

@@ -431,6 +431,11 @@ def test_int4_kernels_in_triton_interpreter(request: pytest.FixtureRequest) -> N
 
 
 @pytest.mark.cuda
+def test_int4_epilogues_cuda() -> None:
+    check_epilogues("cuda")
+
+
+@pytest.mark.cuda
 def test_int4_kernels_cuda() -> None:
     check_kernels("cuda")
     check_compile("cuda")
@@ -447,7 +452,8 @@ def test_gemv_epilogues_compile_for_orin_and_hopper(arch: int) -> None:
     n, k = 28672, 4096
     warps, split, _ = it.gemv_config(n, k, 132)
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
-            "cnt_ptr": "*i32", "res_ptr": "*bf16", "g_ptr": "*bf16", "xg_ptr": "*bf16", "h_ptr": "*bf16", "eps": "fp32"}
+            "cnt_ptr": "*i32", "res_ptr": "*bf16", "g_ptr": "*bf16", "xg_ptr": "*bf16", "h_ptr": "*bf16",
+            "ss_ptr": "*fp32", "eps": "fp32"}
     consts = {"GROUP": 128, "TN": it.tile_rows(n), "SPLIT": split, "MODE": 1, "CH": min(it.REDUCE_CHUNK, split),
               "STAGES": 1, "PREFETCH": 0, "UNROLL": 1, "ASM": True}
     plain = {mode: resources(compile_kernel(it._gemv_reduced_kernel, ptrs, {**consts, "MODE": mode}, arch, warps, 1))

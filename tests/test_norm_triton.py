@@ -307,6 +307,7 @@ def test_norm_kernels_cuda() -> None:
     check_model("cuda")
     check_traceable("cuda")
     check_act8_model("cuda")
+    check_epilogue_model("cuda")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")

@@ -69,7 +69,8 @@ def test_interpreter_has_no_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # the INT4 GEMV's epilogue inputs and outputs (kernels.int4_triton._gemv_finish)
-EPILOGUE_PTRS = {"res_ptr": "*bf16", "g_ptr": "*bf16", "xg_ptr": "*bf16", "h_ptr": "*bf16", "eps": "fp32"}
+EPILOGUE_PTRS = {"res_ptr": "*bf16", "g_ptr": "*bf16", "xg_ptr": "*bf16", "h_ptr": "*bf16", "ss_ptr": "*fp32",
+                 "eps": "fp32"}
 
 
 def _decode_step_kernels() -> list[tuple[str, object, dict[str, str], dict[str, object], int]]:
