@@ -134,6 +134,7 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-noepi", True, buckets=False, quant="int4", fused=True, epilogues=False),
     Variant("int4-fused-lmhead-noepi", True, buckets=False, quant="int4", fused=True, lm_head=True, epilogues=False),
     Variant("int4-fused-g32-noepi", True, buckets=False, quant="int4", fused=True, group=32, epilogues=False),
+    Variant("int4-fused-nopdl-noepi", True, buckets=False, quant="int4", fused=True, pdl="off", epilogues=False),
     # the GEMVs split as without loading ahead (kernels.int4_triton AHEAD_SPLIT 0, the default), and by the opt-in
     # rule for a loop that loads ahead (AHEAD_SPLIT 1)
     Variant("int4-fused-dense", True, buckets=False, quant="int4", fused=True, ahead_split=0),
