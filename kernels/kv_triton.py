@@ -49,6 +49,10 @@ except ImportError:  # CPU-only installs: the reference in kernels.kv_quant is t
 from kernels import pdl
 
 BLOCK_H = 16  # query heads of one KV head, padded to tl.dot's smallest M
+# The fewest cache slots a decode split takes (decode_attention's default split count; read at each call). 256 was
+# the optimum of a sweep at 16k slots (INT8 cache, docs/BENCHMARKS.md); at a Llama-3-8B step's ~600 it leaves 3
+# splits, 24 programs for 8 KV heads on a 132-SM GPU.
+SPLIT_MIN_SLOTS = 256
 # The V cache's token tile for the decode kernel (Int8KVCache(token_tile=...)): 16 slots of a channel in
 # one 16-byte run, the width of one async copy. 4 / 8 / 16 / 32 measured on an H200 (docs/BENCHMARKS.md).
 V_TOKEN_TILE = 16
@@ -367,7 +371,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
                          f"room for {s_max} slots and contiguous tiles; got {tuple(v.shape)}, block_n {block_n}")
     if n_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        n_splits = max(1, min(math.ceil(waves * sms / (b * kv)), math.ceil(s_max / 256)))
+        n_splits = max(1, min(math.ceil(waves * sms / (b * kv)), math.ceil(s_max / SPLIT_MIN_SLOTS)))
     split_len = math.ceil(s_max / n_splits / block_n) * block_n
     n_splits = math.ceil(s_max / split_len)
     o = torch.empty((b, h, n_splits, hd), dtype=torch.float32, device=q.device)

@@ -71,6 +71,7 @@ class Variant:
     ahead_split: int = -1  # kernels.int4_triton.AHEAD_SPLIT (0: the dense split-K rule under PDL too); -1 = default
     loop: str = ""  # kernels.int4_triton.LOOP (the GEMV loop's form: "planes" or "chain"); "" = its default
     epilogues: bool = True  # partition.model.GEMV_EPILOGUES: norms, residual adds, SiLU * up in the INT4 GEMVs
+    split_min: int = 0  # kernels.kv_triton.SPLIT_MIN_SLOTS (the decode attention's shortest split); 0 = default
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -135,6 +136,9 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-lmhead-noepi", True, buckets=False, quant="int4", fused=True, lm_head=True, epilogues=False),
     Variant("int4-fused-g32-noepi", True, buckets=False, quant="int4", fused=True, group=32, epilogues=False),
     Variant("int4-fused-nopdl-noepi", True, buckets=False, quant="int4", fused=True, pdl="off", epilogues=False),
+    *(Variant(f"int4-fused{h}{p}-split{m}", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
+              pdl="off" if p else "", split_min=m) for h in ("", "-lmhead") for p in ("", "-nopdl") for m in (64, 128)),
+    Variant("int4-fused-g32-nopdl", True, buckets=False, quant="int4", fused=True, group=32, pdl="off"),
     # the GEMVs split as without loading ahead (kernels.int4_triton AHEAD_SPLIT 0, the default), and by the opt-in
     # rule for a loop that loads ahead (AHEAD_SPLIT 1)
     Variant("int4-fused-dense", True, buckets=False, quant="int4", fused=True, ahead_split=0),
@@ -350,10 +354,10 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
            "prompt_tokens": prompt_len, "decode_steps": decode_steps, "variants": []}
     rows: list[dict] = res["variants"]
     shared: Transformer | None = None
-    from kernels import int4_triton, pdl
+    from kernels import int4_triton, kv_triton, pdl
     from partition import model as pm
 
-    default_pdl = pdl.MODE
+    default_pdl, default_split_min = pdl.MODE, kv_triton.SPLIT_MIN_SLOTS
     default_reduce, default_prefill, default_act = int4_triton.REDUCE, int4_triton.PREFILL, int4_triton.ACT
     default_gemv = (int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS)
     default_ahead_split, default_loop = int4_triton.AHEAD_SPLIT, int4_triton.LOOP
@@ -366,6 +370,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         int4_triton.AHEAD_SPLIT = default_ahead_split if v.ahead_split < 0 else v.ahead_split
         int4_triton.LOOP = v.loop or default_loop  # read at each launch (a graph keeps its capture's)
         pm.ROPE_FUSED, pm.ACT8_FUSED, pm.GEMV_EPILOGUES = v.rope, v.act8_fused, v.epilogues
+        kv_triton.SPLIT_MIN_SLOTS = v.split_min or default_split_min  # read at each call (a graph keeps its capture's)
         pdl.MODE = v.pdl or default_pdl  # read at each launch: a graph keeps what its capture launched
         try:
             if v.quant or v.fused:  # a model of its own (the shared one is the plain bf16 model)
@@ -385,6 +390,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
             last = variants[-1]  # profiled with its quantisation and compile setting, graphed
             int4_triton.REDUCE, pm.ROPE_FUSED, pm.ACT8_FUSED = last.reduce or default_reduce, last.rope, last.act8_fused
             pm.GEMV_EPILOGUES = last.epilogues
+            kv_triton.SPLIT_MIN_SLOTS = last.split_min or default_split_min
             int4_triton.PREFILL = last.prefill or default_prefill
             int4_triton.ACT = last.act or default_act
             int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = last.gemv or default_gemv
