@@ -49,10 +49,12 @@ except ImportError:  # CPU-only installs: the reference in kernels.kv_quant is t
 from kernels import pdl
 
 BLOCK_H = 16  # query heads of one KV head, padded to tl.dot's smallest M
-# The fewest cache slots a decode split takes (decode_attention's default split count; read at each call). 256 was
-# the optimum of a sweep at 16k slots (INT8 cache, docs/BENCHMARKS.md); at a Llama-3-8B step's ~600 it leaves 3
-# splits, 24 programs for 8 KV heads on a 132-SM GPU.
-SPLIT_MIN_SLOTS = 256
+# The fewest cache slots a decode split takes (decode_attention's default split count; read at each call): one
+# BLOCK_N tile. 256 was the optimum of a sweep at 16k slots (INT8 cache, where 8 waves of programs bind first;
+# docs/BENCHMARKS.md), but at a Llama-3-8B step's ~600 slots it left 3 splits, 24 programs for 8 KV heads on a
+# 132-SM GPU, each reading its 256 slots in 4 dependent steps. At 64: the whole INT4 step 311.0 / 310.5 -> 324.0 /
+# 324.5 tok/s (H100, bench_cuda_decode.py, interleaved, 2026-12-07, docs/BENCHMARKS.md "Twentieth session").
+SPLIT_MIN_SLOTS = 64
 # The V cache's token tile for the decode kernel (Int8KVCache(token_tile=...)): 16 slots of a channel in
 # one 16-byte run, the width of one async copy. 4 / 8 / 16 / 32 measured on an H200 (docs/BENCHMARKS.md).
 V_TOKEN_TILE = 16
