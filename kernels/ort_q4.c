@@ -256,6 +256,7 @@ typedef struct {
   int bits;           /* 4, or 8: codes one byte a weight in column order (GGUF's Q8_0 as q + 128, zero point 128) */
   const int8_t *xq;   /* (m, k) */
   const float *xqs;   /* (m, k / 64): the 64 columns' max |x| / 127 */
+  const float *xt;    /* AVX2, m >= 4: x as transposed blocks of 16 rows (transpose_x), or NULL */
 } problem;
 
 #if Q4_AVX2
@@ -649,9 +650,33 @@ NO_CONTRACT static void dequant4(const problem *p, int n, float *w) {
   }
 }
 
-/* out_a[r] = w_r . xa and out_b[r] = w_r . xb for the 4 rows of w (4, k): each weight load serves two rows of x */
-static void dots4x2(const float *w, int k, const float *xa, const float *xb, float *out_a, float *out_b) {
 #if Q4_AVX2
+/* The prefill's product on AVX2: out[r][i] = w_r . x_{m0 + i} for the 4 rows of w (4, k) and 16 rows of x, from
+   x's block of 16 rows transposed (xt: k columns of 16, `transpose_x`): each step broadcasts one weight of each row
+   and multiplies two vectors of 8 rows of x, 8 FMAs for 6 loads and 8 accumulators. The dot-product form (both
+   operands along k) needs a load a multiply-add here: AVX2's 16 registers hold 12 accumulators but not also the
+   operands of a 4 x 3 block, and its loads bound it (SmolLM2 / shipped shapes, 63 rows: 43 -> ? GFLOP/s a core). */
+static void dots4x16t(const float *w, int k, const float *xt, float out[4][16]) {
+  __m256 acc[4][2];
+  for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int c = 0; c < k; c++) {
+    __m256 x0 = _mm256_loadu_ps(xt + 16 * (size_t)c), x1 = _mm256_loadu_ps(xt + 16 * (size_t)c + 8);
+    __asm__("" : "+x"(x0), "+x"(x1)); /* in registers: GCC would fold each load into every FMA that uses it */
+    for (int r = 0; r < 4; r++) {
+      const __m256 b = _mm256_broadcast_ss(w + (size_t)r * k + c);
+      acc[r][0] = _mm256_fmadd_ps(b, x0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(b, x1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < 4; r++) {
+    _mm256_storeu_ps(out[r], acc[r][0]);
+    _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+  }
+}
+
+/* out_a[r] = w_r . xa and out_b[r] = w_r . xb for the 4 rows of w (4, k): the last rows of x that fill no block of
+   8 (each weight load serves two rows) */
+static void dots4x2(const float *w, int k, const float *xa, const float *xb, float *out_a, float *out_b) {
   __m256 a[4], b[4];
   for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
   int i = 0;
@@ -671,31 +696,48 @@ static void dots4x2(const float *w, int k, const float *xa, const float *xb, flo
       out_b[r] += w[(size_t)r * k + t] * xb[t];
     }
   }
-#elif Q4_NEON
-  float32x4_t a[4], b[4];
-  for (int r = 0; r < 4; r++) a[r] = b[r] = vdupq_n_f32(0);
+}
+
+/* x (m, k) as blocks of 16 rows, each transposed (k columns of 16 values; rows past m zero): dots4x16t's operand */
+static float *transpose_x(const float *x, int m, int k) {
+  const int blocks = (m + 15) / 16;
+  float *xt = calloc((size_t)blocks * 16 * k, sizeof(float));
+  if (!xt) return NULL;
+  for (int row = 0; row < m; row++) {
+    float *dst = xt + (size_t)(row / 16) * 16 * k + row % 16;
+    const float *src = x + (size_t)row * k;
+    for (int c = 0; c < k; c++) dst[16 * (size_t)c] = src[c];
+  }
+  return xt;
+}
+#endif
+
+/* out[j][r] = w_r . x_j for the 4 rows of w (4, k) and the 3 rows x_0..x_2 of x (NEON and plain C: NEON's 32
+   registers hold the 12 accumulators, the 3 x vectors and the weights) */
+static void dots4x3(const float *w, int k, const float *const x[3], float *const out[3]) {
+#if Q4_NEON
+  float32x4_t acc[3][4];
+  for (int j = 0; j < 3; j++)
+    for (int r = 0; r < 4; r++) acc[j][r] = vdupq_n_f32(0);
   int i = 0;
   for (; i + 4 <= k; i += 4) {
-    const float32x4_t va = vld1q_f32(xa + i), vb = vld1q_f32(xb + i);
+    const float32x4_t v0 = vld1q_f32(x[0] + i), v1 = vld1q_f32(x[1] + i), v2 = vld1q_f32(x[2] + i);
     for (int r = 0; r < 4; r++) {
       const float32x4_t wv = vld1q_f32(w + (size_t)r * k + i);
-      a[r] = vfmaq_f32(a[r], wv, va);
-      b[r] = vfmaq_f32(b[r], wv, vb);
+      acc[0][r] = vfmaq_f32(acc[0][r], wv, v0);
+      acc[1][r] = vfmaq_f32(acc[1][r], wv, v1);
+      acc[2][r] = vfmaq_f32(acc[2][r], wv, v2);
     }
   }
-  for (int r = 0; r < 4; r++) {
-    out_a[r] = vaddvq_f32(a[r]);
-    out_b[r] = vaddvq_f32(b[r]);
-    for (int t = i; t < k; t++) {
-      out_a[r] += w[(size_t)r * k + t] * xa[t];
-      out_b[r] += w[(size_t)r * k + t] * xb[t];
+  for (int j = 0; j < 3; j++)
+    for (int r = 0; r < 4; r++) {
+      float t = vaddvq_f32(acc[j][r]);
+      for (int c = i; c < k; c++) t += w[(size_t)r * k + c] * x[j][c];
+      out[j][r] = t;
     }
-  }
 #else
-  for (int r = 0; r < 4; r++) {
-    out_a[r] = dot(w + (size_t)r * k, xa, k);
-    out_b[r] = dot(w + (size_t)r * k, xb, k);
-  }
+  for (int j = 0; j < 3; j++)
+    for (int r = 0; r < 4; r++) out[j][r] = dot(w + (size_t)r * k, x[j], k);
 #endif
 }
 
@@ -765,10 +807,35 @@ static void task_rows(problem *p, int n0, int n1, float *w, float *vals) {
   for (int n = n0; n < n1; n += tile) {
     dequant4(p, n, w);
     if (tile == 8) dequant4(p, n + 4, w + 4 * (size_t)p->k);
-    for (int row = 0; row < p->m; row += 2) { /* two rows of x a pass; an odd last row pairs with itself */
-      const float *xa = p->x + (size_t)row * p->k, *xb = row + 1 < p->m ? xa + p->k : xa;
-      float *va = vals + (size_t)row * CHUNK_ROWS + (n - n0), *vb = row + 1 < p->m ? va + CHUNK_ROWS : scratch;
-      for (int r = 0; r < tile; r += 4) dots4x2(w + (size_t)r * p->k, p->k, xa, xb, va + r, vb + r);
+#if Q4_AVX2
+    for (int r = 0; r < tile; r += 4) {
+      int m0 = 0;
+      for (; p->m - m0 >= 8; m0 += 16) { /* 16 rows of x a pass, from their transposed block (at least 8 of them) */
+        float o[4][16];
+        dots4x16t(w + (size_t)r * p->k, p->k, p->xt + (size_t)m0 * p->k, o);
+        for (int i = 0; i < 16 && m0 + i < p->m; i++)
+          for (int j = 0; j < 4; j++) vals[(size_t)(m0 + i) * CHUNK_ROWS + (n - n0) + r + j] = o[j][i];
+      }
+      for (int row = m0; row < p->m; row += 2) { /* the last 1-7: two a pass, an odd last row with itself */
+        const float *xa = p->x + (size_t)row * p->k, *xb = row + 1 < p->m ? xa + p->k : xa;
+        float *va = vals + (size_t)row * CHUNK_ROWS + (n - n0) + r, *vb = row + 1 < p->m ? va + CHUNK_ROWS : scratch;
+        dots4x2(w + (size_t)r * p->k, p->k, xa, xb, va, vb);
+      }
+    }
+    continue;
+#endif
+    for (int row = 0; row < p->m; row += 3) { /* three rows of x a pass; a short last pass repeats its last row */
+      const float *xs[3];
+      float *vs[3];
+      for (int j = 0; j < 3; j++) {
+        const int rj = row + j < p->m ? row + j : p->m - 1;
+        xs[j] = p->x + (size_t)rj * p->k;
+        vs[j] = row + j < p->m ? vals + (size_t)rj * CHUNK_ROWS + (n - n0) : scratch + 4 * (j - 1);
+      }
+      for (int r = 0; r < tile; r += 4) {
+        float *const o[3] = {vs[0] + r, vs[1] + (row + 1 < p->m ? r : 0), vs[2] + (row + 2 < p->m ? r : 0)};
+        dots4x3(w + (size_t)r * p->k, p->k, xs, o);
+      }
     }
   }
   for (int row = 0; row < p->m; row++) /* the chunk's outputs a row at a time: glu's silu over 32 at once */
@@ -823,9 +890,22 @@ void orin_q4_matmul(const float *x, int m, int k, int n, const uint32_t *codes, 
     }
     scale_nibbles(x, (size_t)m * k, xs);
   }
+  float *xt = NULL;
+#if Q4_AVX2
+  if (m >= 4 && !(xt = transpose_x(x, m, k))) {
+    for (size_t i = 0; i < (size_t)m * (glu ? n / 2 : n); i++) y[i] = NAN;
+    free(xs);
+    free(xg);
+    free(xq);
+    free(xqs);
+    return;
+  }
+#endif
   const int chunk = team.threads; /* a grab takes 1 / chunk of the rows left: the first, a thread's even share */
-  problem p = {x, xg, xs, codes, scales, mins, y, m, k, n, group, glu, shift, chunk, 0, int8 && bits == 4, bits, xq, xqs};
+  problem p = {x, xg, xs, codes, scales, mins, y, m, k, n, group, glu, shift, chunk, 0, int8 && bits == 4, bits, xq, xqs,
+               xt};
   run_team(task, &p);
+  free(xt);
   free(xs);
   free(xg);
   free(xq);

@@ -37,7 +37,9 @@ def silu(v: np.ndarray) -> np.ndarray:
 @needs_lib
 @pytest.mark.parametrize("n,k,group,bits", [(1536, 576, 32, 4), (576, 1536, 32, 4), (192, 576, 64, 4),
                                             (64, 256, 128, 4), (576, 576, 32, 8), (128, 256, 64, 8)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])  # 1-3: one row of x at a time; from 4: dequantise-once
+# 1-3: one row of x at a time; from 4: dequantise-once (AVX2: blocks of 16 rows where 8 or more are left, then pairs;
+# 21 = 16 + 5, 40 = 16 + 16 + 8; NEON and plain C: threes, a short last one)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 21, 40])
 def test_matmul_is_the_dequantised_product(n: int, k: int, group: int, bits: int, rows: int) -> None:
     packed, w = weight(n, k, group, seed=n + k + rows, zeros=bits == 8, bits=bits)
     assert packed.bits == bits
@@ -539,7 +541,7 @@ def test_the_neon_loops_under_emulation(tmp_path) -> None:
     for n, k, group, rows, glu, bits in [(192, 256, 32, 1, False, 4), (128, 192, 64, 2, False, 4),
                                          (64, 256, 128, 3, False, 4), (128, 128, 32, 1, True, 4),
                                          (96, 128, 32, 5, False, 4), (128, 192, 64, 1, False, 8),
-                                         (64, 128, 32, 6, False, 8)]:
+                                         (64, 128, 32, 6, False, 8), (64, 128, 32, 4, False, 8)]:
         packed, w = weight(n, k, group, seed=n + k + rows, zeros=bits == 8, bits=bits)
         if glu:
             packed = ort_q4.Q4Weight(packed.codes[ort_q4.glu_rows(n // 2)], packed.scales[ort_q4.glu_rows(n // 2)],
