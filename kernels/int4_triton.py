@@ -309,10 +309,13 @@ if triton is not None:
 
     @triton.jit
     def _sum_squares(h_ptr, pid_m, K, c0, c1, HB: tl.constexpr):
-        """sum(h[pid_m, c0:c1]^2) in fp32, c1 - c0 <= HB, in one load."""
-        cols = c0 + tl.arange(0, HB)
-        v = tl.load(h_ptr + pid_m * K + cols, mask=cols < c1, other=0.0).to(tl.float32)
-        return tl.sum(v * v, axis=0)
+        """sum(h[pid_m, c0:c1]^2) in fp32, HB columns a load (one load where c1 - c0 <= HB, as a split's are)."""
+        acc = tl.zeros((HB,), tl.float32)
+        for c in range(c0, c1, HB):
+            cols = c + tl.arange(0, HB)
+            v = tl.load(h_ptr + pid_m * K + cols, mask=cols < c1, other=0.0).to(tl.float32)
+            acc += v * v
+        return tl.sum(acc, axis=0)
 
     @triton.jit
     def _gemv_finish(tot, ss, resv, gv, y_ptr, ws_ptr, cnt_ptr, xg_ptr, eps, pid_m, pid_t, N, NT, K, PAIR_OFF,
@@ -422,8 +425,7 @@ if triton is not None:
                                        mask=(sp[:, None] < SPLIT) & ok[None, :], other=0.0, cache_modifier=".cg")
                         tot += tl.sum(part, axis=0)
                     if NORM:
-                        for c0 in range(0, K, HB):
-                            ss += _sum_squares(h_ptr, pid_m, K, c0, K, HB)
+                        ss = _sum_squares(h_ptr, pid_m, K, 0, K, HB)
                 _gemv_finish(tot, ss, resv, gv, y_ptr, ws_ptr, cnt_ptr, xg_ptr, eps, pid_m, pid_t, N, NT, K,
                              PAIR_OFF, TN, SPLIT, MODE, RES, XG, NORM, SILU)
                 tl.atomic_xchg(cnt_ptr + pid_m * NT + pid_t, 0, sem="relaxed")
@@ -811,7 +813,7 @@ REDUCE = os.environ.get("ORIN_AGENT_INT4_REDUCE", "atomic")
 if REDUCE not in REDUCE_MODES:
     raise ValueError(f"ORIN_AGENT_INT4_REDUCE={REDUCE!r}: use one of {', '.join(REDUCE_MODES)}")
 REDUCE_CHUNK = 8  # splits per load in "last" mode's sum (8 x 512 fp32 = 32 registers a thread at 4 warps)
-NORM_BLOCK = 4096  # columns of h per load where the norm epilogue's last program reads a whole row (MODE 2)
+NORM_BLOCK = 4096  # columns of h a load where the norm epilogue reads them (32 fp32 registers a thread at 4 warps)
 
 
 def scratch(n: int, codes: Tensor) -> tuple[Tensor, Tensor]:
@@ -858,10 +860,9 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
     xg = None if next_weight is None else torch.empty((m, n), device=x.device, dtype=dtype)
     part = ws if mode == 1 or split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     steps = -(-ks // split)
-    # the columns of h one program reads for NORM: its own split's (the whole row where it has them all), at most
-    # NORM_BLOCK a load in MODE 2's pass over the row
-    hb = min(triton.next_power_of_2(steps * 64), NORM_BLOCK) if mode == 2 and split > 1 else triton.next_power_of_2(
-        steps * 64)
+    # the columns of h a load for NORM: a program's own split's (the whole row where it has them all, and in MODE 2's
+    # pass of the last program over the row), at most NORM_BLOCK
+    hb = min(triton.next_power_of_2(ks * 64 if mode == 2 else steps * 64), NORM_BLOCK)
     _gemv_reduced_kernel[(m, nt, split)](x, codes, sb, y, part, cnt, m, n, nt, ks, steps, x.stride(0),
                                          GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
                                          CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
@@ -878,8 +879,10 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
 # The GEMV's epilogues (`int4_gemv_epilogue`, partition.model.GEMV_EPILOGUES): what the decode step's small kernels
 # between the GEMVs did, done by the program that finishes a tile (it holds the tile's whole sum): the residual add
 # after o_proj and down_proj (and the next RMSNorm's input h * weight), the RMSNorm's scale before qkv and gate/up
-# (x = h * weight goes in, the sum comes out times 1 / rms(h), which that program computes from h), and SiLU(gate) *
-# up after gate/up. A Llama layer's decode step then runs 7 kernels instead of 10.
+# (x = h * weight goes in, the sum comes out times 1 / rms(h); the tile's programs add up h's sum of squares beside
+# their partials), and SiLU(gate) * up after gate/up. A Llama layer's decode step then runs 7 kernels instead of 10.
+# Measured on an H100 (docs/BENCHMARKS.md, twentieth session): Llama-3-8B INT4 step +1.4-1.7 %, the SmolLM2-135M
+# shape +6.7-7.5 %.
 
 
 @torch.library.custom_op("orin_agent::int4_gemv_epilogue", mutates_args=())
