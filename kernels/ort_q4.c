@@ -655,7 +655,8 @@ NO_CONTRACT static void dequant4(const problem *p, int n, float *w) {
    x's block of 16 rows transposed (xt: k columns of 16, `transpose_x`): each step broadcasts one weight of each row
    and multiplies two vectors of 8 rows of x, 8 FMAs for 6 loads and 8 accumulators. The dot-product form (both
    operands along k) needs a load a multiply-add here: AVX2's 16 registers hold 12 accumulators but not also the
-   operands of a 4 x 3 block, and its loads bound it (SmolLM2 / shipped shapes, 63 rows: 43 -> ? GFLOP/s a core). */
+   operands of a 4 x 3 block. One core, the shipped model's 8-bit layer at 63 rows: 4 x 2 dots 40 GFLOP/s, 4 x 3
+   42, this 74, of the core's 99-101 (docs/BENCHMARKS.md, twentieth session). */
 static void dots4x16t(const float *w, int k, const float *xt, float out[4][16]) {
   __m256 acc[4][2];
   for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
