@@ -881,7 +881,7 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
 # after o_proj and down_proj (and the next RMSNorm's input h * weight), the RMSNorm's scale before qkv and gate/up
 # (x = h * weight goes in, the sum comes out times 1 / rms(h); the tile's programs add up h's sum of squares beside
 # their partials), and SiLU(gate) * up after gate/up. A Llama layer's decode step then runs 7 kernels instead of 10.
-# Measured on an H100 (docs/BENCHMARKS.md, twentieth session): Llama-3-8B INT4 step +1.4-1.7 %, the SmolLM2-135M
+# Measured on an H100 (docs/BENCHMARKS.md, twentieth session): Llama-3-8B INT4 step +0.2-1.7 %, the SmolLM2-135M
 # shape +6.7-7.5 %.
 
 

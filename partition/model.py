@@ -202,7 +202,7 @@ FUSED_ELEMENTWISE = True
 # A decode step over CUDA INT4 layers on the Triton GEMV (fused q/k/v and gate/up, exact activations) runs the work of
 # the small kernels between the GEMVs in the GEMVs' own epilogues (kernels.int4_triton.int4_gemv_epilogue,
 # DecoderLayer.run_epilogues): the residual adds, both RMSNorms and SiLU * up, 7 kernels a Llama layer instead of 10.
-# On an H100 (docs/BENCHMARKS.md, twentieth session): Llama-3-8B INT4 decode +1.4-1.7 %, SmolLM2-135M's shape
+# On an H100 (docs/BENCHMARKS.md, twentieth session): Llama-3-8B INT4 decode +0.2-1.7 %, SmolLM2-135M's shape
 # +6.7-7.5 %.
 GEMV_EPILOGUES = True
 # Where a decode step's INT4 GEMVs take int8 activations (kernels.int4_triton ACT "int8"), the RMSNorms and SiLU * up
