@@ -93,6 +93,34 @@ def _same_act8(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.allclose(gs, ws, rtol=1e-6, atol=1e-5), float((gs - ws).abs().max())
 
 
+def _int4_model(device: str, seed: int, lm_head: bool, norm_weights: bool = False) -> "torch.nn.Module":
+    """A random 2-layer model quantised to INT4 g32 on kernels.int4_triton (in the interpreter on CPU tensors), q/k/v
+    and gate/up fused; norm_weights: each RMSNorm its own random weight (else all ones)."""
+    import partition.model as pm
+    from kernels.weight_only import QuantLinear
+    from partition.checkpoint import random_model
+    from partition.config import ModelConfig
+    from partition.quantize import default_spec, quantize_model
+
+    cfg = ModelConfig("LlamaForCausalLM", 320, 128, 2, 4, 2, 32, 256, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
+    model = random_model(cfg, seed=seed, dtype=torch.float32, device=device)
+    if norm_weights:
+        gen = torch.Generator().manual_seed(seed)
+        for norm in [model.model.norm, *(n for layer in model.model.layers
+                                         for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+            norm.weight.data = (torch.rand(cfg.hidden_size, generator=gen) + 0.5).to(device)
+    pick = QuantLinear._pick_kernel
+    if device == "cpu":  # the interpreter runs the CUDA kernel choice's Triton kernels on CPU tensors
+        QuantLinear._pick_kernel = lambda self, *a: "int4_triton"
+    try:
+        model = quantize_model(model, default_spec(4, 32), lm_head=lm_head)
+        assert pm.fuse_quantized_projections(model) == 2
+    finally:
+        QuantLinear._pick_kernel = pick
+    return model
+
+
 def check_act8_model(device: str) -> None:
     """A 2-layer INT4 model on kernels.int4_triton with int8 activations (ACT "int8", fused gate/up and q/k/v, a
     quantised lm_head): with the codes made by the norms and SiLU * up (partition.model.ACT8_FUSED) a decode-sized
@@ -103,21 +131,8 @@ def check_act8_model(device: str) -> None:
     import partition.model as pm
     from kernels import int4_triton as it
     from kernels.weight_only import QuantLinear
-    from partition.checkpoint import random_model
-    from partition.config import ModelConfig
-    from partition.quantize import default_spec, quantize_model
 
-    cfg = ModelConfig("LlamaForCausalLM", 320, 128, 2, 4, 2, 32, 256, rope_theta=10000.0, rms_norm_eps=1e-5,
-                      max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
-    pick = QuantLinear._pick_kernel
-    if device == "cpu":  # the interpreter runs the CUDA kernel choice's Triton kernels on CPU tensors
-        QuantLinear._pick_kernel = lambda self, *a: "int4_triton"
-    try:
-        model = quantize_model(random_model(cfg, seed=5, dtype=torch.float32, device=device), default_spec(4, 32),
-                               lm_head=True)
-        assert pm.fuse_quantized_projections(model) == 2
-    finally:
-        QuantLinear._pick_kernel = pick
+    model = _int4_model(device, seed=5, lm_head=True)
     assert {m.kernel for m in model.modules() if isinstance(m, QuantLinear)} == {"int4_triton"}
     sl = model.slice(0, 2)
     calls = []
@@ -166,26 +181,8 @@ def check_epilogue_model(device: str) -> None:
     import partition.model as pm
     from kernels import int4_triton as it
     from kernels import norm_triton
-    from kernels.weight_only import QuantLinear
-    from partition.checkpoint import random_model
-    from partition.config import ModelConfig
-    from partition.quantize import default_spec, quantize_model
 
-    cfg = ModelConfig("LlamaForCausalLM", 320, 128, 2, 4, 2, 32, 256, rope_theta=10000.0, rms_norm_eps=1e-5,
-                      max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
-    pick = QuantLinear._pick_kernel
-    if device == "cpu":  # the interpreter runs the CUDA kernel choice's Triton kernels on CPU tensors
-        QuantLinear._pick_kernel = lambda self, *a: "int4_triton"
-    try:
-        model = random_model(cfg, seed=6, dtype=torch.float32, device=device)
-        gen = torch.Generator().manual_seed(6)
-        for norm in [model.model.norm, *(n for layer in model.model.layers
-                                         for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
-            norm.weight.data = (torch.rand(cfg.hidden_size, generator=gen) + 0.5).to(device)  # each norm its own
-        model = quantize_model(model, default_spec(4, 32))
-        assert pm.fuse_quantized_projections(model) == 2
-    finally:
-        QuantLinear._pick_kernel = pick
+    model = _int4_model(device, seed=6, lm_head=False, norm_weights=True)
     sl = model.slice(0, 2)
     calls: list[str] = []
     saved = {n: getattr(norm_triton, n) for n in ("rms_norm", "add_rms_norm", "silu_mul")}
