@@ -675,9 +675,24 @@ static void dots4x16t(const float *w, int k, const float *xt, float out[4][16]) 
   }
 }
 
-/* out_a[r] = w_r . xa and out_b[r] = w_r . xb for the 4 rows of w (4, k): the last rows of x that fill no block of
-   8 (each weight load serves two rows) */
+/* x (m, k) as blocks of 16 rows, each transposed (k columns of 16 values; rows past m zero): dots4x16t's operand */
+static float *transpose_x(const float *x, int m, int k) {
+  const int blocks = (m + 15) / 16;
+  float *xt = calloc((size_t)blocks * 16 * k, sizeof(float));
+  if (!xt) return NULL;
+  for (int row = 0; row < m; row++) {
+    float *dst = xt + (size_t)(row / 16) * 16 * k + row % 16;
+    const float *src = x + (size_t)row * k;
+    for (int c = 0; c < k; c++) dst[16 * (size_t)c] = src[c];
+  }
+  return xt;
+}
+#endif
+
+/* out_a[r] = w_r . xa and out_b[r] = w_r . xb for the 4 rows of w (4, k): each weight load serves two rows of x (on
+   AVX2 only the last 1-7 rows of x, after dots4x16t's blocks) */
 static void dots4x2(const float *w, int k, const float *xa, const float *xb, float *out_a, float *out_b) {
+#if Q4_AVX2
   __m256 a[4], b[4];
   for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
   int i = 0;
@@ -697,48 +712,31 @@ static void dots4x2(const float *w, int k, const float *xa, const float *xb, flo
       out_b[r] += w[(size_t)r * k + t] * xb[t];
     }
   }
-}
-
-/* x (m, k) as blocks of 16 rows, each transposed (k columns of 16 values; rows past m zero): dots4x16t's operand */
-static float *transpose_x(const float *x, int m, int k) {
-  const int blocks = (m + 15) / 16;
-  float *xt = calloc((size_t)blocks * 16 * k, sizeof(float));
-  if (!xt) return NULL;
-  for (int row = 0; row < m; row++) {
-    float *dst = xt + (size_t)(row / 16) * 16 * k + row % 16;
-    const float *src = x + (size_t)row * k;
-    for (int c = 0; c < k; c++) dst[16 * (size_t)c] = src[c];
-  }
-  return xt;
-}
-#endif
-
-/* out[j][r] = w_r . x_j for the 4 rows of w (4, k) and the 3 rows x_0..x_2 of x (NEON and plain C: NEON's 32
-   registers hold the 12 accumulators, the 3 x vectors and the weights) */
-static void dots4x3(const float *w, int k, const float *const x[3], float *const out[3]) {
-#if Q4_NEON
-  float32x4_t acc[3][4];
-  for (int j = 0; j < 3; j++)
-    for (int r = 0; r < 4; r++) acc[j][r] = vdupq_n_f32(0);
+#elif Q4_NEON
+  float32x4_t a[4], b[4];
+  for (int r = 0; r < 4; r++) a[r] = b[r] = vdupq_n_f32(0);
   int i = 0;
   for (; i + 4 <= k; i += 4) {
-    const float32x4_t v0 = vld1q_f32(x[0] + i), v1 = vld1q_f32(x[1] + i), v2 = vld1q_f32(x[2] + i);
+    const float32x4_t va = vld1q_f32(xa + i), vb = vld1q_f32(xb + i);
     for (int r = 0; r < 4; r++) {
       const float32x4_t wv = vld1q_f32(w + (size_t)r * k + i);
-      acc[0][r] = vfmaq_f32(acc[0][r], wv, v0);
-      acc[1][r] = vfmaq_f32(acc[1][r], wv, v1);
-      acc[2][r] = vfmaq_f32(acc[2][r], wv, v2);
+      a[r] = vfmaq_f32(a[r], wv, va);
+      b[r] = vfmaq_f32(b[r], wv, vb);
     }
   }
-  for (int j = 0; j < 3; j++)
-    for (int r = 0; r < 4; r++) {
-      float t = vaddvq_f32(acc[j][r]);
-      for (int c = i; c < k; c++) t += w[(size_t)r * k + c] * x[j][c];
-      out[j][r] = t;
+  for (int r = 0; r < 4; r++) {
+    out_a[r] = vaddvq_f32(a[r]);
+    out_b[r] = vaddvq_f32(b[r]);
+    for (int t = i; t < k; t++) {
+      out_a[r] += w[(size_t)r * k + t] * xa[t];
+      out_b[r] += w[(size_t)r * k + t] * xb[t];
     }
+  }
 #else
-  for (int j = 0; j < 3; j++)
-    for (int r = 0; r < 4; r++) out[j][r] = dot(w + (size_t)r * k, x[j], k);
+  for (int r = 0; r < 4; r++) {
+    out_a[r] = dot(w + (size_t)r * k, xa, k);
+    out_b[r] = dot(w + (size_t)r * k, xb, k);
+  }
 #endif
 }
 
@@ -825,18 +823,10 @@ static void task_rows(problem *p, int n0, int n1, float *w, float *vals) {
     }
     continue;
 #endif
-    for (int row = 0; row < p->m; row += 3) { /* three rows of x a pass; a short last pass repeats its last row */
-      const float *xs[3];
-      float *vs[3];
-      for (int j = 0; j < 3; j++) {
-        const int rj = row + j < p->m ? row + j : p->m - 1;
-        xs[j] = p->x + (size_t)rj * p->k;
-        vs[j] = row + j < p->m ? vals + (size_t)rj * CHUNK_ROWS + (n - n0) : scratch + 4 * (j - 1);
-      }
-      for (int r = 0; r < tile; r += 4) {
-        float *const o[3] = {vs[0] + r, vs[1] + (row + 1 < p->m ? r : 0), vs[2] + (row + 2 < p->m ? r : 0)};
-        dots4x3(w + (size_t)r * p->k, p->k, xs, o);
-      }
+    for (int row = 0; row < p->m; row += 2) { /* two rows of x a pass; an odd last row pairs with itself */
+      const float *xa = p->x + (size_t)row * p->k, *xb = row + 1 < p->m ? xa + p->k : xa;
+      float *va = vals + (size_t)row * CHUNK_ROWS + (n - n0), *vb = row + 1 < p->m ? va + CHUNK_ROWS : scratch;
+      for (int r = 0; r < tile; r += 4) dots4x2(w + (size_t)r * p->k, p->k, xa, xb, va + r, vb + r);
     }
   }
   for (int row = 0; row < p->m; row++) /* the chunk's outputs a row at a time: glu's silu over 32 at once */

@@ -38,7 +38,7 @@ def silu(v: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("n,k,group,bits", [(1536, 576, 32, 4), (576, 1536, 32, 4), (192, 576, 64, 4),
                                             (64, 256, 128, 4), (576, 576, 32, 8), (128, 256, 64, 8)])
 # 1-3: one row of x at a time; from 4: dequantise-once (AVX2: blocks of 16 rows where 8 or more are left, then pairs;
-# 21 = 16 + 5, 40 = 16 + 16 + 8; NEON and plain C: threes, a short last one)
+# 21 = 16 + 5, 40 = 16 + 16 + 8; NEON and plain C: pairs)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 21, 40])
 def test_matmul_is_the_dequantised_product(n: int, k: int, group: int, bits: int, rows: int) -> None:
     packed, w = weight(n, k, group, seed=n + k + rows, zeros=bits == 8, bits=bits)
