@@ -654,8 +654,8 @@ NO_CONTRACT static void dequant4(const problem *p, int n, float *w) {
 /* The prefill's product on AVX2: out[r][i] = w_r . x_{m0 + i} for the 4 rows of w (4, k) and 16 rows of x, from
    x's block of 16 rows transposed (xt: k columns of 16, `transpose_x`): each step broadcasts one weight of each row
    and multiplies two vectors of 8 rows of x, 8 FMAs for 6 loads and 8 accumulators. The dot-product form (both
-   operands along k) needs a load a multiply-add here: AVX2's 16 registers hold 12 accumulators but not also the
-   operands of a 4 x 3 block. One core, the shipped model's 8-bit layer at 63 rows: 4 x 2 dots 40 GFLOP/s, 4 x 3
+   operands along k, dots4x2) compiled to 12 loads for 8 FMAs, and a 4 x 3 block of it to 16 for 12: GCC folds the
+   x loads into every FMA. One core, the shipped model's 8-bit layer at 63 rows: 4 x 2 dots 40 GFLOP/s, 4 x 3
    42, this 74, of the core's 99-101 (docs/BENCHMARKS.md, twentieth session). */
 static void dots4x16t(const float *w, int k, const float *xt, float out[4][16]) {
   __m256 acc[4][2];
