@@ -361,7 +361,9 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     default_reduce, default_prefill, default_act = int4_triton.REDUCE, int4_triton.PREFILL, int4_triton.ACT
     default_gemv = (int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS)
     default_ahead_split, default_loop = int4_triton.AHEAD_SPLIT, int4_triton.LOOP
-    for v in variants:
+
+    def settings(v: Variant) -> None:
+        """The module settings variant v runs with (each field's default where v leaves it unset)."""
         int4_triton.REDUCE = v.reduce or default_reduce  # both read when the decode step is traced, at its first call
         int4_triton.PREFILL = v.prefill or default_prefill
         int4_triton.ACT = v.act or default_act
@@ -372,6 +374,9 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         pm.ROPE_FUSED, pm.ACT8_FUSED, pm.GEMV_EPILOGUES = v.rope, v.act8_fused, v.epilogues
         kv_triton.SPLIT_MIN_SLOTS = v.split_min or default_split_min  # read at each call (a graph keeps its capture's)
         pdl.MODE = v.pdl or default_pdl  # read at each launch: a graph keeps what its capture launched
+
+    for v in variants:
+        settings(v)
         try:
             if v.quant or v.fused:  # a model of its own (the shared one is the plain bf16 model)
                 shared = None
@@ -388,15 +393,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     if profile:
         try:
             last = variants[-1]  # profiled with its quantisation and compile setting, graphed
-            int4_triton.REDUCE, pm.ROPE_FUSED, pm.ACT8_FUSED = last.reduce or default_reduce, last.rope, last.act8_fused
-            pm.GEMV_EPILOGUES = last.epilogues
-            kv_triton.SPLIT_MIN_SLOTS = last.split_min or default_split_min
-            int4_triton.PREFILL = last.prefill or default_prefill
-            int4_triton.ACT = last.act or default_act
-            int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS = last.gemv or default_gemv
-            int4_triton.AHEAD_SPLIT = default_ahead_split if last.ahead_split < 0 else last.ahead_split
-            int4_triton.LOOP = last.loop or default_loop
-            pdl.MODE = last.pdl or default_pdl
+            settings(last)
             model = shared if shared is not None and not last.quant else make_model(name, dtype, last)
             res["profile"] = {"variant": last.name, **profile_step(model, prompt_len, tight, compile=last.compile)}
             del model
