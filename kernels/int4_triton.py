@@ -516,38 +516,60 @@ if triton is not None:
 
     @triton.jit
     def _mm_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, M, N, KS, stride_xm, GROUP: tl.constexpr, TN: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr, GM: tl.constexpr,
+                   SWAP: tl.constexpr = True):
         """y (M, N) = x (M, K) @ W^T for M > GEMV_MAX_M with the dequantise inside the GEMM: a program owns
         a (BM, BN) block of y (BN rows of one layout tile), and per 64-column step loads BN * 32 bytes of
-        codes, dequantises them in registers and feeds tl.dot (tensor cores) as its first operand
-        (W . x^T: the register operand is the weight, as swap-AB W4A16 kernels do), with the activation's
-        (64, BM) block loaded transposed and in the planes' column order (`_plane_column`) so that the
-        weights need no permute; fp32 accumulation, y in x's dtype. Grid: (M blocks, N blocks), M fastest,
-        so the programs that share a weight block run together and all but the first read it from L2: the
-        weight crosses DRAM once, as 4-bit codes, instead of as a bf16 copy written and read again."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        n0 = pid_n * BN
+        codes, dequantises them in registers (`_dequant_step`: the planes permuted back to column order, which
+        stays inside each thread) and feeds tl.dot (tensor cores) as its first operand (W . x^T: the register
+        operand is the weight, as swap-AB W4A16 kernels do), and the activation's (BM, 64) block, contiguous
+        rows that the pipeliner copies asynchronously, as the second (transposed in shared memory, free);
+        fp32 accumulation, y in x's dtype. Programs run in groups of GM M blocks a weight block (the grouped
+        order of Triton's matmul tutorial), so the readers of a weight block run together and all but the
+        first find it in L2: the weight crosses DRAM once, as 4-bit codes, instead of as a bf16 copy written
+        and read again."""
+        pid = tl.program_id(0)
+        per = GM * tl.cdiv(N, BN)
+        first_m = (pid // per) * GM
+        gm = tl.minimum(tl.cdiv(M, BM) - first_m, GM)
+        pid_m = first_m + (pid % per) % gm
+        n0 = ((pid % per) // gm) * BN
         r = (n0 % TN) + tl.arange(0, BN)
         bi = tl.arange(0, 2)
         ji = tl.arange(0, 4)
         n_groups = (KS * 64) // GROUP
         w_blk = w_ptr + (n0 // TN).to(tl.int64) * KS * (TN * 8) + (r[:, None, None] * 8 + bi[None, :, None] * 4
                                                                     + ji[None, None, :])
-        sb_blk = sb_ptr + (n0 // TN).to(tl.int64) * n_groups * (TN * 2) + r[:, None] * 2
+        # (s, b) as one 32-bit word a row and group (sb_ptr: the fp16 pairs seen as int32), so that the pipeliner
+        # copies them ahead with the codes (cp.async takes 4, 8 or 16 bytes; two 2-byte loads were issued in line)
+        sb_blk = sb_ptr + (n0 // TN).to(tl.int64) * n_groups * TN + r[:, None]
         rm = pid_m * BM + tl.arange(0, BM)
-        xt_blk = x_ptr + rm.to(tl.int64)[None, :] * stride_xm + _plane_column(tl.arange(0, 64))[:, None]  # (64, BM)
-        m_ok = (rm < M)[None, :]
-        acc = tl.zeros((BN, BM), tl.float32)
+        x_blk = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + tl.arange(0, 64)[None, :]  # (BM, 64)
+        m_ok = rm < M
+        if SWAP:
+            acc = tl.zeros((BN, BM), tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), tl.float32)
         for st in tl.range(0, KS, num_stages=STAGES):
             w = tl.load(w_blk + st * (TN * 8))
-            sbp = sb_blk + (((st * 2 + bi) * 32) // GROUP)[None, :] * (TN * 2)
-            v = tl.reshape(_dequant_planes(w, tl.load(sbp), tl.load(sbp + 1), x_ptr.dtype.element_ty, BN), (BN, 64))
-            xt = tl.load(xt_blk + st * 64, mask=m_ok, other=0.0)  # transposed by address (3.5-4x faster than
-            acc = tl.dot(v, xt, acc)  # loading (BM, 64) and tl.trans on an H200, docs/BENCHMARKS.md 2026-12-02)
+            sbw = tl.load(sb_blk + (((st * 2 + bi) * 32) // GROUP)[None, :] * TN)  # (BN, 2) words
+            sv = (sbw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+            bv = (sbw >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+            xt = tl.load(x_blk + st * 64, mask=m_ok[:, None], other=0.0)
+            if SWAP:
+                v = _dequant_step(w, sv, bv, x_ptr.dtype.element_ty, BN)
+                acc = tl.dot(v, tl.trans(xt), acc)
+            else:
+                vt = tl.reshape(tl.permute(_dequant_planes(w, sv, bv, x_ptr.dtype.element_ty, BN), (1, 5, 4, 3, 2, 0)),
+                                (64, BN))
+                acc = tl.dot(xt, vt, acc)
         rn = n0 + tl.arange(0, BN)
-        tl.store(y_ptr + rm.to(tl.int64)[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok & (rn < N)[:, None])
+        if SWAP:
+            tl.store(y_ptr + rm.to(tl.int64)[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                     mask=m_ok[None, :] & (rn < N)[:, None])
+        else:
+            tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & (rn < N)[None, :])
 
     @triton.jit
     def act8_store(v, blk0, q_row, K, NB: tl.constexpr):
@@ -750,11 +772,9 @@ def _(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) ->
     return codes.new_empty((n, codes.shape[1] * 64), dtype=dtype)
 
 
-# (BM, BN, warps, stages) of `_mm_kernel`; BN is capped at the layout's tile rows (it must divide them).
-# Measured on an H200 at M = 512, Llama-3-8B shapes (scripts/bench_int4_gemv.py --rows 512, docs/BENCHMARKS.md
-# 2026-12-02): the best of eight configs per shape, 100 / 291 / 347 us for q/o, gate/up, down, against bf16
-# cuBLAS's 24 / 86 / 79 and the dequantise + cuBLAS path's 35 / 129 / 119: 3-4x slower than bf16, so not the default.
-MM_CONFIG = (128, 128, 8, 3)
+# (BM, BN, warps, stages, group_m, swap) of `_mm_kernel`; BN is capped at the layout's tile rows (it must divide
+# them). ORIN_AGENT_INT4_MM_CONFIG="BM,BN,warps,stages,group_m,swap" sets it (measurement).
+MM_CONFIG = tuple(int(v) for v in os.environ.get("ORIN_AGENT_INT4_MM_CONFIG", "128,128,8,3,8,1").split(","))
 
 
 @torch.library.custom_op("orin_agent::int4_mm", mutates_args=())
@@ -763,11 +783,12 @@ def int4_mm(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Te
     into the GEMM (`_mm_kernel`)."""
     m, k = x.shape
     nt, ks, tn, _ = codes.shape
-    bm, bn, warps, stages = MM_CONFIG
+    bm, bn, warps, stages, gm, swap = MM_CONFIG
     bn = min(bn, tn)
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    _mm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](x, codes, sb, y, m, n, ks, x.stride(0), GROUP=group_size,
-                                                         TN=tn, BM=bm, BN=bn, STAGES=stages, num_warps=warps)
+    _mm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](x, codes, sb.view(torch.int32), y, m, n, ks, x.stride(0), GROUP=group_size,
+                                                           TN=tn, BM=bm, BN=bn, STAGES=stages, GM=gm, SWAP=bool(swap),
+                                                           num_warps=warps)
     return y
 
 
