@@ -154,14 +154,18 @@ def check_gemv(device: str) -> None:
                 err = float((got.double() - want).norm() / want.norm())
                 assert err < 1e-6, (n, k, group, m, dtype, split, prefetch, loop, err)  # fp32 rounding: exact products
             it.PREFETCH, it.LOOP = default_prefetch, default_loop
+        default_mm = it.MM_CONFIG
         for m in (5, 130):  # the GEMM with the dequantise inside (prefill rows): operands in x's dtype, fp32 sums
             for dtype in tensor_dtypes:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
                 want = x.double() @ ref.double().T
-                got = it.int4_mm(x, codes, sb, n, group)
-                assert got.shape == (m, n) and got.dtype == dtype
-                err = float((got.double() - want).norm() / want.norm())
-                assert err < (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9), (n, k, group, m, dtype, err)
+                # both orientations (the weight as the register or the shared-memory operand), a tile past M and N
+                for it.MM_CONFIG in (default_mm, (64, 64, 4, 2, 2, 1), (64, 64, 4, 2, 2, 0)):
+                    got = it.int4_mm(x, codes, sb, n, group)
+                    assert got.shape == (m, n) and got.dtype == dtype
+                    err = float((got.double() - want).norm() / want.norm())
+                    assert err < (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9), (n, k, group, m, dtype, it.MM_CONFIG, err)
+        it.MM_CONFIG = default_mm
 
 
 def check_layer_and_split_k(device: str) -> None:
@@ -462,3 +466,23 @@ def test_gemv_epilogues_compile_for_orin_and_hopper(arch: int) -> None:
         got = resources(compile_kernel(it._gemv_reduced_kernel, ptrs, {**consts, **epi}, arch, warps, 1))
         want = plain[epi.get("MODE", 1)]
         assert got["stack_bytes"] == 0 and got["registers"] <= want["registers"], (arch, epi, got, want)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
+@pytest.mark.parametrize("arch", [87, 90])
+def test_prefill_gemm_compiles_for_orin_and_hopper(arch: int) -> None:
+    """The GEMM with the dequantise inside (int4_mm) compiles to SASS for sm_87 (Orin) and sm_90 without a GPU in
+    both orientations, with no spills, on tensor cores (HMMA / Hopper's HGMMA), and with the activation, the codes
+    and the (s, b) words copied to shared memory ahead of use (LDGSTS: cp.async), not loaded in line."""
+    import re
+
+    from scripts.kv_kernel_sass import compile_kernel, cuobjdump, resources
+
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*i32", "y_ptr": "*bf16"}
+    for bm, bn, warps, stages, gm, swap in (it.MM_CONFIG, (128, 128, 8, 3, 8, 1), (128, 128, 8, 3, 8, 0)):
+        kern = compile_kernel(it._mm_kernel, ptrs, {"GROUP": 128, "TN": 512, "BM": bm, "BN": bn, "STAGES": stages,
+                                                    "GM": gm, "SWAP": bool(swap)}, arch, warps, stages)
+        sass = cuobjdump(kern, "-sass")
+        assert resources(kern)["stack_bytes"] == 0, (arch, swap)
+        assert re.search(r"\bHGMMA\." if arch >= 90 else r"\bHMMA\.16816\.F32\.BF16", sass), (arch, swap)
+        assert "LDGSTS" in sass and not re.search(r"LDG\.E\.U16", sass), (arch, swap)
