@@ -451,6 +451,25 @@ if triton is not None:
         return v
 
     @triton.jit
+    def _dequant_planes_i2f(w, sv, bv, dt: tl.constexpr, RB: tl.constexpr):
+        """`_dequant_planes`' values and order by another route: nibble plane I masked in place is the integer
+        q 2^(4I), which I2FP (sm_86 and newer: the unsigned conversion Triton emits) turns into that float
+        exactly, and the group's s scaled by 2^(-4I) (exact) brings it back in the multiply-add: a LOP3, an
+        I2FP and an FFMA a weight, against two LOP3s, an FADD and an FFMA."""
+        s = sv.to(tl.float32)[:, :, None]
+        b = bv.to(tl.float32)[:, :, None]
+        u = w.to(tl.uint32, bitcast=True)
+        p0 = ((u & 0xF).to(tl.float32) * s + b).to(dt)
+        p1 = ((u & 0xF0).to(tl.float32) * (s * 0.0625) + b).to(dt)
+        p2 = ((u & 0xF00).to(tl.float32) * (s * 0.00390625) + b).to(dt)
+        p3 = ((u & 0xF000).to(tl.float32) * (s * 2.0 ** -12) + b).to(dt)
+        p4 = ((u & 0xF0000).to(tl.float32) * (s * 2.0 ** -16) + b).to(dt)
+        p5 = ((u & 0xF00000).to(tl.float32) * (s * 2.0 ** -20) + b).to(dt)
+        p6 = ((u & 0xF000000).to(tl.float32) * (s * 2.0 ** -24) + b).to(dt)
+        p7 = ((u & 0xF0000000).to(tl.float32) * (s * 2.0 ** -28) + b).to(dt)
+        return tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+
+    @triton.jit
     def _plane_column(f):
         """The step column (32 block + 4 i + j) that `_dequant_planes`' flattened index f holds."""
         return 32 * (f // 32) + 16 * (f % 2) + 8 * ((f // 2) % 2) + 4 * ((f // 4) % 2) + (f // 8) % 4
@@ -517,7 +536,7 @@ if triton is not None:
     @triton.jit
     def _mm_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, M, N, KS, stride_xm, GROUP: tl.constexpr, TN: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr, GM: tl.constexpr,
-                   SWAP: tl.constexpr = True):
+                   SWAP: tl.constexpr = True, I2F: tl.constexpr = False):
         """y (M, N) = x (M, K) @ W^T for M > GEMV_MAX_M with the dequantise inside the GEMM: a program owns
         a (BM, BN) block of y (BN rows of one layout tile), and per 64-column step loads BN * 32 bytes of
         codes, dequantises them in registers (`_dequant_step`: the planes permuted back to column order, which
@@ -556,13 +575,14 @@ if triton is not None:
             sv = (sbw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
             bv = (sbw >> 16).to(tl.int16).to(tl.float16, bitcast=True)
             xt = tl.load(x_blk + st * 64, mask=m_ok[:, None], other=0.0)
-            if SWAP:
-                v = _dequant_step(w, sv, bv, x_ptr.dtype.element_ty, BN)
-                acc = tl.dot(v, tl.trans(xt), acc)
+            if I2F:
+                v6 = _dequant_planes_i2f(w, sv, bv, x_ptr.dtype.element_ty, BN)
             else:
-                vt = tl.reshape(tl.permute(_dequant_planes(w, sv, bv, x_ptr.dtype.element_ty, BN), (1, 5, 4, 3, 2, 0)),
-                                (64, BN))
-                acc = tl.dot(xt, vt, acc)
+                v6 = _dequant_planes(w, sv, bv, x_ptr.dtype.element_ty, BN)
+            if SWAP:  # the planes permuted back to column order (inside each thread), as _dequant_step does
+                acc = tl.dot(tl.reshape(tl.permute(v6, (0, 1, 5, 4, 3, 2)), (BN, 64)), tl.trans(xt), acc)
+            else:
+                acc = tl.dot(xt, tl.reshape(tl.permute(v6, (1, 5, 4, 3, 2, 0)), (64, BN)), acc)
         rn = n0 + tl.arange(0, BN)
         if SWAP:
             tl.store(y_ptr + rm.to(tl.int64)[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty),
@@ -772,9 +792,9 @@ def _(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) ->
     return codes.new_empty((n, codes.shape[1] * 64), dtype=dtype)
 
 
-# (BM, BN, warps, stages, group_m, swap) of `_mm_kernel`; BN is capped at the layout's tile rows (it must divide
-# them). ORIN_AGENT_INT4_MM_CONFIG="BM,BN,warps,stages,group_m,swap" sets it (measurement).
-MM_CONFIG = tuple(int(v) for v in os.environ.get("ORIN_AGENT_INT4_MM_CONFIG", "128,128,8,3,8,1").split(","))
+# (BM, BN, warps, stages, group_m, swap, i2f) of `_mm_kernel`; BN is capped at the layout's tile rows (it must divide
+# them). ORIN_AGENT_INT4_MM_CONFIG="BM,BN,warps,stages,group_m,swap,i2f" sets it (measurement).
+MM_CONFIG = tuple(int(v) for v in os.environ.get("ORIN_AGENT_INT4_MM_CONFIG", "128,128,8,3,8,1,0").split(","))
 
 
 @torch.library.custom_op("orin_agent::int4_mm", mutates_args=())
@@ -783,12 +803,12 @@ def int4_mm(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Te
     into the GEMM (`_mm_kernel`)."""
     m, k = x.shape
     nt, ks, tn, _ = codes.shape
-    bm, bn, warps, stages, gm, swap = MM_CONFIG
+    bm, bn, warps, stages, gm, swap, i2f = MM_CONFIG
     bn = min(bn, tn)
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     _mm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](x, codes, sb.view(torch.int32), y, m, n, ks, x.stride(0), GROUP=group_size,
                                                            TN=tn, BM=bm, BN=bn, STAGES=stages, GM=gm, SWAP=bool(swap),
-                                                           num_warps=warps)
+                                                           I2F=bool(i2f), num_warps=warps)
     return y
 
 
