@@ -793,7 +793,10 @@ def _(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) ->
 
 
 # (BM, BN, warps, stages, group_m, swap, i2f) of `_mm_kernel`; BN is capped at the layout's tile rows (it must divide
-# them). ORIN_AGENT_INT4_MM_CONFIG="BM,BN,warps,stages,group_m,swap,i2f" sets it (measurement).
+# them). ORIN_AGENT_INT4_MM_CONFIG="BM,BN,warps,stages,group_m,swap,i2f" sets it (measurement). This form of the
+# kernel has not been timed (docs/BENCHMARKS.md, twenty-first session); the default is the first compiled config of
+# bench_int4_gemv's sweep, not a measured choice. Its earlier form (the activation gathered in the planes' order)
+# ran 3-4x slower than bf16 cuBLAS at M = 512 on an H200 (fourth session).
 MM_CONFIG = tuple(int(v) for v in os.environ.get("ORIN_AGENT_INT4_MM_CONFIG", "128,128,8,3,8,1,0").split(","))
 
 
