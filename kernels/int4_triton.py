@@ -538,15 +538,16 @@ if triton is not None:
                    BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr, GM: tl.constexpr,
                    SWAP: tl.constexpr = True, I2F: tl.constexpr = False):
         """y (M, N) = x (M, K) @ W^T for M > GEMV_MAX_M with the dequantise inside the GEMM: a program owns
-        a (BM, BN) block of y (BN rows of one layout tile), and per 64-column step loads BN * 32 bytes of
-        codes, dequantises them in registers (`_dequant_step`: the planes permuted back to column order, which
-        stays inside each thread) and feeds tl.dot (tensor cores) as its first operand (W . x^T: the register
-        operand is the weight, as swap-AB W4A16 kernels do), and the activation's (BM, 64) block, contiguous
-        rows that the pipeliner copies asynchronously, as the second (transposed in shared memory, free);
-        fp32 accumulation, y in x's dtype. Programs run in groups of GM M blocks a weight block (the grouped
-        order of Triton's matmul tutorial), so the readers of a weight block run together and all but the
-        first find it in L2: the weight crosses DRAM once, as 4-bit codes, instead of as a bf16 copy written
-        and read again."""
+        a (BM, BN) block of y (BN rows of one layout tile). Per 64-column step it loads BN * 32 bytes of codes and
+        BN * 2 (s, b) words, dequantises them in registers (`_dequant_planes`, or `_dequant_planes_i2f` with I2F:
+        the same values) and permutes the planes back to column order, which stays inside each thread; the
+        activation's (BM, 64) block is contiguous rows. The pipeliner copies all three ahead (cp.async) over
+        STAGES steps. SWAP: the weight is tl.dot's register operand and the activation, transposed in shared
+        memory, the other (acc (BN, BM) = W . x^T, as swap-AB W4A16 kernels do); else the weight, transposed in
+        registers, is the shared-memory operand (acc (BM, BN) = x . W^T). fp32 accumulation, y in x's dtype.
+        Programs run in groups of GM M blocks a weight block (the grouped order of Triton's matmul tutorial), so
+        the readers of a weight block run together and all but the first find it in L2: the weight crosses DRAM
+        once, as 4-bit codes, instead of as a bf16 copy written and read again."""
         pid = tl.program_id(0)
         per = GM * tl.cdiv(N, BN)
         first_m = (pid // per) * GM
@@ -798,6 +799,8 @@ def _(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) ->
 # bench_int4_gemv's sweep, not a measured choice. Its earlier form (the activation gathered in the planes' order)
 # ran 3-4x slower than bf16 cuBLAS at M = 512 on an H200 (fourth session).
 MM_CONFIG = tuple(int(v) for v in os.environ.get("ORIN_AGENT_INT4_MM_CONFIG", "128,128,8,3,8,1,0").split(","))
+if len(MM_CONFIG) != 7:
+    raise ValueError(f"ORIN_AGENT_INT4_MM_CONFIG={MM_CONFIG}: give 7 integers, BM,BN,warps,stages,group_m,swap,i2f")
 
 
 @torch.library.custom_op("orin_agent::int4_mm", mutates_args=())
@@ -809,9 +812,9 @@ def int4_mm(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Te
     bm, bn, warps, stages, gm, swap, i2f = MM_CONFIG
     bn = min(bn, tn)
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    _mm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](x, codes, sb.view(torch.int32), y, m, n, ks, x.stride(0), GROUP=group_size,
-                                                           TN=tn, BM=bm, BN=bn, STAGES=stages, GM=gm, SWAP=bool(swap),
-                                                           I2F=bool(i2f), num_warps=warps)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _mm_kernel[grid](x, codes, sb.view(torch.int32), y, m, n, ks, x.stride(0), GROUP=group_size, TN=tn, BM=bm, BN=bn,
+                     STAGES=stages, GM=gm, SWAP=bool(swap), I2F=bool(i2f), num_warps=warps)
     return y
 
 

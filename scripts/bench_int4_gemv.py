@@ -44,9 +44,9 @@ L2_BYTES = 60 * 2 ** 20  # H200: 60 MB of L2 (KINDS.md: PyTorch reported it on t
 
 
 # (BM, BN, warps, stages, group_m, swap, i2f) of kernels.int4_triton's fused prefill GEMM, timed per prefill shape
-MM_CONFIGS = ((128, 128, 8, 3, 8, 1, 0), (256, 128, 8, 3, 8, 1, 0), (256, 128, 8, 3, 8, 1, 1), (128, 64, 4, 4, 8, 1, 0),
-              (128, 128, 8, 3, 8, 0, 0), (128, 256, 8, 3, 8, 0, 0), (256, 128, 8, 3, 8, 0, 0), (256, 128, 8, 3, 8, 0, 1),
-              (128, 256, 8, 3, 8, 0, 1))
+MM_CONFIGS = ((128, 128, 8, 3, 8, 1, 0), (256, 128, 8, 3, 8, 1, 0), (256, 128, 8, 3, 8, 1, 1),
+              (128, 64, 4, 4, 8, 1, 0), (128, 128, 8, 3, 8, 0, 0), (128, 256, 8, 3, 8, 0, 0),
+              (256, 128, 8, 3, 8, 0, 0), (256, 128, 8, 3, 8, 0, 1), (128, 256, 8, 3, 8, 0, 1))
 
 
 def graph_time(fns: list[Callable[[], object]], calls: int, reps: int = 20) -> float:

@@ -161,11 +161,13 @@ def check_gemv(device: str) -> None:
                 want = x.double() @ ref.double().T
                 # both orientations (the weight as the register or the shared-memory operand), both dequantise
                 # routes (I2F), a tile past M and N
-                for it.MM_CONFIG in (default_mm, (64, 64, 4, 2, 2, 1, 1), (64, 64, 4, 2, 2, 0, 0), (64, 64, 4, 2, 2, 0, 1)):
+                for it.MM_CONFIG in (default_mm, (64, 64, 4, 2, 2, 1, 1), (64, 64, 4, 2, 2, 0, 0),
+                                     (64, 64, 4, 2, 2, 0, 1)):
                     got = it.int4_mm(x, codes, sb, n, group)
                     assert got.shape == (m, n) and got.dtype == dtype
                     err = float((got.double() - want).norm() / want.norm())
-                    assert err < (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9), (n, k, group, m, dtype, it.MM_CONFIG, err)
+                    assert err < (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9), (n, k, group, m, dtype,
+                                                                                      it.MM_CONFIG, err)
         it.MM_CONFIG = default_mm
 
 
@@ -481,8 +483,9 @@ def test_prefill_gemm_compiles_for_orin_and_hopper(arch: int) -> None:
 
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*i32", "y_ptr": "*bf16"}
     for bm, bn, warps, stages, gm, swap, i2f in (it.MM_CONFIG, (128, 128, 8, 3, 8, 1, 1), (128, 128, 8, 3, 8, 0, 0)):
-        kern = compile_kernel(it._mm_kernel, ptrs, {"GROUP": 128, "TN": 512, "BM": bm, "BN": bn, "STAGES": stages,
-                                                    "GM": gm, "SWAP": bool(swap), "I2F": bool(i2f)}, arch, warps, stages)
+        consts = {"GROUP": 128, "TN": 512, "BM": bm, "BN": bn, "STAGES": stages, "GM": gm, "SWAP": bool(swap),
+                  "I2F": bool(i2f)}
+        kern = compile_kernel(it._mm_kernel, ptrs, consts, arch, warps, stages)
         sass = cuobjdump(kern, "-sass")
         assert resources(kern)["stack_bytes"] == 0, (arch, swap)
         assert re.search(r"\bHGMMA\." if arch >= 90 else r"\bHMMA\.16816\.F32\.BF16", sass), (arch, swap)
