@@ -689,6 +689,17 @@ static float *transpose_x(const float *x, int m, int k) {
 }
 #endif
 
+#if Q4_AVX2 || Q4_NEON
+/* dots4x2's columns i..k that fill no vector, added one at a time to the vector sums out_a / out_b */
+static void dots4x2_tail(const float *w, int k, int i, const float *xa, const float *xb, float *out_a, float *out_b) {
+  for (int r = 0; r < 4; r++)
+    for (int t = i; t < k; t++) {
+      out_a[r] += w[(size_t)r * k + t] * xa[t];
+      out_b[r] += w[(size_t)r * k + t] * xb[t];
+    }
+}
+#endif
+
 /* out_a[r] = w_r . xa and out_b[r] = w_r . xb for the 4 rows of w (4, k): each weight load serves two rows of x (on
    AVX2 only the last 1-7 rows of x, after dots4x16t's blocks) */
 static void dots4x2(const float *w, int k, const float *xa, const float *xb, float *out_a, float *out_b) {
@@ -707,11 +718,8 @@ static void dots4x2(const float *w, int k, const float *xa, const float *xb, flo
   for (int r = 0; r < 4; r++) {
     out_a[r] = hsum(a[r]);
     out_b[r] = hsum(b[r]);
-    for (int t = i; t < k; t++) {
-      out_a[r] += w[(size_t)r * k + t] * xa[t];
-      out_b[r] += w[(size_t)r * k + t] * xb[t];
-    }
   }
+  dots4x2_tail(w, k, i, xa, xb, out_a, out_b);
 #elif Q4_NEON
   float32x4_t a[4], b[4];
   for (int r = 0; r < 4; r++) a[r] = b[r] = vdupq_n_f32(0);
@@ -727,11 +735,8 @@ static void dots4x2(const float *w, int k, const float *xa, const float *xb, flo
   for (int r = 0; r < 4; r++) {
     out_a[r] = vaddvq_f32(a[r]);
     out_b[r] = vaddvq_f32(b[r]);
-    for (int t = i; t < k; t++) {
-      out_a[r] += w[(size_t)r * k + t] * xa[t];
-      out_b[r] += w[(size_t)r * k + t] * xb[t];
-    }
   }
+  dots4x2_tail(w, k, i, xa, xb, out_a, out_b);
 #else
   for (int r = 0; r < 4; r++) {
     out_a[r] = dot(w + (size_t)r * k, xa, k);
