@@ -1,6 +1,7 @@
 """Triton kernels for weight-only INT4 linears on CUDA: a batch-1 (small-M) GEMV that streams the packed
-codes once, and a dequantise kernel for prefill (M > GEMV_MAX_M rows: bf16/fp16 weight once per call,
-then cuBLAS through F.linear; `int4_mm`, the dequantise inside a Triton GEMM, is measured and opt-in: PREFILL). Both are torch custom ops (`orin_agent::int4_gemv`,
+codes once, and for prefill (M > GEMV_MAX_M rows) `int4_mm`, the dequantise inside a Triton GEMM, up to
+MM_MAX_M rows, and above them a dequantise kernel (a bf16/fp16 weight once per call, then cuBLAS through
+F.linear): PREFILL. They are torch custom ops (`orin_agent::int4_gemv`,
 `orin_agent::int4_dequant`) with fake implementations, so inductor and CUDA graphs take them whole
 inside the compiled decode step. The GEMV's split-K partial sums are added inside the kernel by default
 (`REDUCE`: fp32 atomics into a per-layer scratch that the tile's last program casts and zeroes, or a
@@ -534,9 +535,9 @@ if triton is not None:
                                 _dequant_nth(pid - e2, w3, sb3, o3, n3, ks3, GROUP, T3, R3)
 
     @triton.jit
-    def _mm_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, M, N, KS, stride_xm, GROUP: tl.constexpr, TN: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr, GM: tl.constexpr,
-                   SWAP: tl.constexpr = True, I2F: tl.constexpr = False):
+    def _mm_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, M, N, KS, stride_xm, STEPS_SPLIT, GROUP: tl.constexpr,
+                   TN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr, GM: tl.constexpr,
+                   SWAP: tl.constexpr = True, I2F: tl.constexpr = False, SPLIT: tl.constexpr = 1):
         """y (M, N) = x (M, K) @ W^T for M > GEMV_MAX_M with the dequantise inside the GEMM: a program owns
         a (BM, BN) block of y (BN rows of one layout tile). Per 64-column step it loads BN * 32 bytes of codes and
         BN * 2 (s, b) words, dequantises them in registers (`_dequant_planes`, or `_dequant_planes_i2f` with I2F:
@@ -547,7 +548,9 @@ if triton is not None:
         registers, is the shared-memory operand (acc (BM, BN) = x . W^T). fp32 accumulation, y in x's dtype.
         Programs run in groups of GM M blocks a weight block (the grouped order of Triton's matmul tutorial), so
         the readers of a weight block run together and all but the first find it in L2: the weight crosses DRAM
-        once, as 4-bit codes, instead of as a bf16 copy written and read again."""
+        once, as 4-bit codes, instead of as a bf16 copy written and read again. SPLIT > 1 (split-K, where the
+        blocks of y are fewer than the SMs): program_id(1) takes STEPS_SPLIT of the KS steps and adds its sum into
+        y, a zeroed fp32 buffer, atomically."""
         pid = tl.program_id(0)
         per = GM * tl.cdiv(N, BN)
         first_m = (pid // per) * GM
@@ -570,7 +573,8 @@ if triton is not None:
             acc = tl.zeros((BN, BM), tl.float32)
         else:
             acc = tl.zeros((BM, BN), tl.float32)
-        for st in tl.range(0, KS, num_stages=STAGES):
+        lo = tl.program_id(1) * STEPS_SPLIT
+        for st in tl.range(lo, tl.minimum(lo + STEPS_SPLIT, KS), num_stages=STAGES):
             w = tl.load(w_blk + st * (TN * 8))
             sbw = tl.load(sb_blk + (((st * 2 + bi) * 32) // GROUP)[None, :] * TN)  # (BN, 2) words
             sv = (sbw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
@@ -586,11 +590,15 @@ if triton is not None:
                 acc = tl.dot(xt, tl.reshape(tl.permute(v6, (1, 5, 4, 3, 2, 0)), (64, BN)), acc)
         rn = n0 + tl.arange(0, BN)
         if SWAP:
-            tl.store(y_ptr + rm.to(tl.int64)[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty),
-                     mask=m_ok[None, :] & (rn < N)[:, None])
+            y_at = y_ptr + rm.to(tl.int64)[None, :] * N + rn[:, None]
+            ok = m_ok[None, :] & (rn < N)[:, None]
         else:
-            tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=m_ok[:, None] & (rn < N)[None, :])
+            y_at = y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+            ok = m_ok[:, None] & (rn < N)[None, :]
+        if SPLIT > 1:
+            tl.atomic_add(y_at, acc, mask=ok, sem="relaxed")
+        else:
+            tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def act8_store(v, blk0, q_row, K, NB: tl.constexpr):
@@ -794,13 +802,58 @@ def _(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) ->
 
 
 # (BM, BN, warps, stages, group_m, swap, i2f) of `_mm_kernel`; BN is capped at the layout's tile rows (it must divide
-# them). ORIN_AGENT_INT4_MM_CONFIG="BM,BN,warps,stages,group_m,swap,i2f" sets it (measurement). This form of the
-# kernel has not been timed (docs/BENCHMARKS.md, twenty-first session); the default is the first compiled config of
-# bench_int4_gemv's sweep, not a measured choice. Its earlier form (the activation gathered in the planes' order)
-# ran 3-4x slower than bf16 cuBLAS at M = 512 on an H200 (fourth session).
-MM_CONFIG = tuple(int(v) for v in os.environ.get("ORIN_AGENT_INT4_MM_CONFIG", "128,128,8,3,8,1,0").split(","))
-if len(MM_CONFIG) != 7:
-    raise ValueError(f"ORIN_AGENT_INT4_MM_CONFIG={MM_CONFIG}: give 7 integers, BM,BN,warps,stages,group_m,swap,i2f")
+# them). Chosen by the rows M (`mm_config`): measured on an H100 (docs/BENCHMARKS.md, "The prefill GEMM timed",
+# 2026-12-07, `scripts/bench_int4_gemv.py --shapes llama-3-8b-fused --rows 512,128`, nine configs), summed over a
+# Llama-3-8B layer's four fused shapes: at M = 128 (128, 64, 4 warps, 4 stages, swap-AB) 330.5 us, the next 387.4;
+# at M = 512 (256, 128, 8 warps, 3 stages, swap-AB, I2F) 633.0 us, the next 638.5.
+# Before Hopper (Orin's sm_87) the large one spills (80 bytes of stack, Triton 3.9), so there M > MM_MAX_M takes
+# the 128 x 128 tile at 8 warps, which compiles without spills there (184 registers) and ran second at M = 512.
+MM_CONFIG_SMALL = (128, 64, 4, 4, 8, 1, 0)
+MM_CONFIG_LARGE = (256, 128, 8, 3, 8, 1, 1)
+MM_CONFIG_LARGE_SM80 = (128, 128, 8, 3, 8, 1, 0)
+# ORIN_AGENT_INT4_MM_CONFIG="BM,BN,warps,stages,group_m,swap,i2f" sets one config for every M (measurement).
+MM_CONFIG: tuple[int, ...] | None = None
+if os.environ.get("ORIN_AGENT_INT4_MM_CONFIG"):
+    try:
+        MM_CONFIG = tuple(int(v) for v in os.environ["ORIN_AGENT_INT4_MM_CONFIG"].split(","))
+    except ValueError:
+        MM_CONFIG = ()
+    if len(MM_CONFIG) != 7:
+        raise ValueError(f"ORIN_AGENT_INT4_MM_CONFIG={os.environ['ORIN_AGENT_INT4_MM_CONFIG']!r}: give 7 integers, "
+                         "BM,BN,warps,stages,group_m,swap,i2f (e.g. 128,64,4,4,8,1,0), or unset it")
+# Up to this many rows PREFILL "auto" (the default) runs `int4_mm`; above, it dequantises once for cuBLAS. Measured
+# on an H100 (the same run), a layer's four fused shapes: M = 128 int4_mm 330.5 us against dequantise + cuBLAS
+# 379.6; M = 512 633.0 against 507.0.
+MM_MAX_M = 128
+
+
+def mm_config(m: int, major: int = 9) -> tuple[int, ...]:
+    """`_mm_kernel`'s config for M rows on a GPU of compute capability `major`: MM_CONFIG where set, else the
+    measured one for M's side of MM_MAX_M."""
+    if MM_CONFIG:
+        return MM_CONFIG
+    if m <= MM_MAX_M:
+        return MM_CONFIG_SMALL
+    return MM_CONFIG_LARGE if major >= 9 else MM_CONFIG_LARGE_SM80
+
+
+# Split-K of `int4_mm` (measurement: ORIN_AGENT_INT4_MM_SPLIT=n for every call; 0 or unset: `mm_split`'s rule).
+MM_SPLIT = int(os.environ.get("ORIN_AGENT_INT4_MM_SPLIT", "0") or 0)
+MM_SPLIT_MIN_STEPS = 16  # 64-column steps a split keeps at least (1024 columns)
+
+
+def mm_split(blocks: int, ks: int, sms: int) -> int:
+    """Splits of K for `int4_mm` with `blocks` (BM, BN) blocks of y and ks 64-column steps on `sms` SMs: as many
+    as fill the SMs once (a Llama-3-8B down_proj at M = 512: 64 blocks of 256 x 128 on an H100's 132 SMs, 2), at
+    least MM_SPLIT_MIN_STEPS steps each; 1 where the blocks alone fill them."""
+    if MM_SPLIT > 0:
+        return min(MM_SPLIT, ks)
+    return max(1, min(sms // max(blocks, 1), ks // MM_SPLIT_MIN_STEPS))
+
+
+@functools.lru_cache(maxsize=8)
+def _cc_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 @torch.library.custom_op("orin_agent::int4_mm", mutates_args=())
@@ -809,13 +862,19 @@ def int4_mm(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Te
     into the GEMM (`_mm_kernel`)."""
     m, k = x.shape
     nt, ks, tn, _ = codes.shape
-    bm, bn, warps, stages, gm, swap, i2f = MM_CONFIG
+    cuda = x.device.type == "cuda"
+    bm, bn, warps, stages, gm, swap, i2f = mm_config(m, _cc_major(x.device.index or 0) if cuda else 9)
     bn = min(bn, tn)
-    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _mm_kernel[grid](x, codes, sb.view(torch.int32), y, m, n, ks, x.stride(0), GROUP=group_size, TN=tn, BM=bm, BN=bn,
-                     STAGES=stages, GM=gm, SWAP=bool(swap), I2F=bool(i2f), num_warps=warps)
-    return y
+    blocks = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = mm_split(blocks, ks, _sm_count(x.device.index or 0) if cuda else 132)
+    per = triton.cdiv(ks, split)
+    split = triton.cdiv(ks, per)
+    y = torch.zeros((m, n), device=x.device, dtype=torch.float32) if split > 1 else \
+        torch.empty((m, n), device=x.device, dtype=x.dtype)
+    _mm_kernel[(blocks, split)](x, codes, sb.view(torch.int32), y, m, n, ks, x.stride(0), per, GROUP=group_size,
+                                TN=tn, BM=bm, BN=bn, STAGES=stages, GM=gm, SWAP=bool(swap), I2F=bool(i2f),
+                                SPLIT=split, num_warps=warps)
+    return y.to(x.dtype) if split > 1 else y
 
 
 @int4_mm.register_fake
@@ -823,17 +882,23 @@ def _(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Tensor:
     return x.new_empty((x.shape[0], n))
 
 
-# How M > GEMV_MAX_M rows (prefill) run: "dequant" (a bf16 / fp16 copy of the weight, then cuBLAS; the default,
-# measured faster: MM_CONFIG's comment) or "fused" (`int4_mm`: the dequantise inside a Triton GEMM, the weight
-# read once as codes). fp32 activations always take "dequant" (tl.dot's fp32 operands would run as tf32).
-# "dequant" takes a decoder layer's weights in one launch, in line with the layer (weight_only.hold_prefill_weights,
-# eager prefill); "dequant-ahead" the same a layer ahead on a side stream where a slice runs its layers
-# (weight_only.LayerPrefetch: measured slower in an eager prefill, which is host-bound, docs/BENCHMARKS.md "INT4
-# prefill: where the time goes"; opt-in), "dequant-each" one launch a weight (the earlier form, for measurement).
-PREFILL_MODES = ("dequant", "dequant-ahead", "dequant-each", "fused", "graphed")  # "graphed": opt-in, slower
-PREFILL = os.environ.get("ORIN_AGENT_INT4_PREFILL", "dequant")
+# How M > GEMV_MAX_M rows (prefill) run: "auto" (the default: `int4_mm` up to MM_MAX_M rows, "dequant" above;
+# MM_MAX_M's measurement), "dequant" (a bf16 / fp16 copy of the weight, then cuBLAS) or "fused" (`int4_mm` for
+# every M: the dequantise inside a Triton GEMM, the weight read once as codes). fp32 activations always take
+# "dequant" (tl.dot's fp32 operands would run as tf32). "dequant" takes a decoder layer's weights in one launch, in
+# line with the layer (weight_only.hold_prefill_weights, eager prefill); "dequant-ahead" the same a layer ahead on a
+# side stream where a slice runs its layers (weight_only.LayerPrefetch: measured slower in an eager prefill, which is
+# host-bound, docs/BENCHMARKS.md "INT4 prefill: where the time goes"; opt-in), "dequant-each" one launch a weight
+# (the earlier form, for measurement).
+PREFILL_MODES = ("auto", "dequant", "dequant-ahead", "dequant-each", "fused", "graphed")  # "graphed": opt-in, slower
+PREFILL = os.environ.get("ORIN_AGENT_INT4_PREFILL", "auto")
 if PREFILL not in PREFILL_MODES:
     raise ValueError(f"ORIN_AGENT_INT4_PREFILL={PREFILL!r}: use one of {', '.join(PREFILL_MODES)}")
+
+
+def prefill_fused(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a prefill of `rows` rows (> GEMV_MAX_M) in `dtype` runs `int4_mm` (PREFILL's rule)."""
+    return dtype in (torch.bfloat16, torch.float16) and (PREFILL == "fused" or (PREFILL == "auto" and rows <= MM_MAX_M))
 
 
 def gemv_split(n: int, k: int, device: torch.device) -> int:
@@ -1052,10 +1117,10 @@ def linear(x2: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, split
            ws: Tensor | None = None, cnt: Tensor | None = None) -> Tensor:
     """x2 (M, K) @ W^T -> (M, N) in x2's dtype: the GEMV for M <= GEMV_MAX_M (split-K summed as REDUCE
     says; "partials" where no scratch is given; the activation taken as ACT says where the sum is in the
-    kernel), else as PREFILL says: dequantise once and F.linear (cuBLAS / inductor's mm; "graphed": the
-    dequantise replayed from a CUDA graph), or the fused `int4_mm`."""
+    kernel), else as PREFILL says (`prefill_fused`): the fused `int4_mm`, or dequantise once and F.linear (cuBLAS /
+    inductor's mm; "graphed": the dequantise replayed from a CUDA graph)."""
     if x2.shape[0] > GEMV_MAX_M:
-        if PREFILL == "fused" and x2.dtype in (torch.bfloat16, torch.float16):
+        if prefill_fused(x2.shape[0], x2.dtype):
             return int4_mm(x2.contiguous(), codes, sb, n, group_size)
         dequant = dequant_graphed if PREFILL == "graphed" else int4_dequant
         return torch.nn.functional.linear(x2, dequant(codes, sb, n, group_size, x2.dtype))

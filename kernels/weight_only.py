@@ -298,18 +298,20 @@ class QuantLinear(nn.Module):
                 f"kernel={self.kernel}" + (", float mins" if self.has_mins else ""))
 
 
-_LAYER_MODES = ("dequant", "dequant-ahead")  # the int4_triton.PREFILL modes that dequantise a layer at once
+_LAYER_MODES = ("auto", "dequant", "dequant-ahead")  # the int4_triton.PREFILL modes that dequantise a layer at once
 
 
 def hold_prefill_weights(linears: list, rows: int, dtype: torch.dtype) -> list[QuantLinear]:
-    """For a prefill of `rows` rows (> GEMV_MAX_M) in eager mode with PREFILL "dequant" or "dequant-ahead": the
+    """For a prefill of `rows` rows (> GEMV_MAX_M) in eager mode with PREFILL "dequant" or "dequant-ahead", or "auto"
+    where it does not run `int4_mm` (`int4_triton.prefill_fused`): the
     int4_triton layers among `linears` (a decoder layer's projections) dequantised together, one launch per
     MANY_MAX of a group size (`int4_triton.dequant_many`), each held as its `prefill_weight` until
     `release_prefill_weights`; returns the layers it set. Otherwise (decode rows, "dequant-each" / "fused" /
     "graphed", under torch.compile, on other kernels) nothing is held and each layer dequantises its own weight as
     before. Costs the layer's weights at the activations' dtype at once (Llama-3-8B bf16: 436 MB, where one weight
     at a time peaked at 235 MB)."""
-    if rows <= int4_triton.GEMV_MAX_M or int4_triton.PREFILL not in _LAYER_MODES or torch.compiler.is_compiling():
+    if (rows <= int4_triton.GEMV_MAX_M or int4_triton.PREFILL not in _LAYER_MODES or torch.compiler.is_compiling()
+            or int4_triton.prefill_fused(rows, dtype)):
         return []
     by_group: dict[int, list[QuantLinear]] = {}
     for lin in linears:

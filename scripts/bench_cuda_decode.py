@@ -109,7 +109,8 @@ VARIANTS = {v.name: v for v in (
     *(Variant(f"int4-{r}", True, buckets=False, quant="int4", reduce=r) for r in ("atomic", "last")),
     Variant("int4-fused", True, buckets=False, quant="int4", fused=True),  # what the torch backend on CUDA runs
     Variant("int4-fused-norope", True, buckets=False, quant="int4", fused=True, rope=False),  # RoPE + writes in torch
-    Variant("int4-fused-mm", True, buckets=False, quant="int4", fused=True, prefill="fused"),
+    Variant("int4-fused-mm", True, buckets=False, quant="int4", fused=True, prefill="fused"),  # int4_mm at every M
+    Variant("int4-fused-dq", True, buckets=False, quant="int4", fused=True, prefill="dequant"),  # dequantise at every M
     Variant("int4-fused-graphed", True, buckets=False, quant="int4", fused=True, prefill="graphed"),
     Variant("int4-fused-each", True, buckets=False, quant="int4", fused=True, prefill="dequant-each"),  # a launch a weight
     Variant("int4-fused-ahead", True, buckets=False, quant="int4", fused=True, prefill="dequant-ahead"),  # side stream

@@ -168,15 +168,18 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
             sec = graph_time([lambda c=c, b=b: it.int4_dequant(c, b, n, group, torch.bfloat16) for c, b in mine], 2 * nc)
             row("  (dequant alone)", m, sec, int4_bytes + n * k * 2)
             default = it.MM_CONFIG
-            for cfg in MM_CONFIGS:  # the GEMM with the dequantise inside (it.int4_mm), per (BM, BN, warps, stages)
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            for cfg in MM_CONFIGS:  # the GEMM with the dequantise inside (it.int4_mm), per config, split-K 1 and auto
                 it.MM_CONFIG = cfg
-                try:
-                    sec = graph_time([lambda c=c, b=b: it.int4_mm(x, c, b, n, group) for c, b in mine], 2 * nc)
-                    row(f"triton int4_mm {'x'.join(map(str, cfg))}", m, sec, int4_bytes,
-                        rel(it.int4_mm(x, codes, sb, n, group)), config=list(cfg))
-                except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is recorded
-                    print(f"int4_mm {name} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
-            it.MM_CONFIG = default
+                auto = it.mm_split(-(-m // cfg[0]) * -(-n // min(cfg[1], it.tile_rows(n))), k // 64, sms)
+                for it.MM_SPLIT in (1, auto) if auto > 1 else (1,):
+                    try:
+                        sec = graph_time([lambda c=c, b=b: it.int4_mm(x, c, b, n, group) for c, b in mine], 2 * nc)
+                        row(f"triton int4_mm {'x'.join(map(str, cfg))} k{it.MM_SPLIT}", m, sec, int4_bytes,
+                            rel(it.int4_mm(x, codes, sb, n, group)), config=list(cfg), split=it.MM_SPLIT)
+                    except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory)
+                        print(f"int4_mm {name} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+            it.MM_CONFIG, it.MM_SPLIT = default, 0
         sec = graph_time([lambda t=t: t(x) for t in tiny], 4 * nc)
         row("tinygemm", m, sec, tiny_bytes, rel(tiny[0](x)))
         if gls:

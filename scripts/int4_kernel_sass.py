@@ -101,13 +101,16 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
         sass = cuobjdump(kern, "-sass")
         rows.append({"kernel": f"dequant {act}", "arch": f"sm_{arch}", **resources(kern),
                      "global_stores": dict(Counter(re.findall(r"(STG\.E[.A-Z0-9]*)", sass)))})
-    bm, bn, warps, stages, gm, swap, i2f = it.MM_CONFIG  # the prefill GEMM with the dequantise inside (it.int4_mm)
-    kern = compile_kernel(it._mm_kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*i32", "y_ptr": "*bf16"},
-                          {"GROUP": group, "TN": tn, "BM": bm, "BN": min(bn, tn), "STAGES": stages, "GM": gm,
-                           "SWAP": bool(swap), "I2F": bool(i2f)}, arch, warps, stages)
-    sass = cuobjdump(kern, "-sass")
-    rows.append({"kernel": "int4_mm bf16 (prefill)", "arch": f"sm_{arch}", "config": list(it.MM_CONFIG), **resources(kern),
-                 "tensor_core_ops": dict(Counter(re.findall(r"((?:HGMMA|HMMA)\.[.A-Z0-9]*)", sass)))})
+    for m in (it.MM_MAX_M, 512):  # the prefill GEMM with the dequantise inside (it.int4_mm), as each M takes it
+        cfg = it.mm_config(m, arch // 10)
+        bm, bn, warps, stages, gm, swap, i2f = cfg
+        kern = compile_kernel(it._mm_kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*i32", "y_ptr": "*bf16"},
+                              {"GROUP": group, "TN": tn, "BM": bm, "BN": min(bn, tn), "STAGES": stages, "GM": gm,
+                               "SWAP": bool(swap), "I2F": bool(i2f)}, arch, warps, stages)
+        sass = cuobjdump(kern, "-sass")
+        rows.append({"kernel": f"int4_mm bf16 (prefill, M = {m})", "arch": f"sm_{arch}", "config": list(cfg),
+                     **resources(kern),
+                     "tensor_core_ops": dict(Counter(re.findall(r"((?:HGMMA|HMMA)\.[.A-Z0-9]*)", sass)))})
     return rows
 
 

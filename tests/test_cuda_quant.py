@@ -142,11 +142,38 @@ def test_cuda_int4_fused_projections_match_separate(tiny_checkpoint: Path) -> No
     _decode_both(eager, compiled, 30, 8, 1e-3)
 
 
+def test_cuda_int4_prefill_auto_runs_the_fused_gemm_for_short_prompts(tiny_checkpoint: Path, monkeypatch) -> None:
+    """PREFILL "auto" (the default): a prompt of up to MM_MAX_M tokens runs int4_mm (no layer dequantised), a longer
+    one dequantises each layer once; both give the per-weight dequantise's logits to bf16's rounding."""
+    from partition.model import fuse_quantized_projections
+
+    if not int4_triton.available():
+        pytest.skip("Triton is not installed: the INT4 layers are tinygemm's")
+    model = load_model(tiny_checkpoint, dtype=torch.bfloat16, device="cuda")
+    quantize_model(model, default_spec(4, 32))
+    fuse_quantized_projections(model)
+    n = model.config.n_layers
+    monkeypatch.setattr(int4_triton, "MM_MAX_M", 16)  # the tiny model's cache holds 64 slots
+    calls = []
+    real_many, real_mm = int4_triton.dequant_many, int4_triton.int4_mm
+    monkeypatch.setattr(int4_triton, "dequant_many", lambda *a, **k: calls.append("dequant") or real_many(*a, **k))
+    monkeypatch.setattr(int4_triton, "int4_mm", lambda *a, **k: calls.append("mm") or real_mm(*a, **k))
+    for rows, want_calls in ((12, ["mm"] * 4 * n), (39, ["dequant"] * n)):
+        ids, pos = np.arange(1, rows + 1, dtype=np.int32)[None] % 300, np.arange(rows, dtype=np.int32)[None]
+        monkeypatch.setattr(int4_triton, "PREFILL", "dequant-each")
+        want = TorchRunner(model, SliceSpec(0, n, n), 64).run(ids, pos).float()
+        calls.clear()
+        monkeypatch.setattr(int4_triton, "PREFILL", "auto")
+        got = TorchRunner(model, SliceSpec(0, n, n), 64).run(ids, pos).float()
+        assert calls == want_calls, (rows, calls)
+        assert float((got - want).norm() / want.norm()) < 2e-2, rows
+
+
 @pytest.mark.parametrize("mode", ["dequant", "dequant-ahead"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_cuda_int4_prefill_layer_dequantise_matches_per_weight(tiny_checkpoint: Path, monkeypatch, fused: bool,
                                                                mode: str) -> None:
-    """PREFILL "dequant" (the default): a prefill chunk dequantises each decoder layer's INT4 weights in one launch
+    """PREFILL "dequant" (the default above MM_MAX_M rows): a prefill chunk dequantises each decoder layer's INT4 weights in one launch
     (kernels.weight_only.hold_prefill_weights), the same values as one launch a weight ("dequant-each"), so the
     same logits bit for bit; one launch a layer (two where the unfused layer has more than four weights), the
     held copies dropped after each layer, and decode steps never take it. "dequant-ahead" does the same

@@ -160,15 +160,17 @@ def check_gemv(device: str) -> None:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to(device=device, dtype=dtype)
                 want = x.double() @ ref.double().T
                 # both orientations (the weight as the register or the shared-memory operand), both dequantise
-                # routes (I2F), a tile past M and N
-                for it.MM_CONFIG in (default_mm, (64, 64, 4, 2, 2, 1, 1), (64, 64, 4, 2, 2, 0, 0),
-                                     (64, 64, 4, 2, 2, 0, 1)):
+                # routes (I2F), a tile past M and N; split-K (the partial sums added atomically in fp32) in three,
+                # the last split shorter where the steps do not divide
+                for it.MM_CONFIG, it.MM_SPLIT in ((default_mm, 0), ((64, 64, 4, 2, 2, 1, 1), 0),
+                                                  ((64, 64, 4, 2, 2, 0, 0), 0), ((64, 64, 4, 2, 2, 0, 1), 0),
+                                                  ((64, 64, 4, 2, 2, 1, 0), 3), ((64, 64, 4, 2, 2, 0, 1), 3)):
                     got = it.int4_mm(x, codes, sb, n, group)
                     assert got.shape == (m, n) and got.dtype == dtype
                     err = float((got.double() - want).norm() / want.norm())
                     assert err < (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9), (n, k, group, m, dtype,
-                                                                                      it.MM_CONFIG, err)
-        it.MM_CONFIG = default_mm
+                                                                                      it.MM_CONFIG, it.MM_SPLIT, err)
+        it.MM_CONFIG, it.MM_SPLIT = default_mm, 0
 
 
 def check_layer_and_split_k(device: str) -> None:
@@ -482,11 +484,41 @@ def test_prefill_gemm_compiles_for_orin_and_hopper(arch: int) -> None:
     from scripts.kv_kernel_sass import compile_kernel, cuobjdump, resources
 
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*i32", "y_ptr": "*bf16"}
-    for bm, bn, warps, stages, gm, swap, i2f in (it.MM_CONFIG, (128, 128, 8, 3, 8, 1, 1), (128, 128, 8, 3, 8, 0, 0)):
+    for bm, bn, warps, stages, gm, swap, i2f in (it.mm_config(it.MM_MAX_M, arch // 10), it.mm_config(512, arch // 10),
+                                                 (128, 128, 8, 3, 8, 1, 1), (128, 128, 8, 3, 8, 0, 0)):
         consts = {"GROUP": 128, "TN": 512, "BM": bm, "BN": bn, "STAGES": stages, "GM": gm, "SWAP": bool(swap),
-                  "I2F": bool(i2f)}
+                  "I2F": bool(i2f), "SPLIT": 1 if (bm, bn) == (128, 128) else 2}
         kern = compile_kernel(it._mm_kernel, ptrs, consts, arch, warps, stages)
         sass = cuobjdump(kern, "-sass")
         assert resources(kern)["stack_bytes"] == 0, (arch, swap)
         assert re.search(r"\bHGMMA\." if arch >= 90 else r"\bHMMA\.16816\.F32\.BF16", sass), (arch, swap)
         assert "LDGSTS" in sass and not re.search(r"LDG\.E\.U16", sass), (arch, swap)
+
+
+def test_prefill_rule_takes_the_fused_gemm_up_to_mm_max_m(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PREFILL "auto" (the default): tensor-core dtypes run int4_mm up to MM_MAX_M rows and dequantise once above
+    (the crossover measured on an H100), fp32 always dequantises; a layer's weights are held dequantised only
+    where the rule dequantises; the configs by M, and by the GPU's generation above MM_MAX_M."""
+    from kernels import weight_only
+
+    assert it.PREFILL == "auto"
+    cut = it.MM_MAX_M
+    for mode, rows, dtype, fused in (("auto", cut, torch.bfloat16, True), ("auto", cut + 1, torch.bfloat16, False),
+                                     ("auto", it.GEMV_MAX_M + 1, torch.float16, True),
+                                     ("auto", cut, torch.float32, False), ("fused", 4 * cut, torch.bfloat16, True),
+                                     ("dequant", it.GEMV_MAX_M + 1, torch.bfloat16, False)):
+        monkeypatch.setattr(it, "PREFILL", mode)
+        assert it.prefill_fused(rows, dtype) is fused, (mode, rows, dtype)
+        layer = weight_only.QuantLinear.__new__(weight_only.QuantLinear)  # hold_prefill_weights' early exit only
+        if fused:
+            assert weight_only.hold_prefill_weights([layer], rows, dtype) == []
+    monkeypatch.setattr(it, "MM_CONFIG", None)
+    assert it.mm_config(cut) == it.MM_CONFIG_SMALL and it.mm_config(cut + 1) == it.MM_CONFIG_LARGE
+    assert it.mm_config(cut + 1, 8) == it.MM_CONFIG_LARGE_SM80
+    monkeypatch.setattr(it, "MM_CONFIG", (64, 64, 4, 2, 2, 0, 0))
+    assert it.mm_config(1) == it.mm_config(4096) == (64, 64, 4, 2, 2, 0, 0)
+    # split-K where the blocks leave SMs idle: Llama-3-8B down_proj (K 14336: 224 steps) at M = 512 in 256 x 128
+    # blocks on an H100 (64 blocks, 132 SMs), o_proj (64 steps) the same; gate/up (448 blocks) and a short K not
+    monkeypatch.setattr(it, "MM_SPLIT", 0)
+    assert it.mm_split(64, 224, 132) == 2 and it.mm_split(64, 64, 132) == 2
+    assert it.mm_split(448, 64, 132) == 1 and it.mm_split(1, 20, 132) == 1 and it.mm_split(8, 64, 132) == 4
