@@ -809,6 +809,10 @@ def _(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) ->
 # Before Hopper (Orin's sm_87) the large one spills (80 bytes of stack, Triton 3.9), so there M > MM_MAX_M takes
 # the 128 x 128 tile at 8 warps, which compiles without spills there (184 registers) and ran second at M = 512.
 MM_CONFIG_SMALL = (128, 64, 4, 4, 8, 1, 0)
+# ... except where those 128 x 64 blocks alone make two programs an SM (Llama-3-8B gate+up: 448 blocks at M <= 128):
+# there the 128 x 128 tile at 8 warps, which reads the activation half as often: gate+up at M = 128 87.9 / 92.2 us
+# against 111.6 / 112.0 (two runs), at M = 16 94.2 against 109.4.
+MM_CONFIG_SMALL_WIDE = (128, 128, 8, 3, 8, 1, 0)
 MM_CONFIG_LARGE = (256, 128, 8, 3, 8, 1, 1)
 MM_CONFIG_LARGE_SM80 = (128, 128, 8, 3, 8, 1, 0)
 # ORIN_AGENT_INT4_MM_CONFIG="BM,BN,warps,stages,group_m,swap,i2f" sets one config for every M (measurement).
@@ -821,19 +825,23 @@ if os.environ.get("ORIN_AGENT_INT4_MM_CONFIG"):
     if len(MM_CONFIG) != 7:
         raise ValueError(f"ORIN_AGENT_INT4_MM_CONFIG={os.environ['ORIN_AGENT_INT4_MM_CONFIG']!r}: give 7 integers, "
                          "BM,BN,warps,stages,group_m,swap,i2f (e.g. 128,64,4,4,8,1,0), or unset it")
+# int4_mm's configs: MM_CONFIG_SMALL (or _WIDE) up to MM_SMALL_M rows, MM_CONFIG_LARGE above.
+MM_SMALL_M = 128
 # Up to this many rows PREFILL "auto" (the default) runs `int4_mm`; above, it dequantises once for cuBLAS. Measured
-# on an H100 (the same run), a layer's four fused shapes: M = 128 int4_mm 330.5 us against dequantise + cuBLAS
-# 379.6; M = 512 633.0 against 507.0.
-MM_MAX_M = 128
+# on an H100, Llama-3-8B's prefill (docs/BENCHMARKS.md, "The prefill GEMM timed"; bf16 / int4_mm / dequantise +
+# cuBLAS, ms): 32 tokens 7.32 / 7.61-7.91 / 13.26-13.55; 128: 8.08 / 8.14-8.20 / 13.82-14.08; 256: 9.76 /
+# 11.99-12.07 / 15.22-15.36; 512: 14.04 / 21.02-21.28 / 19.69-19.84.
+MM_MAX_M = 256
 
 
-def mm_config(m: int, major: int = 9) -> tuple[int, ...]:
-    """`_mm_kernel`'s config for M rows on a GPU of compute capability `major`: MM_CONFIG where set, else the
-    measured one for M's side of MM_MAX_M."""
+def mm_config(m: int, major: int = 9, n: int = 0, sms: int = 132) -> tuple[int, ...]:
+    """`_mm_kernel`'s config for M rows of an N-row weight on a GPU of compute capability `major` with `sms` SMs:
+    MM_CONFIG where set, else the measured one for M's side of MM_SMALL_M."""
     if MM_CONFIG:
         return MM_CONFIG
-    if m <= MM_MAX_M:
-        return MM_CONFIG_SMALL
+    if m <= MM_SMALL_M:
+        wide = -(-m // MM_CONFIG_SMALL[0]) * -(-n // MM_CONFIG_SMALL[1]) >= 2 * sms  # the 128 x 64 blocks
+        return MM_CONFIG_SMALL_WIDE if wide else MM_CONFIG_SMALL
     return MM_CONFIG_LARGE if major >= 9 else MM_CONFIG_LARGE_SM80
 
 
@@ -842,13 +850,17 @@ MM_SPLIT = int(os.environ.get("ORIN_AGENT_INT4_MM_SPLIT", "0") or 0)
 MM_SPLIT_MIN_STEPS = 16  # 64-column steps a split keeps at least (1024 columns)
 
 
-def mm_split(blocks: int, ks: int, sms: int) -> int:
+def mm_split(blocks: int, ks: int, sms: int, per_sm: int = 2) -> int:
     """Splits of K for `int4_mm` with `blocks` (BM, BN) blocks of y and ks 64-column steps on `sms` SMs: as many
-    as fill the SMs once (a Llama-3-8B down_proj at M = 512: 64 blocks of 256 x 128 on an H100's 132 SMs, 2), at
-    least MM_SPLIT_MIN_STEPS steps each; 1 where the blocks alone fill them."""
+    as make about `per_sm` programs an SM (a Llama-3-8B down_proj at M = 128: 64 blocks of 128 x 64 on an H100's
+    132 SMs, 4), at least MM_SPLIT_MIN_STEPS steps each; 1 where the blocks alone make that many. Measured on an
+    H100 (docs/BENCHMARKS.md, "The prefill GEMM timed"): at M = 128 in 128 x 64 blocks of 4 warps, qkv (96 blocks)
+    42.0 us unsplit, 37.0 in 2; o (64) 41.4, 29.4 in 2, 23.4 in 4; down (64) 139.0, 85.0 in 2, 58.4 in 4; at M = 512
+    in 256 x 128 blocks of 8 warps (`int4_mm` at every M, the prefill of 512 tokens) one program an SM does better:
+    21.8 ms against 22.8-23.1 with two."""
     if MM_SPLIT > 0:
         return min(MM_SPLIT, ks)
-    return max(1, min(sms // max(blocks, 1), ks // MM_SPLIT_MIN_STEPS))
+    return max(1, min(per_sm * sms // max(blocks, 1), ks // MM_SPLIT_MIN_STEPS))
 
 
 @functools.lru_cache(maxsize=8)
@@ -863,10 +875,11 @@ def int4_mm(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Te
     m, k = x.shape
     nt, ks, tn, _ = codes.shape
     cuda = x.device.type == "cuda"
-    bm, bn, warps, stages, gm, swap, i2f = mm_config(m, _cc_major(x.device.index or 0) if cuda else 9)
+    sms = _sm_count(x.device.index or 0) if cuda else 132
+    bm, bn, warps, stages, gm, swap, i2f = mm_config(m, _cc_major(x.device.index or 0) if cuda else 9, n, sms)
     bn = min(bn, tn)
     blocks = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split = mm_split(blocks, ks, _sm_count(x.device.index or 0) if cuda else 132)
+    split = mm_split(blocks, ks, sms, 2 if warps <= 4 else 1)
     per = triton.cdiv(ks, split)
     split = triton.cdiv(ks, per)
     y = torch.zeros((m, n), device=x.device, dtype=torch.float32) if split > 1 else \

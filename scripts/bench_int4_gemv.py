@@ -164,14 +164,15 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
             row("  (int8 act: quantise alone)", m, sec, m * k * 2 + m * k + m * k // 4)
         else:
             sec = graph_time([lambda c=c, b=b: it.linear(x, c, b, n, group, split) for c, b in mine], 2 * nc)
-            row("triton dequant+F.linear", m, sec, int4_bytes, rel(it.linear(x, codes, sb, n, group, split)))
+            row(f"triton linear (PREFILL {it.PREFILL})", m, sec, int4_bytes, rel(it.linear(x, codes, sb, n, group, split)))
             sec = graph_time([lambda c=c, b=b: it.int4_dequant(c, b, n, group, torch.bfloat16) for c, b in mine], 2 * nc)
             row("  (dequant alone)", m, sec, int4_bytes + n * k * 2)
             default = it.MM_CONFIG
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
             for cfg in MM_CONFIGS:  # the GEMM with the dequantise inside (it.int4_mm), per config, split-K 1 and auto
-                it.MM_CONFIG = cfg
-                auto = it.mm_split(-(-m // cfg[0]) * -(-n // min(cfg[1], it.tile_rows(n))), k // 64, sms)
+                it.MM_CONFIG, it.MM_SPLIT = cfg, 0
+                auto = it.mm_split(-(-m // cfg[0]) * -(-n // min(cfg[1], it.tile_rows(n))), k // 64, sms,
+                                   2 if cfg[2] <= 4 else 1)  # as int4_mm splits
                 for it.MM_SPLIT in (1, auto) if auto > 1 else (1,):
                     try:
                         sec = graph_time([lambda c=c, b=b: it.int4_mm(x, c, b, n, group) for c, b in mine], 2 * nc)

@@ -101,7 +101,7 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
         sass = cuobjdump(kern, "-sass")
         rows.append({"kernel": f"dequant {act}", "arch": f"sm_{arch}", **resources(kern),
                      "global_stores": dict(Counter(re.findall(r"(STG\.E[.A-Z0-9]*)", sass)))})
-    for m in (it.MM_MAX_M, 512):  # the prefill GEMM with the dequantise inside (it.int4_mm), as each M takes it
+    for m in (it.MM_SMALL_M, 512):  # the prefill GEMM with the dequantise inside (it.int4_mm), as each M takes it
         cfg = it.mm_config(m, arch // 10)
         bm, bn, warps, stages, gm, swap, i2f = cfg
         kern = compile_kernel(it._mm_kernel, {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*i32", "y_ptr": "*bf16"},

@@ -484,7 +484,7 @@ def test_prefill_gemm_compiles_for_orin_and_hopper(arch: int) -> None:
     from scripts.kv_kernel_sass import compile_kernel, cuobjdump, resources
 
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*i32", "y_ptr": "*bf16"}
-    for bm, bn, warps, stages, gm, swap, i2f in (it.mm_config(it.MM_MAX_M, arch // 10), it.mm_config(512, arch // 10),
+    for bm, bn, warps, stages, gm, swap, i2f in (it.mm_config(it.MM_SMALL_M, arch // 10), it.mm_config(512, arch // 10),
                                                  (128, 128, 8, 3, 8, 1, 1), (128, 128, 8, 3, 8, 0, 0)):
         consts = {"GROUP": 128, "TN": 512, "BM": bm, "BN": bn, "STAGES": stages, "GM": gm, "SWAP": bool(swap),
                   "I2F": bool(i2f), "SPLIT": 1 if (bm, bn) == (128, 128) else 2}
@@ -498,7 +498,7 @@ def test_prefill_gemm_compiles_for_orin_and_hopper(arch: int) -> None:
 def test_prefill_rule_takes_the_fused_gemm_up_to_mm_max_m(monkeypatch: pytest.MonkeyPatch) -> None:
     """PREFILL "auto" (the default): tensor-core dtypes run int4_mm up to MM_MAX_M rows and dequantise once above
     (the crossover measured on an H100), fp32 always dequantises; a layer's weights are held dequantised only
-    where the rule dequantises; the configs by M, and by the GPU's generation above MM_MAX_M."""
+    where the rule dequantises; the configs by M, and by the GPU's generation above MM_SMALL_M."""
     from kernels import weight_only
 
     assert it.PREFILL == "auto"
@@ -513,12 +513,16 @@ def test_prefill_rule_takes_the_fused_gemm_up_to_mm_max_m(monkeypatch: pytest.Mo
         if fused:
             assert weight_only.hold_prefill_weights([layer], rows, dtype) == []
     monkeypatch.setattr(it, "MM_CONFIG", None)
-    assert it.mm_config(cut) == it.MM_CONFIG_SMALL and it.mm_config(cut + 1) == it.MM_CONFIG_LARGE
-    assert it.mm_config(cut + 1, 8) == it.MM_CONFIG_LARGE_SM80
+    small = it.MM_SMALL_M
+    assert it.mm_config(small) == it.MM_CONFIG_SMALL and it.mm_config(small + 1) == it.MM_CONFIG_LARGE
+    assert it.mm_config(small + 1, 8) == it.MM_CONFIG_LARGE_SM80
     monkeypatch.setattr(it, "MM_CONFIG", (64, 64, 4, 2, 2, 0, 0))
     assert it.mm_config(1) == it.mm_config(4096) == (64, 64, 4, 2, 2, 0, 0)
-    # split-K where the blocks leave SMs idle: Llama-3-8B down_proj (K 14336: 224 steps) at M = 512 in 256 x 128
-    # blocks on an H100 (64 blocks, 132 SMs), o_proj (64 steps) the same; gate/up (448 blocks) and a short K not
+    # split-K to about two programs an SM: Llama-3-8B down_proj (K 14336: 224 steps) at M = 128 in 128 x 64 blocks on
+    # an H100 (64 blocks, 132 SMs), qkv (96 blocks); gate/up (448 blocks) and a short K not
     monkeypatch.setattr(it, "MM_SPLIT", 0)
-    assert it.mm_split(64, 224, 132) == 2 and it.mm_split(64, 64, 132) == 2
+    assert it.mm_split(64, 224, 132) == 4 and it.mm_split(96, 64, 132) == 2
     assert it.mm_split(448, 64, 132) == 1 and it.mm_split(1, 20, 132) == 1 and it.mm_split(8, 64, 132) == 4
+    monkeypatch.setattr(it, "MM_CONFIG", None)  # gate+up's 448 blocks of 128 x 64 at M = 128 take the wide tile
+    assert it.mm_config(128, 9, 28672, 132) == it.MM_CONFIG_SMALL_WIDE and it.mm_config(128, 9, 6144, 132) == \
+        it.MM_CONFIG_SMALL
