@@ -806,7 +806,7 @@ def _(codes: Tensor, sb: Tensor, n: int, group_size: int, dtype: torch.dtype) ->
 # 2026-12-07, `scripts/bench_int4_gemv.py --shapes llama-3-8b-fused --rows 512,128`, nine configs), summed over a
 # Llama-3-8B layer's four fused shapes: at M = 128 (128, 64, 4 warps, 4 stages, swap-AB) 330.5 us, the next 387.4;
 # at M = 512 (256, 128, 8 warps, 3 stages, swap-AB, I2F) 633.0 us, the next 638.5.
-# Before Hopper (Orin's sm_87) the large one spills (80 bytes of stack, Triton 3.9), so there M > MM_MAX_M takes
+# Before Hopper (Orin's sm_87) the large one spills (80 bytes of stack, Triton 3.9), so there M > MM_SMALL_M takes
 # the 128 x 128 tile at 8 warps, which compiles without spills there (184 registers) and ran second at M = 512.
 MM_CONFIG_SMALL = (128, 64, 4, 4, 8, 1, 0)
 # ... except where those 128 x 64 blocks alone make two programs an SM (Llama-3-8B gate+up: 448 blocks at M <= 128):
@@ -857,10 +857,10 @@ def mm_split(blocks: int, ks: int, sms: int, per_sm: int = 2) -> int:
     H100 (docs/BENCHMARKS.md, "The prefill GEMM timed"): at M = 128 in 128 x 64 blocks of 4 warps, qkv (96 blocks)
     42.0 us unsplit, 37.0 in 2; o (64) 41.4, 29.4 in 2, 23.4 in 4; down (64) 139.0, 85.0 in 2, 58.4 in 4; at M = 512
     in 256 x 128 blocks of 8 warps (`int4_mm` at every M, the prefill of 512 tokens) one program an SM does better:
-    21.8 ms against 22.8-23.1 with two."""
-    if MM_SPLIT > 0:
-        return min(MM_SPLIT, ks)
-    return max(1, min(per_sm * sms // max(blocks, 1), ks // MM_SPLIT_MIN_STEPS))
+    21.8 ms against 22.8-23.1 with two. REDUCE "last" (repeatable sums) keeps it to 2: two fp32 adds into zero give
+    the same bits in either order, more may not."""
+    split = min(MM_SPLIT, ks) if MM_SPLIT > 0 else max(1, min(per_sm * sms // max(blocks, 1), ks // MM_SPLIT_MIN_STEPS))
+    return min(split, 2) if REDUCE == "last" else split
 
 
 @functools.lru_cache(maxsize=8)
@@ -932,7 +932,8 @@ def gemv_split(n: int, k: int, device: torch.device) -> int:
 # Measured on an H200 (docs/BENCHMARKS.md, 2026-12-02): a GEMV alone, eager, partials -> atomic -> last: Llama-3-8B
 # q/o 10.8 -> 6.8 -> 7.3 us, k/v 8.6 -> 4.8 -> 6.6, gate/up 18.1 -> 14.4 -> 14.8, down 18.1 -> 15.1 -> 18.0 (split 64:
 # the last program's sum is 8 dependent loads); the compiled fused step 3.82 -> 3.55 ms with atomic. Default
-# atomic; ORIN_AGENT_INT4_REDUCE=last for bit-for-bit repeatable sums (a greedy run that repeats exactly).
+# atomic; ORIN_AGENT_INT4_REDUCE=last for bit-for-bit repeatable sums (a greedy run that repeats exactly; it also
+# keeps int4_mm's split-K to 2, whose atomic sum is then repeatable).
 REDUCE_MODES = {"partials": 0, "atomic": 1, "last": 2}
 REDUCE = os.environ.get("ORIN_AGENT_INT4_REDUCE", "atomic")
 if REDUCE not in REDUCE_MODES:

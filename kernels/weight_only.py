@@ -302,9 +302,9 @@ _LAYER_MODES = ("auto", "dequant", "dequant-ahead")  # the int4_triton.PREFILL m
 
 
 def hold_prefill_weights(linears: list, rows: int, dtype: torch.dtype) -> list[QuantLinear]:
-    """For a prefill of `rows` rows (> GEMV_MAX_M) in eager mode with PREFILL "dequant" or "dequant-ahead", or "auto"
-    where it does not run `int4_mm` (`int4_triton.prefill_fused`): the
-    int4_triton layers among `linears` (a decoder layer's projections) dequantised together, one launch per
+    """For a prefill of `rows` rows (> GEMV_MAX_M) in eager mode with PREFILL "dequant" or "dequant-ahead", or
+    "auto" where it does not run `int4_mm` (`int4_triton.prefill_fused`): the int4_triton layers among `linears`
+    (a decoder layer's projections) dequantised together, one launch per
     MANY_MAX of a group size (`int4_triton.dequant_many`), each held as its `prefill_weight` until
     `release_prefill_weights`; returns the layers it set. Otherwise (decode rows, "dequant-each" / "fused" /
     "graphed", under torch.compile, on other kernels) nothing is held and each layer dequantises its own weight as

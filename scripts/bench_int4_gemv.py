@@ -164,9 +164,14 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
             row("  (int8 act: quantise alone)", m, sec, m * k * 2 + m * k + m * k // 4)
         else:
             sec = graph_time([lambda c=c, b=b: it.linear(x, c, b, n, group, split) for c, b in mine], 2 * nc)
-            row(f"triton linear (PREFILL {it.PREFILL})", m, sec, int4_bytes, rel(it.linear(x, codes, sb, n, group, split)))
+            row(f"triton linear (PREFILL {it.PREFILL})", m, sec, int4_bytes,
+                rel(it.linear(x, codes, sb, n, group, split)))
             sec = graph_time([lambda c=c, b=b: it.int4_dequant(c, b, n, group, torch.bfloat16) for c, b in mine], 2 * nc)
             row("  (dequant alone)", m, sec, int4_bytes + n * k * 2)
+            if it.prefill_fused(m, x.dtype):  # the default runs int4_mm here: the dequantise + cuBLAS form beside it
+                deq = lambda c, b: F.linear(x, it.int4_dequant(c, b, n, group, x.dtype))  # noqa: E731
+                sec = graph_time([lambda c=c, b=b: deq(c, b) for c, b in mine], 2 * nc)
+                row("triton dequant+F.linear", m, sec, int4_bytes, rel(deq(codes, sb)))
             default = it.MM_CONFIG
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
             for cfg in MM_CONFIGS:  # the GEMM with the dequantise inside (it.int4_mm), per config, split-K 1 and auto

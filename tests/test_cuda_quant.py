@@ -174,8 +174,8 @@ def test_cuda_int4_prefill_auto_runs_the_fused_gemm_for_short_prompts(tiny_check
 def test_cuda_int4_prefill_layer_dequantise_matches_per_weight(tiny_checkpoint: Path, monkeypatch, fused: bool,
                                                                mode: str) -> None:
     """PREFILL "dequant" ("auto" does the same above MM_MAX_M rows): a prefill chunk dequantises each decoder
-    layer's INT4 weights in one launch (kernels.weight_only.hold_prefill_weights), the same values as one launch a weight ("dequant-each"), so the
-    same logits bit for bit; one launch a layer (two where the unfused layer has more than four weights), the
+    layer's INT4 weights in one launch (kernels.weight_only.hold_prefill_weights), the same values as one launch a
+    weight ("dequant-each"), so the same logits bit for bit; one launch a layer (two where the unfused layer has more than four weights), the
     held copies dropped after each layer, and decode steps never take it. "dequant-ahead" does the same
     launches a layer ahead on a side stream (kernels.weight_only.LayerPrefetch), with the same logits."""
     from kernels import weight_only

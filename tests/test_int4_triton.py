@@ -523,6 +523,8 @@ def test_prefill_rule_takes_the_fused_gemm_up_to_mm_max_m(monkeypatch: pytest.Mo
     monkeypatch.setattr(it, "MM_SPLIT", 0)
     assert it.mm_split(64, 224, 132) == 4 and it.mm_split(96, 64, 132) == 2
     assert it.mm_split(448, 64, 132) == 1 and it.mm_split(1, 20, 132) == 1 and it.mm_split(8, 64, 132) == 4
+    monkeypatch.setattr(it, "REDUCE", "last")  # repeatable sums: at most two partial sums added atomically
+    assert it.mm_split(64, 224, 132) == 2 and it.mm_split(448, 64, 132) == 1
     monkeypatch.setattr(it, "MM_CONFIG", None)  # gate+up's 448 blocks of 128 x 64 at M = 128 take the wide tile
     assert it.mm_config(128, 9, 28672, 132) == it.MM_CONFIG_SMALL_WIDE and it.mm_config(128, 9, 6144, 132) == \
         it.MM_CONFIG_SMALL
