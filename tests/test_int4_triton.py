@@ -483,11 +483,12 @@ def test_prefill_gemm_compiles_for_orin_and_hopper(arch: int) -> None:
 
     from scripts.kv_kernel_sass import compile_kernel, cuobjdump, resources
 
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*i32", "y_ptr": "*bf16"}
     for bm, bn, warps, stages, gm, swap, i2f in (it.mm_config(it.MM_SMALL_M, arch // 10), it.mm_config(512, arch // 10),
                                                  (128, 128, 8, 3, 8, 1, 1), (128, 128, 8, 3, 8, 0, 0)):
+        split = 1 if (bm, bn) == (128, 128) else 2  # split-K: the sums added into an fp32 y
+        ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "sb_ptr": "*i32", "y_ptr": "*fp32" if split > 1 else "*bf16"}
         consts = {"GROUP": 128, "TN": 512, "BM": bm, "BN": bn, "STAGES": stages, "GM": gm, "SWAP": bool(swap),
-                  "I2F": bool(i2f), "SPLIT": 1 if (bm, bn) == (128, 128) else 2}
+                  "I2F": bool(i2f), "SPLIT": split}
         kern = compile_kernel(it._mm_kernel, ptrs, consts, arch, warps, stages)
         sass = cuobjdump(kern, "-sass")
         assert resources(kern)["stack_bytes"] == 0, (arch, swap)
