@@ -868,20 +868,25 @@ def _cc_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+def mm_plan(m: int, n: int, ks: int, tn: int, device: torch.device) -> tuple[tuple[int, ...], int, int, int]:
+    """How `int4_mm` launches for M rows of an N-row weight of ks 64-column steps in tiles of tn rows on `device`:
+    (its config, BN capped at tn; the blocks of y; the splits of K; the steps a split)."""
+    cuda = device.type == "cuda"
+    sms = _sm_count(device.index or 0) if cuda else 132
+    bm, bn, warps, *rest = mm_config(m, _cc_major(device.index or 0) if cuda else 9, n, sms)
+    bn = min(bn, tn)
+    blocks = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    per = triton.cdiv(ks, mm_split(blocks, ks, sms, 2 if warps <= 4 else 1))
+    return (bm, bn, warps, *rest), blocks, triton.cdiv(ks, per), per
+
+
 @torch.library.custom_op("orin_agent::int4_mm", mutates_args=())
 def int4_mm(x: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int) -> Tensor:
     """x (M, K) @ W^T -> (M, N) in x's dtype (bf16 / fp16: tensor-core operands), the dequantise fused
     into the GEMM (`_mm_kernel`)."""
     m, k = x.shape
     nt, ks, tn, _ = codes.shape
-    cuda = x.device.type == "cuda"
-    sms = _sm_count(x.device.index or 0) if cuda else 132
-    bm, bn, warps, stages, gm, swap, i2f = mm_config(m, _cc_major(x.device.index or 0) if cuda else 9, n, sms)
-    bn = min(bn, tn)
-    blocks = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split = mm_split(blocks, ks, sms, 2 if warps <= 4 else 1)
-    per = triton.cdiv(ks, split)
-    split = triton.cdiv(ks, per)
+    (bm, bn, warps, stages, gm, swap, i2f), blocks, split, per = mm_plan(m, n, ks, tn, x.device)
     y = torch.zeros((m, n), device=x.device, dtype=torch.float32) if split > 1 else \
         torch.empty((m, n), device=x.device, dtype=x.dtype)
     _mm_kernel[(blocks, split)](x, codes, sb.view(torch.int32), y, m, n, ks, x.stride(0), per, GROUP=group_size,

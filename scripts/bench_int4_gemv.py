@@ -173,11 +173,9 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
                 sec = graph_time([lambda c=c, b=b: deq(c, b) for c, b in mine], 2 * nc)
                 row("triton dequant+F.linear", m, sec, int4_bytes, rel(deq(codes, sb)))
             default = it.MM_CONFIG
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
             for cfg in MM_CONFIGS:  # the GEMM with the dequantise inside (it.int4_mm), per config, split-K 1 and auto
                 it.MM_CONFIG, it.MM_SPLIT = cfg, 0
-                auto = it.mm_split(-(-m // cfg[0]) * -(-n // min(cfg[1], it.tile_rows(n))), k // 64, sms,
-                                   2 if cfg[2] <= 4 else 1)  # as int4_mm splits
+                auto = it.mm_plan(m, n, codes.shape[1], codes.shape[2], x.device)[2]  # the split int4_mm takes
                 for it.MM_SPLIT in (1, auto) if auto > 1 else (1,):
                     try:
                         sec = graph_time([lambda c=c, b=b: it.int4_mm(x, c, b, n, group) for c, b in mine], 2 * nc)

@@ -175,9 +175,10 @@ def test_cuda_int4_prefill_layer_dequantise_matches_per_weight(tiny_checkpoint: 
                                                                mode: str) -> None:
     """PREFILL "dequant" ("auto" does the same above MM_MAX_M rows): a prefill chunk dequantises each decoder
     layer's INT4 weights in one launch (kernels.weight_only.hold_prefill_weights), the same values as one launch a
-    weight ("dequant-each"), so the same logits bit for bit; one launch a layer (two where the unfused layer has more than four weights), the
-    held copies dropped after each layer, and decode steps never take it. "dequant-ahead" does the same
-    launches a layer ahead on a side stream (kernels.weight_only.LayerPrefetch), with the same logits."""
+    weight ("dequant-each"), so the same logits bit for bit; one launch a layer (two where the unfused layer has
+    more than four weights), the held copies dropped after each layer, and decode steps never take it.
+    "dequant-ahead" does the same launches a layer ahead on a side stream (kernels.weight_only.LayerPrefetch), with
+    the same logits."""
     from kernels import weight_only
     from partition.model import fuse_quantized_projections
 
