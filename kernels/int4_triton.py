@@ -140,6 +140,19 @@ if triton is not None:
             return r
 
     @triton.jit
+    def _dp4a_uu(a, b, c, ASM: tl.constexpr):
+        """c + the dot of a's four unsigned bytes with b's four unsigned bytes (PTX dp4a.u32.u32; the low bytes of
+        int16 activations, `act8_store` BITS 16). ASM False: integer ops, for the interpreter."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = c
+            for i in tl.static_range(4):
+                r += ((a >> (8 * i)) & 255) * ((b >> (8 * i)) & 255)
+            return r
+
+    @triton.jit
     def _plane_bits(w, w_hi, I: tl.constexpr):
         """Nibble plane I of packed words w (w_hi = w >> 12), its bits alone reinterpreted as fp32: the
         number q * 2^(p - 149) (a denormal, or for p = 20 the smallest normals, where the int -> float
@@ -191,12 +204,13 @@ if triton is not None:
     def _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s,
                    GROUP: tl.constexpr, TN: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                    UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True,
-                   PDL: tl.constexpr = False, CHAIN: tl.constexpr = False):
+                   PDL: tl.constexpr = False, CHAIN: tl.constexpr = False, BITS: tl.constexpr = 8):
         """(TN,) fp32: x[pid_m] . w[rows of tile pid_t] over the steps of split pid_s (layout: the module
         docstring). PREFETCH: the next step's codes and (s, b) are loaded into registers before this step's
         arithmetic, so a program keeps one DRAM read in flight while it computes (instead of STAGES' shared-
         memory ring). ACT8: x_ptr is an activation packed by `act8_quant` (ACT8_FORMAT, as int32 words, row
-        stride stride_xm words); the dot runs on dp4a (`_dp4a_u4`), four weights an instruction.
+        stride stride_xm words); the dot runs on dp4a (`_dp4a_u4`), four weights an instruction. BITS 16: the
+        activation is int16 codes (ACT "int16"), their high bytes then their low bytes: two dp4a a word each.
         PDL (kernels.pdl): the loop is PREFETCH's whatever PREFETCH says, and the wait for the kernels before comes
         after the first step's codes and (s, b) are loaded, before the activation's first load: the weights no kernel
         writes (with the wait first instead, the step measured 4 % slower than without PDL on an H200).
@@ -211,7 +225,8 @@ if triton is not None:
         # more (a step's two blocks share their group), two for 32, instead of a 16-bit load per value
         sb_tile = sb_ptr.to(tl.pointer_type(tl.int32)) + pid_t.to(tl.int64) * n_groups * TN + r[:, None]  # (TN, 1)
         x_row = x_ptr + pid_m * stride_xm
-        xd_row = (x_row + KS * 16).to(tl.pointer_type(tl.float32))  # ACT8: (d, sum) per block, after the K codes
+        # ACT8: (d, sum) per block, after the K codes (BITS 16: after the K high bytes and the K low bytes)
+        xd_row = (x_row + KS * (BITS * 2)).to(tl.pointer_type(tl.float32))
         acc = tl.zeros((TN, 2), tl.float32)
         lo = pid_s * STEPS_SPLIT
         hi = tl.minimum(lo + STEPS_SPLIT, KS)
@@ -245,8 +260,13 @@ if triton is not None:
                 xdp = xd_row + (st * 2 + bi) * 2
                 xd = tl.load(xdp)  # (2,): the blocks' scales d
                 xsum = tl.load(xdp + 1)  # (2,): the blocks' sums of x
-                t = _dp4a_u4(w & 0x0F0F0F0F, xa, tl.zeros((TN, 2, 4), tl.int32), ASM)
-                t = _dp4a_u4((w >> 4) & 0x0F0F0F0F, xb, t, ASM)
+                we = w & 0x0F0F0F0F
+                wo = (w >> 4) & 0x0F0F0F0F
+                t = _dp4a_u4(we, xa, tl.zeros((TN, 2, 4), tl.int32), ASM)
+                t = _dp4a_u4(wo, xb, t, ASM)
+                if BITS == 16:  # xq = 256 hi + lo, lo unsigned: 256 (q . hi) + q . lo; |sum| < 15 * 2^15 * 32 < 2^24
+                    t = _dp4a_uu(we, tl.load(xw + KS * 16)[None, :, :], t << 8, ASM)
+                    t = _dp4a_uu(wo, tl.load(xw + KS * 16 + 4)[None, :, :], t, ASM)
                 dot = tl.sum(t, axis=2).to(tl.float32)  # (TN, 2): sum over each block of q * xq, exact
                 acc += dot * (sv * xd[None, :]) + bv * xsum[None, :]
             elif CHAIN:
@@ -363,7 +383,8 @@ if triton is not None:
                              GROUP: tl.constexpr, TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
                              CH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                              UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True,
-                             PDL: tl.constexpr = False, CHAIN: tl.constexpr = False, res_ptr=None, g_ptr=None,
+                             PDL: tl.constexpr = False, CHAIN: tl.constexpr = False, BITS: tl.constexpr = 8,
+                             res_ptr=None, g_ptr=None,
                              xg_ptr=None, h_ptr=None, ss_ptr=None, eps=0.0, PAIR_OFF=0, RES: tl.constexpr = False,
                              XG: tl.constexpr = False, NORM: tl.constexpr = False, SILU: tl.constexpr = False,
                              HB: tl.constexpr = 64):
@@ -383,7 +404,7 @@ if triton is not None:
         pid_t = tl.program_id(1)
         pid_s = tl.program_id(2)
         out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN,
-                         STAGES, PREFETCH, UNROLL, ACT8, ASM, PDL, CHAIN)
+                         STAGES, PREFETCH, UNROLL, ACT8, ASM, PDL, CHAIN, BITS)
         rows = pid_t * TN + tl.arange(0, TN)
         ok = rows < N
         K = KS * 64
@@ -601,36 +622,54 @@ if triton is not None:
             tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def act8_store(v, blk0, q_row, K, NB: tl.constexpr):
+    def act8_store(v, blk0, q_row, K, NB: tl.constexpr, BITS: tl.constexpr = 8):
         """Quantise NB 32-column blocks of an activation row, blocks blk0 .. blk0 + NB, as llama.cpp's Q8_1 does
         (d = max |x| / 127 a block, codes round(x / d) to nearest even), into q_row, the row's ACT8_FORMAT bytes
         (K columns); v: the blocks' NB * 32 fp32 values in column order, 0 past K. Blocks past K are not stored.
+        BITS 16 (ACT "int16"): int16 codes on a power-of-two d = 2^(e - 14), e the exponent of the block's largest
+        |x|, so that every value within 2^7 of it that a bf16 holds is its code times d exactly (8 significant bits
+        under 15); the codes' high bytes in the codes' place, their low bytes after them (ACT8_FORMAT).
         For the producers of a GEMV's input (RMSNorm, SiLU * up: kernels.norm_triton) and `_act8_kernel`."""
         vb = tl.reshape(v, (NB, 32))
         amax = tl.max(tl.abs(vb), axis=1)
         xsum = tl.sum(vb, axis=1)
-        inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)  # all-zero blocks: codes 0
-        # round to nearest even by adding and taking away 1.5 * 2^23 (|value| <= 127: exact in fp32)
-        r = (vb * inv[:, None] + 12582912.0) - 12582912.0
+        if BITS == 16:
+            # d's biased exponent: amax's less 14, at least 1 (the smallest normal; amax < 2^(e + 1) so |x| / d < 2^15)
+            de = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 14, 1)
+            inv = tl.where(amax > 0, ((254 - de) << 23).to(tl.float32, bitcast=True), 0.0)  # 1 / d, exactly
+            d = tl.where(amax > 0, (de << 23).to(tl.float32, bitcast=True), 0.0)
+            r = (vb * inv[:, None] + 12582912.0) - 12582912.0  # |value| < 2^15: rounded to nearest even
+            r = tl.minimum(r, 32767.0)  # an fp32 value within 2^-16 of 2^(e + 1) rounds to 2^15
+        else:
+            inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)  # all-zero blocks: codes 0
+            d = amax / 127.0
+            # round to nearest even by adding and taking away 1.5 * 2^23 (|value| <= 127: exact in fp32)
+            r = (vb * inv[:, None] + 12582912.0) - 12582912.0
         f = tl.arange(0, 32)
         blk = blk0 + tl.arange(0, NB)
         ok = blk < K // 32
         # column f = 8 c + 4 p + j of a block goes to its byte 16 p + 4 j + c
         byte = blk[:, None] * 32 + (16 * ((f // 4) % 2) + 4 * (f % 4) + f // 8)[None, :]
-        tl.store(q_row + byte, r.to(tl.int32).to(tl.int8), mask=ok[:, None])
-        xd = (q_row + K).to(tl.pointer_type(tl.float32))
-        tl.store(xd + blk * 2, amax / 127.0, mask=ok)
+        code = r.to(tl.int32)
+        if BITS == 16:
+            tl.store(q_row + byte, (code >> 8).to(tl.int8), mask=ok[:, None])
+            tl.store(q_row + K + byte, (code & 255).to(tl.uint8).to(tl.int8, bitcast=True), mask=ok[:, None])
+        else:
+            tl.store(q_row + byte, code.to(tl.int8), mask=ok[:, None])
+        xd = (q_row + K * (BITS // 8)).to(tl.pointer_type(tl.float32))
+        tl.store(xd + blk * 2, d, mask=ok)
         tl.store(xd + blk * 2 + 1, xsum, mask=ok)
 
     @triton.jit
-    def _act8_kernel(x_ptr, q_ptr, K, stride_xm, stride_qm, NB: tl.constexpr, PDL: tl.constexpr = False):
+    def _act8_kernel(x_ptr, q_ptr, K, stride_xm, stride_qm, NB: tl.constexpr, PDL: tl.constexpr = False,
+                     BITS: tl.constexpr = 8):
         """Row program_id(0)'s blocks program_id(1) * NB .. + NB of x into q's ACT8_FORMAT row (`act8_store`)."""
         pdl.start(PDL)
         m = tl.program_id(0).to(tl.int64)
         blk0 = tl.program_id(1) * NB
         cols = blk0 * 32 + tl.arange(0, NB * 32)
         v = tl.load(x_ptr + m * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
-        act8_store(v, blk0, q_ptr + m * stride_qm, K, NB)
+        act8_store(v, blk0, q_ptr + m * stride_qm, K, NB, BITS)
 
 
 @functools.lru_cache(maxsize=8)
@@ -972,9 +1011,9 @@ def int4_gemv_reduced(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Ten
 def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int,
              group_size: int, split: int, mode: int, dtype: torch.dtype, residual: Tensor | None = None,
              next_weight: Tensor | None = None, rms_of: Tensor | None = None, eps: float = 0.0,
-             silu: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Launch `_gemv_reduced_kernel` on x (M, K) in a float dtype, or (act8) on an ACT8_FORMAT activation viewed as
-    int32 words: (y (M, N) in dtype, or (M, N / 2) with silu; xg (M, N) where next_weight is given, else None), the
+             silu: bool = False, bits: int = 8) -> tuple[Tensor, Tensor | None]:
+    """Launch `_gemv_reduced_kernel` on x (M, K) in a float dtype, or (act8) on an ACT8_FORMAT activation of `bits`-bit
+    codes viewed as int32 words: (y (M, N) in dtype, or (M, N / 2) with silu; xg (M, N) where next_weight is given, else None), the
     epilogue as `int4_gemv_epilogue` describes it."""
     m = x.shape[0]
     nt, ks, tn, _ = codes.shape
@@ -998,7 +1037,7 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
                                          GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
                                          CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
                                          PREFETCH=PREFETCH, UNROLL=UNROLL, ACT8=act8, ASM=_asm(),
-                                         CHAIN=LOOP == "chain", num_warps=warps, enable_fp_fusion=FP_FUSION,
+                                         CHAIN=LOOP == "chain", BITS=bits, num_warps=warps, enable_fp_fusion=FP_FUSION,
                                          res_ptr=residual, g_ptr=next_weight, xg_ptr=xg, h_ptr=rms_of,
                                          ss_ptr=cnt[2 * ws.shape[0]:].view(torch.float32), eps=eps,
                                          PAIR_OFF=ws.shape[0] * nt, RES=residual is not None,
@@ -1048,8 +1087,11 @@ def _asm() -> bool:
 # "int8" costs a quantise (its own small kernel, or inside the kernel that makes the activation: kernels.norm_triton's
 # `_a8` ops, partition.model.ACT8_FUSED) and an activation rounded to 8 bits per block (relative error ~1/254 of the
 # block's largest value a column, against bf16's 2^-9 of each value; SmolLM2's greedy tokens 93.5 % those of exact
-# activations, docs/BENCHMARKS.md): opt-in.
-ACT_MODES = ("exact", "int8")
+# activations, docs/BENCHMARKS.md): opt-in. "int16": the same path with int16 codes on a power-of-two scale a block
+# (`act8_store` BITS 16), two dp4a a word of weights (8 weights), three launches more a step than "exact" would
+# make (no GEMV epilogues); a bf16 value within 2^7 of its block's largest is taken exactly, a smaller one within
+# 2^-15 of the largest.
+ACT_MODES = ("exact", "int8", "int16")
 ACT = os.environ.get("ORIN_AGENT_INT4_ACT", "exact")
 if ACT not in ACT_MODES:
     raise ValueError(f"ORIN_AGENT_INT4_ACT={ACT!r}: use one of {', '.join(ACT_MODES)}")
@@ -1058,66 +1100,85 @@ ACT8_BLOCKS = 32  # 32-column blocks an `_act8_kernel` program quantises
 
 @pdl.measured_slower
 def _int8_activations() -> bool:
-    """With int8 activations the decode step measured 2.5-7 % slower with PDL on an H200 (kernels.pdl)."""
-    return ACT == "int8"
+    """With int8 activations the decode step measured 2.5-7 % slower with PDL on an H200 (kernels.pdl); int16
+    ones take the same path, not measured apart."""
+    return ACT in ("int8", "int16")
 
 
-def act8_width(k: int) -> int:
-    """Bytes of one ACT8_FORMAT row of K columns: K codes, then (d, sum) fp32 for each of the K / 32 blocks."""
-    return k + k // 4
+def act_bits() -> int:
+    """The bits of a quantised activation's codes as ACT says (8 where ACT is "exact": the format's default)."""
+    return 16 if ACT == "int16" else 8
+
+
+def act8_width(k: int, bits: int = 8) -> int:
+    """Bytes of one ACT8_FORMAT row of K columns: K codes (bits 16: K high bytes, K low bytes), then (d, sum) fp32
+    for each of the K / 32 blocks."""
+    return k * (bits // 8) + k // 4
 
 
 # ACT8_FORMAT: an activation row of K columns (K a multiple of 64) as int8 (M, act8_width(K)): bytes [0, K) the
 # codes, block by block, byte 16 p + 4 j + c of block b holding column 32 b + 8 c + 4 p + j (the columns that the
 # even (p = 0) and odd (p = 1) nibbles of the layout's word j hold, so that one dp4a multiplies four of them); then
-# K / 32 pairs (d, sum of x) in fp32. One tensor, so a producer (kernels.norm_triton) can hand it to
-# QuantLinear in place of x.
+# K / 32 pairs (d, sum of x) in fp32. With 16 bits (ACT "int16") bytes [0, K) are the codes' high bytes (signed),
+# [K, 2K) their low bytes (unsigned) in the same order, then the pairs. One tensor, so a producer
+# (kernels.norm_triton) can hand it to QuantLinear in place of x.
 ACT8_FORMAT = "int8 codes + (d, sum) fp32 per 32-column block"
 
 
 @torch.library.custom_op("orin_agent::int4_act8", mutates_args=())
-def act8_quant(x: Tensor) -> Tensor:
-    """x (M, K), K a multiple of 64 -> its ACT8_FORMAT rows, int8 (M, act8_width(K)) (`_act8_kernel`)."""
+def act8_quant(x: Tensor, bits: int = 8) -> Tensor:
+    """x (M, K), K a multiple of 64 -> its ACT8_FORMAT rows of 8- or 16-bit codes, int8 (M, act8_width(K, bits))
+    (`_act8_kernel`)."""
     m, k = x.shape
-    if k % 64:
-        raise ValueError(f"act8_quant takes K a multiple of 64, got {k}")
-    q = torch.empty((m, act8_width(k)), device=x.device, dtype=torch.int8)
+    if k % 64 or bits not in (8, 16):
+        raise ValueError(f"act8_quant takes K a multiple of 64 and 8 or 16 bits, got K={k}, {bits} bits")
+    q = torch.empty((m, act8_width(k, bits)), device=x.device, dtype=torch.int8)
     _act8_kernel[(m, triton.cdiv(k // 32, ACT8_BLOCKS))](x, q, k, x.stride(0), q.stride(0), NB=ACT8_BLOCKS,
-                                                         num_warps=4, **pdl.launch_args(x, m))
+                                                         BITS=bits, num_warps=4, **pdl.launch_args(x, m))
     return q
 
 
 @act8_quant.register_fake
-def _(x: Tensor) -> Tensor:
-    return x.new_empty((x.shape[0], act8_width(x.shape[1])), dtype=torch.int8)
+def _(x: Tensor, bits: int = 8) -> Tensor:
+    return x.new_empty((x.shape[0], act8_width(x.shape[1], bits)), dtype=torch.int8)
 
 
-def act8_width_inverse(width: int) -> int:
-    """K from an ACT8_FORMAT row's width."""
-    if width % 5 or (width // 5 * 4) % 64:
-        raise ValueError(f"{width} bytes is no ACT8_FORMAT row (K + K / 4, K a multiple of 64)")
-    return width // 5 * 4
+def act8_bits(width: int, k: int) -> int:
+    """The code bits of an ACT8_FORMAT row of `width` bytes over K columns (K a multiple of 64)."""
+    for bits in (8, 16):
+        if width == act8_width(k, bits):
+            return bits
+    raise ValueError(f"{width} bytes is no ACT8_FORMAT row of K={k} columns ({act8_width(k)} with 8-bit codes, "
+                     f"{act8_width(k, 16)} with 16-bit ones)")
 
 
-def act8_unpack(q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """An ACT8_FORMAT activation (M, width) -> (codes int8 (M, K) in column order, d (M, K / 32), sums (M, K / 32))
-    (tests, tools)."""
+def act8_unpack(q: Tensor, bits: int = 8) -> tuple[Tensor, Tensor, Tensor]:
+    """An ACT8_FORMAT activation (M, width) of `bits`-bit codes -> (codes (M, K) in column order: int8, or int32 for
+    16 bits, d (M, K / 32), sums (M, K / 32)) (tests, tools)."""
     m = q.shape[0]
-    k = act8_width_inverse(q.shape[1])
-    codes = q[:, :k].reshape(m, k // 32, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(m, k)  # (b, p, j, c) -> (b, c, p, j)
-    xd = q[:, k:].contiguous().view(torch.float32).reshape(m, k // 32, 2)
+    k = (q.shape[1] * 4) // (bits // 2 + 1)
+    if act8_width(k, bits) != q.shape[1] or k % 64:
+        raise ValueError(f"{q.shape[1]} bytes is no ACT8_FORMAT row of {bits}-bit codes")
+
+    def order(b: Tensor) -> Tensor:  # (b, p, j, c) -> (b, c, p, j)
+        return b.reshape(m, k // 32, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(m, k)
+
+    codes = order(q[:, :k])
+    if bits == 16:
+        codes = codes.int() * 256 + order(q[:, k:2 * k]).view(torch.uint8).int()
+    xd = q[:, k * bits // 8:].contiguous().view(torch.float32).reshape(m, k // 32, 2)
     return codes, xd[..., 0], xd[..., 1]
 
 
 @torch.library.custom_op("orin_agent::int4_gemv_a8", mutates_args=())
 def int4_gemv_a8(q: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, group_size: int,
                  split: int, mode: int, dtype: torch.dtype) -> Tensor:
-    """An ACT8_FORMAT activation q (M, width) of x (M, K) @ W^T -> (M, N) in dtype on dp4a, the split-K sum in the
-    kernel as int4_gemv_reduced's (same scratch)."""
-    k = act8_width_inverse(q.shape[1])
-    if k != codes.shape[1] * 64:
-        raise ValueError(f"int4_gemv_a8: the activation has K={k}, the weight {codes.shape[1] * 64}")
-    return _reduced(q.view(torch.int32), True, k, codes, sb, ws, cnt, n, group_size, split, mode, dtype)[0]
+    """An ACT8_FORMAT activation q (M, width) of x (M, K) @ W^T -> (M, N) in dtype on dp4a (8- or 16-bit codes, as
+    q's width says), the split-K sum in the kernel as int4_gemv_reduced's (same scratch)."""
+    k = codes.shape[1] * 64
+    bits = act8_bits(q.shape[1], k)
+    return _reduced(q.view(torch.int32), True, k, codes, sb, ws, cnt, n, group_size, split, mode, dtype,
+                    bits=bits)[0]
 
 
 @int4_gemv_a8.register_fake
@@ -1144,8 +1205,8 @@ def linear(x2: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, split
         dequant = dequant_graphed if PREFILL == "graphed" else int4_dequant
         return torch.nn.functional.linear(x2, dequant(codes, sb, n, group_size, x2.dtype))
     if REDUCE != "partials" and ws is not None and cnt is not None:
-        if ACT == "int8":
-            return int4_gemv_a8(act8_quant(x2.contiguous()), codes, sb, ws, cnt, n, group_size, split,
+        if ACT != "exact":
+            return int4_gemv_a8(act8_quant(x2.contiguous(), act_bits()), codes, sb, ws, cnt, n, group_size, split,
                                 REDUCE_MODES[REDUCE], x2.dtype)
         return int4_gemv_reduced(x2.contiguous(), codes, sb, ws, cnt, n, group_size, split, REDUCE_MODES[REDUCE])
     partial = int4_gemv(x2.contiguous(), codes, sb, n, group_size, split)

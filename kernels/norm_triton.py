@@ -24,7 +24,8 @@ The `_a8` forms also write their output quantised for an INT4 GEMV that takes in
 (kernels.int4_triton's ACT "int8": ACT8_FORMAT, by the same `act8_store` as its `act8_quant`, so the codes and
 scales equal act8_quant's of the returned output bit for bit, the block sums up to their order of addition), which
 saves that GEMV's separate quantise launch: 129 of them,
-~1.4 us each, in a Llama-3-8B decode step on an H200 (docs/BENCHMARKS.md).
+~1.4 us each, in a Llama-3-8B decode step on an H200 (docs/BENCHMARKS.md). Their codes have the bits that ACT says
+(int4_triton.act_bits: 16 for ACT "int16").
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, q_ptr, sx, sr, sy, sh, sq, N, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ACT8: tl.constexpr = False,
-                         CHUNK: tl.constexpr = 0, PDL: tl.constexpr = False):
+                         CHUNK: tl.constexpr = 0, PDL: tl.constexpr = False, BITS: tl.constexpr = 8):
         """Program (row, chunk): y = w * norm(x [+ r]); with a residual also h = x + r (the new residual stream);
         ACT8: also y's ACT8_FORMAT row into q (kernels.int4_triton.act8_store; N a multiple of 64). CHUNK 0: one
         program a row; else each program writes CHUNK columns of the row (chunk program_id(1)), after the whole
@@ -105,11 +106,11 @@ if triton is not None:
         tl.store(y_ptr + row * sy + c, y, mask=mc)
         if ACT8:
             nb: tl.constexpr = (BLOCK if CHUNK == 0 else CHUNK) // 32
-            act8_store(y.to(tl.float32), tl.program_id(1) * nb, q_ptr + row * sq, N, nb)
+            act8_store(y.to(tl.float32), tl.program_id(1) * nb, q_ptr + row * sq, N, nb, BITS)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, y_ptr, q_ptr, sg, sy, sq, inter, BLOCK: tl.constexpr, ACT8: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, BITS: tl.constexpr = 8):
         """Program (row, column block): y = silu(gate) * up, gate and up the two halves of a row of g; ACT8: also
         the block's ACT8_FORMAT codes into q's row (inter a multiple of 64). PDL: kernels.pdl."""
         pdl.start(PDL)
@@ -122,7 +123,8 @@ if triton is not None:
         y = (s * up).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * sy + cols, y, mask=m)
         if ACT8:
-            act8_store(y.to(tl.float32), tl.program_id(1) * (BLOCK // 32), q_ptr + row * sq, inter, BLOCK // 32)
+            act8_store(y.to(tl.float32), tl.program_id(1) * (BLOCK // 32), q_ptr + row * sq, inter, BLOCK // 32,
+                       BITS)
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -135,11 +137,13 @@ def _act8_rows(x: Tensor, k: int, act8: bool) -> Tensor:
         return torch.empty((1, 1), device=x.device, dtype=torch.int8)
     if k % 64:
         raise ValueError(f"int8 activations (ACT8_FORMAT) take a last dim that is a multiple of 64, got {k}")
-    return torch.empty((_rows(x).shape[0], int4_triton.act8_width(k)), device=x.device, dtype=torch.int8)
+    return torch.empty((_rows(x).shape[0], int4_triton.act8_width(k, int4_triton.act_bits())), device=x.device,
+                       dtype=torch.int8)
 
 
 def _fake_act8(x: Tensor) -> Tensor:
-    return x.new_empty((_rows(x).shape[0], int4_triton.act8_width(x.shape[-1])), dtype=torch.int8)
+    return x.new_empty((_rows(x).shape[0], int4_triton.act8_width(x.shape[-1], int4_triton.act_bits())),
+                       dtype=torch.int8)
 
 
 def _launch_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
@@ -155,7 +159,8 @@ def _launch_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     chunk = NORM_ACT8_CHUNK if act8 and block > NORM_ACT8_CHUNK else 0
     _rms_norm_kernel[(x2.shape[0], triton.cdiv(n, chunk) if chunk else 1)](
         x2, r2, weight, y2, h2, q, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0), q.stride(0), n, eps,
-        HAS_RES=residual is not None, BLOCK=block, ACT8=act8, CHUNK=chunk, num_warps=min(8, max(1, block // 256)),
+        HAS_RES=residual is not None, BLOCK=block, ACT8=act8, BITS=int4_triton.act_bits(), CHUNK=chunk,
+        num_warps=min(8, max(1, block // 256)),
         **pdl.launch_args(x, x2.shape[0]))
     return y, h, q
 
@@ -223,7 +228,8 @@ def _launch_silu(gate_up: Tensor, act8: bool = False) -> tuple[Tensor, Tensor]:
     q = _act8_rows(y, inter, act8)
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(inter, SILU_BLOCK))](g2, y2, q, g2.stride(0), y2.stride(0),
                                                                     q.stride(0), inter, BLOCK=SILU_BLOCK,
-                                                                    ACT8=act8, num_warps=4,
+                                                                    ACT8=act8, BITS=int4_triton.act_bits(),
+                                                                    num_warps=4,
                                                                     **pdl.launch_args(gate_up, g2.shape[0]))
     return y, q
 

@@ -216,9 +216,9 @@ class QuantLinear(nn.Module):
 
     def takes_act8(self, x: Tensor) -> bool:
         """Whether `forward` takes x's rows also as ACT8_FORMAT codes made by x's producer (kernels.norm_triton's
-        `_a8` ops): the Triton INT4 GEMV with int8 activations (int4_triton.ACT "int8"), its split-K sum in the
+        `_a8` ops): the Triton INT4 GEMV with int8 or int16 activations (int4_triton.ACT), its split-K sum in the
         kernel, and at most GEMV_MAX_M rows in x (a decode step; a prefill runs on the float x)."""
-        return (self.kernel == "int4_triton" and int4_triton.ACT == "int8" and int4_triton.REDUCE != "partials"
+        return (self.kernel == "int4_triton" and int4_triton.ACT != "exact" and int4_triton.REDUCE != "partials"
                 and x.numel() // x.shape[-1] <= int4_triton.GEMV_MAX_M)
 
     def takes_epilogue(self, x: Tensor, silu: bool = False) -> bool:

@@ -65,7 +65,7 @@ class Variant:
     prefill: str = ""  # kernels.int4_triton.PREFILL (INT4 rows past the GEMV: PREFILL_MODES); "" = default
     gemv: tuple[int, int, int] = ()  # kernels.int4_triton (PREFETCH, UNROLL, MIN_STEPS) of the GEMV's loop; () = defaults
     prefill_graphs: bool = True  # with cuda_graphs, the prompt's prefill replayed from the second one on (PrefillGraphs)
-    act: str = ""  # kernels.int4_triton.ACT (the GEMV's activation: "exact" or "int8" on dp4a); "" = default
+    act: str = ""  # kernels.int4_triton.ACT (the GEMV's activation: "exact", "int8" or "int16" on dp4a); "" = default
     act8_fused: bool = True  # partition.model.ACT8_FUSED: with act "int8", the norms and SiLU * up write the codes
     pdl: str = ""  # kernels.pdl.MODE (programmatic dependent launch of the step's Triton kernels); "" = its default
     ahead_split: int = -1  # kernels.int4_triton.AHEAD_SPLIT (0: the dense split-K rule under PDL too); -1 = default
@@ -128,6 +128,10 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-lmhead-a8-unfused", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8",
             act8_fused=False),
     Variant("int4-fused-a8-compile", True, buckets=False, quant="int4", fused=True, act="int8", compile=True),
+    # int16 activations (kernels.int4_triton ACT "int16": two dp4a a word, codes exact for bf16 values within 2^7 of
+    # their block's largest), codes from the producers, with PDL ("-pdl") and without (what "auto" gives them)
+    *(Variant(f"int4-fused{h}-a16{p}", True, buckets=False, quant="int4", fused=True, lm_head=bool(h), act="int16",
+              pdl="on" if p else "") for h in ("", "-lmhead") for p in ("", "-pdl")),
     # without programmatic dependent launch (kernels.pdl: on by default where the GPU has it, sm_90 and newer)
     Variant("graphs-compile-nopdl", True, buckets=False, compile=True, pdl="off"),
     Variant("int4-fused-nopdl", True, buckets=False, quant="int4", fused=True, pdl="off"),

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         nt, ks, tn, _ = codes.shape
         x = torch.randn((1, k), device="cuda", dtype=torch.bfloat16)
         xq = it.act8_quant(x)
+        xq16 = it.act8_quant(x, 16)
         y = torch.empty((1, n), device="cuda", dtype=torch.bfloat16)
         scr = [it.scratch(n, c) for c, _ in copies]
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           chain=True),
                 "int8 act": lambda c, b, w: _gemv_launch(xq, c, b, n, 128, 4, split, 1, 0, 1, y, w[0], w[1],
                                                          act8=True),
+                "int16 act": lambda c, b, w: _gemv_launch(xq16, c, b, n, 128, 4, split, 1, 0, 1, y, w[0], w[1],
+                                                          act8=True, bits=16),
             }
             res = {}
             for kind, fn in fns.items():

@@ -82,16 +82,16 @@ def copies_for(nbytes: int) -> int:
 
 def _gemv_launch(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, n: int, group: int, warps: int, split: int,
                  stages: int, prefetch: int, unroll: int, y: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor,
-                 act8: bool = False, chain: bool | None = None) -> None:
+                 act8: bool = False, chain: bool | None = None, bits: int = 8) -> None:
     """The GEMV as the model runs it (the split-K sum inside the kernel, atomic) at explicit loop settings; act8: x
-    is an act8_quant activation (int8 activations on dp4a); chain: the loop's form (it.LOOP "chain", else "planes";
-    None: it.LOOP's)."""
+    is an act8_quant activation of `bits`-bit codes (int8 or int16 activations on dp4a); chain: the loop's form
+    (it.LOOP "chain", else "planes"; None: it.LOOP's)."""
     nt, ks, tn, _ = codes.shape
     xw = x.view(torch.int32) if act8 else x
     it._gemv_reduced_kernel[(x.shape[0], nt, split)](
         xw, codes, sb, y, ws, cnt, x.shape[0], n, nt, ks, -(-ks // split), xw.stride(0),
         GROUP=group, TN=tn, SPLIT=split, MODE=1, CH=min(it.REDUCE_CHUNK, it.triton.next_power_of_2(split)),
-        STAGES=stages, PREFETCH=prefetch, UNROLL=unroll, ACT8=act8, ASM=True,
+        STAGES=stages, PREFETCH=prefetch, UNROLL=unroll, ACT8=act8, BITS=bits, ASM=True,
         CHAIN=it.LOOP == "chain" if chain is None else chain, num_warps=warps, enable_fp_fusion=it.FP_FUSION)
 
 
@@ -162,6 +162,12 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
             row("  (int8 act: gemv alone)", m, sec, int4_bytes, split=split)
             sec = graph_time([lambda: it.act8_quant(x)], 4 * nc)
             row("  (int8 act: quantise alone)", m, sec, m * k * 2 + m * k + m * k // 4)
+            # int16 activations (it.ACT "int16"): two dp4a a word; the GEMV alone, on its producer's codes
+            x16 = it.act8_quant(x, 16)
+            a16 = lambda c, b, w: it.int4_gemv_a8(x16, c, b, w[0], w[1], n, group, split, 1, x.dtype)  # noqa: E731
+            sec = graph_time([lambda c=c, b=b, w=w: a16(c, b, w) for (c, b), w in zip(mine, scr)], 4 * nc)
+            row("  (int16 act: gemv alone)", m, sec, int4_bytes, rel(a16(codes, sb, it.scratch(n, codes))),
+                split=split)
         else:
             sec = graph_time([lambda c=c, b=b: it.linear(x, c, b, n, group, split) for c, b in mine], 2 * nc)
             row(f"triton linear (PREFILL {it.PREFILL})", m, sec, int4_bytes,

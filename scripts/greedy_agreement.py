@@ -9,8 +9,11 @@ held-out ones beside it (tests/data/agreement/README.md says where they come fro
 int8 per 32-column block, llama.cpp's Q8_1), emulated in fp32 torch on the CPU: each 4-bit projection takes its
 input as act8_quant rounds it, its group offsets' sums on the exact input, as int4_gemv_a8 computes them (whose
 products given the codes are exact: tests/test_int4_triton.py); the Q8_0 head keeps exact activations, as on CUDA.
+"a16-emulated" is the same with ACT "int16" (int16 codes on a power-of-two scale a block, `act8_quant(x, 16)`);
+"bf16-emulated" the same with the input rounded to bf16 alone (what the exact CUDA GEMV takes in a bf16 model).
 
-    python3 scripts/greedy_agreement.py [--gguf FILE_OR_ALIAS] [--activations fp32,split,mixed,int8,a8-emulated]
+    python3 scripts/greedy_agreement.py [--gguf FILE_OR_ALIAS]
+        [--activations fp32,split,mixed,int8,a8-emulated,a16-emulated,bf16-emulated]
         [--texts A.txt,B.txt] [--max-tokens 1000] [--json OUT]
 """
 from __future__ import annotations
@@ -50,20 +53,28 @@ def _top1(model: Any, tokens: Sequence[int]) -> Any:
     return logits[0, :-1].argmax(-1).numpy()
 
 
-EMULATED = "a8-emulated"
+EMULATED = {"a8-emulated": 8, "a16-emulated": 16, "bf16-emulated": 0}  # the code bits (0: bf16)
 
 
-def act8_round_trip(x: Any) -> Any:
-    """x as kernels.int4_triton.act8_quant rounds it: per 32-column block d = max |x| / 127, round(x / d) * d."""
+def act8_round_trip(x: Any, bits: int = 8) -> Any:
+    """x as kernels.int4_triton.act8_quant(x, bits) rounds it: per 32-column block d = max |x| / 127 (8 bits) or
+    2^(e - 14), e the exponent of max |x| (16 bits), then round(x / d) * d; bits 0: x rounded to bf16."""
     import torch
 
+    if bits == 0:
+        return x.bfloat16().float()
     b = x.float().reshape(*x.shape[:-1], -1, 32)
     amax = b.abs().amax(-1, keepdim=True)
+    if bits == 16:
+        _, e = torch.frexp(amax)  # amax = f 2^e, f in [0.5, 1): the kernel's exponent is e - 1
+        d = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), (e - 15).clamp(min=-126)), 0)
+        codes = torch.round(b / torch.where(d > 0, d, 1)).clamp(max=32767)
+        return (codes * d).reshape(x.shape)
     codes = torch.round(b * torch.where(amax > 0, 127 / amax.clamp(min=1e-30), 0))  # to nearest even, as the kernel
     return (codes * (amax / 127)).reshape(x.shape)
 
 
-def _a8_forward(self: Any, x: Any) -> Any:
+def _a8_forward(self: Any, x: Any, bits: int = 8) -> Any:
     """A 4-bit reference QuantLinear as int4_gemv_a8 computes it: sum over groups of s q . x8 + b sum(x)."""
     import torch.nn.functional as F
 
@@ -71,12 +82,14 @@ def _a8_forward(self: Any, x: Any) -> Any:
     s = self.scales.float()
     off = self.mins.float() if hasattr(self, "mins") else -self.zeros.float() * s  # b of w = s q + b
     xs = x.float().reshape(*x.shape[:-1], -1, self.group_size).sum(-1)
-    y = F.linear(act8_round_trip(x), self.weight.float() * s[:, g]) + xs @ off.T
+    y = F.linear(act8_round_trip(x, bits), self.weight.float() * s[:, g]) + xs @ off.T
     return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 
-def emulated_top1(gguf: Path, tokens: Sequence[int]) -> Any:
-    """reference_top1 with every 4-bit projection's activation int8 as on CUDA with ACT "int8" (module docstring)."""
+def emulated_top1(gguf: Path, tokens: Sequence[int], bits: int = 8) -> Any:
+    """reference_top1 with every 4-bit projection's activation int8 (int16) as on CUDA with ACT "int8" ("int16")
+    (module docstring)."""
+    import functools
     import types
 
     from kernels.weight_only import QuantLinear
@@ -90,7 +103,7 @@ def emulated_top1(gguf: Path, tokens: Sequence[int]) -> Any:
         QuantLinear._pick_kernel = pick
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.bits == 4:
-            m.forward = types.MethodType(_a8_forward, m)
+            m.forward = types.MethodType(functools.partial(_a8_forward, bits=bits), m)
     return _top1(model, tokens)
 
 
@@ -113,9 +126,9 @@ def main() -> None:
     if gguf is None:
         sys.exit(f"--gguf {a.gguf}: not a GGUF file or alias")
     precisions = [p.strip() for p in a.activations.split(",") if p.strip()]
-    bad = [p for p in precisions if p not in PRECISIONS and p != EMULATED]
+    bad = [p for p in precisions if p not in PRECISIONS and p not in EMULATED]
     if bad:
-        sys.exit(f"--activations {','.join(bad)}: use {', '.join(PRECISIONS)} or {EMULATED}")
+        sys.exit(f"--activations {','.join(bad)}: use {', '.join((*PRECISIONS, *EMULATED))}")
     texts = [Path(t) for t in a.texts.split(",") if t]
     missing = [str(t) for t in texts if not t.is_file()]
     if missing:
@@ -129,8 +142,8 @@ def main() -> None:
         want = reference_top1(gguf, ids)
         per_text[t.name] = {"positions": int(len(want))}
         for p in precisions:
-            if p == EMULATED:
-                got = emulated_top1(gguf, ids)
+            if p in EMULATED:
+                got = emulated_top1(gguf, ids, EMULATED[p])
             else:
                 got = teacher_forced_top1(OrtDecoderRunner(ensure_decoder(gguf, p), n_layers, len(ids) + 8), ids)
             differ = int((got != want).sum())

@@ -57,17 +57,18 @@ def report(arch: int, group: int) -> list[dict[str, object]]:
                               arch, warps, stages)
         rows.append(_loop_row(kern, f"gemv {act}{'' if even else ' N%TN'}", arch, tn, warps, split))
     # the GEMV as the model runs it (split-K sum in the kernel, atomic): the activation exact (bf16) or quantised to
-    # int8 per block and multiplied on dp4a (it.ACT "int8")
+    # int8 (int16) per block and multiplied on dp4a (it.ACT "int8", "int16")
     # in both loop forms (it.LOOP: "planes", the default, or "chain")
     for chain in (False, True):
-        for act8 in (False, True):
+        for bits in (0, 8, 16):
+            act8 = bits > 0
             ptrs = {"x_ptr": "*i32" if act8 else "*bf16", "w_ptr": "*i32", "sb_ptr": "*fp16",
                     "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
             kern = compile_kernel(it._gemv_reduced_kernel, ptrs,
                                   {"GROUP": group, "TN": tn, "SPLIT": split, "MODE": 1,
                                    "CH": min(it.REDUCE_CHUNK, split), "STAGES": stages, "PREFETCH": 0, "UNROLL": 1,
-                                   "ACT8": act8, "ASM": True, "CHAIN": chain}, arch, warps, stages)
-            rows.append(_loop_row(kern, f"gemv {'int8 act, dp4a' if act8 else 'bf16 act'}, atomic sum"
+                                   "ACT8": act8, "ASM": True, "CHAIN": chain, "BITS": bits or 8}, arch, warps, stages)
+            rows.append(_loop_row(kern, f"gemv {f'int{bits} act, dp4a' if act8 else 'bf16 act'}, atomic sum"
                                         f"{', LOOP chain' if chain else ''}", arch, tn, warps, split))
     if arch >= 90:  # as it launches with programmatic dependent launch (kernels.pdl: sm_90 and newer only)
         kern = compile_kernel(it._gemv_reduced_kernel, ptrs | {"x_ptr": "*bf16"},

@@ -317,6 +317,64 @@ def check_act8(device: str, cases: list[tuple[int, int, int, bool, int]]) -> Non
             it.ACT = default
 
 
+def check_act16(device: str, cases: list[tuple[int, int, int, bool, int]] = CASES[:2]) -> None:
+    """int16 activations (ACT "int16"): act8_quant(x, 16) takes each 32-column block on d = 2^(e - 14), e the
+    exponent of its largest |x|, so every bf16 value within 2^7 of that is its code times d exactly and every
+    other within d / 2; given the codes the GEMV is exact (fp32 rounding), so against the bf16 product it is as
+    close as fp32 arithmetic; and `linear` takes that path when ACT says "int16"."""
+    for seed, (n, k, group, mins, tile_n) in enumerate(cases):
+        w = _weights(n, k, group, mins, seed)
+        codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w.get("zeros"), mins=w.get("mins"),
+                                                   tile_n=tile_n))
+        ws, cnt = it.scratch(n, codes)
+        for m in (1, 3):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m))
+            x[:, 5] *= 300.0  # an outlier column: its block's other values are far below it
+            x[0, 32:64] = 0.0  # an all-zero block: d = 0, codes 0
+            x[:, 64:96] *= 1e-30  # tiny values: d far below fp32's normals would need; the smallest normal's
+            x = x.to(device=device, dtype=torch.bfloat16)
+            q = it.act8_quant(x, 16)
+            assert q.shape == (m, it.act8_width(k, 16)) == (m, 9 * k // 4) and q.dtype == torch.int8
+            assert it.act8_bits(q.shape[1], k) == 16 and it.act8_bits(it.act8_width(k), k) == 8
+            qc, dd, ss = it.act8_unpack(q, 16)
+            blocks = x.float().reshape(m, k // 32, 32)
+            amax = blocks.abs().amax(-1)
+            _, e = torch.frexp(amax)  # amax = f 2^e, f in [0.5, 1)
+            want_d = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), (e - 15).clamp(min=-126)), 0)
+            assert torch.equal(dd, want_d)
+            assert torch.allclose(ss, blocks.sum(-1), rtol=1e-5, atol=1e-30)
+            assert int(qc.abs().max()) <= 32767 and int(qc[0, 32:64].abs().sum()) == 0
+            back = (qc.reshape(m, k // 32, 32).double() * dd[..., None].double())
+            err = (back - blocks.double()).abs()
+            near = blocks.abs() >= amax[..., None] / 128
+            assert float(err[near].max()) == 0.0  # exact within 2^7 of the block's largest
+            assert bool((err <= dd[..., None].double() / 2).all())
+            sbn = it.unpack_sb(sb, n).double()
+            gi = torch.arange(k, device=device) // group
+            wq = w["q"].to(device).double() * sbn[..., 0][:, gi]
+            want = back.reshape(m, k) @ wq.T + x.double().reshape(m, k // group, group).sum(-1) @ sbn[..., 1].T
+            exact = x.double() @ _reference(w).double().to(device).T
+            for split, mode in ((1, 1), (4, 1), (2, 2)):
+                got = it.int4_gemv_a8(q, codes, sb, ws, cnt, n, group, split, mode, torch.float32)
+                assert got.shape == (m, n) and float((got.double() - want).norm() / want.norm()) < 1e-6
+                assert int(cnt.abs().sum()) == 0 and float(ws.abs().sum()) == 0, (mode, split)
+                # against the bf16 activation's own product: fp32 rounding, not the 1 % of 8-bit codes
+                # against the bf16 activation's own product: ~5e-5 here, where the 300x outlier's block rounds its
+                # other values to d / 2 (int8 codes: ~1e-2)
+                assert float((got.double() - exact).norm() / exact.norm()) < 2e-4, (n, k, group, m, split)
+            default = it.ACT
+            y_exact = it.linear(x, codes, sb, n, group, 4, ws, cnt)
+            it.ACT = "int16"
+            y = it.linear(x, codes, sb, n, group, 4, ws, cnt)
+            it.ACT = default
+            # bf16 outputs (rounding up to 2^-8 of each value): against the product given the codes, and the same
+            # rows the exact path gives
+            assert y.dtype == torch.bfloat16 and float((y.double() - want).norm() / want.norm()) < 2 ** -7
+            assert float((y.double() - y_exact.double()).norm() / y_exact.double().norm()) < 2 ** -7
+    with pytest.raises(ValueError, match="no ACT8_FORMAT row"):
+        it.act8_bits(3 * 256, 256)
+
+
 def check_epilogues(device: str) -> None:
     """int4_gemv_epilogue's four epilogues (residual add and the next norm's input; the norm's scale; SiLU(gate) * up
     over tile pairs, with the norm's scale) against the same arithmetic in float64 on the kernel's own product, both
@@ -381,7 +439,7 @@ def check_epilogues(device: str) -> None:
 
 
 # the parts of check_kernels, which the interpreter test runs as processes side by side
-KERNEL_CHECKS = (check_gemv, check_layer_and_split_k, check_entries, check_epilogues)
+KERNEL_CHECKS = (check_gemv, check_layer_and_split_k, check_entries, check_act16, check_epilogues)
 
 
 def check_compile(device: str) -> None:

@@ -57,38 +57,45 @@ def check_kernels(device: str) -> None:
 def check_act8_outputs(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float,
                        gate_up: torch.Tensor) -> None:
     """The `_a8` ops: the same outputs as the plain ones, and codes equal to kernels.int4_triton.act8_quant's of
-    that output, bit for bit (what lets a decode step take them in place of a quantise launch per GEMV)."""
-    from kernels.int4_triton import act8_quant
+    that output, bit for bit (what lets a decode step take them in place of a quantise launch per GEMV), with the
+    code bits ACT says (8 for "int8", 16 for "int16")."""
+    from kernels import int4_triton as it
     from kernels.norm_triton import add_rms_norm, add_rms_norm_a8, rms_norm, rms_norm_a8, silu_mul, silu_mul_a8
 
-    rows = x.reshape(-1, x.shape[-1]).shape[0]
-    y, q = rms_norm_a8(x, w, eps)
-    assert torch.equal(y, rms_norm(x, w, eps)) and q.shape == (rows, x.shape[-1] * 5 // 4)
-    _same_act8(q, act8_quant(y.reshape(rows, -1)))
-    y, h, q = add_rms_norm_a8(x, res, w, eps)
-    want_y, want_h = add_rms_norm(x, res, w, eps)
-    assert torch.equal(y, want_y) and torch.equal(h, want_h)
-    _same_act8(q, act8_quant(y.reshape(rows, -1)))
-    y, q = silu_mul_a8(gate_up)
-    assert torch.equal(y, silu_mul(gate_up))
-    _same_act8(q, act8_quant(y.reshape(rows, -1)))
-    wide = torch.randn(2, 4096, device=x.device, dtype=x.dtype)  # past NORM_ACT8_CHUNK: a row over 4 programs
-    ww = torch.ones(4096, device=x.device, dtype=x.dtype)
-    y, h, q = add_rms_norm_a8(wide, wide.flip(0), ww, eps)
-    want_y, want_h = add_rms_norm(wide, wide.flip(0), ww, eps)
-    assert torch.equal(y, want_y) and torch.equal(h, want_h)
-    _same_act8(q, act8_quant(y))
-    with pytest.raises(ValueError, match="multiple of 64"):
-        rms_norm_a8(x[..., :-32].contiguous(), w[:-32], eps)
+    default = it.ACT
+    try:
+        for act, bits in (("int8", 8), ("int16", 16)):
+            it.ACT = act
+            rows = x.reshape(-1, x.shape[-1]).shape[0]
+            y, q = rms_norm_a8(x, w, eps)
+            assert torch.equal(y, rms_norm(x, w, eps)) and q.shape == (rows, it.act8_width(x.shape[-1], bits))
+            _same_act8(q, it.act8_quant(y.reshape(rows, -1), bits), bits)
+            y, h, q = add_rms_norm_a8(x, res, w, eps)
+            want_y, want_h = add_rms_norm(x, res, w, eps)
+            assert torch.equal(y, want_y) and torch.equal(h, want_h)
+            _same_act8(q, it.act8_quant(y.reshape(rows, -1), bits), bits)
+            y, q = silu_mul_a8(gate_up)
+            assert torch.equal(y, silu_mul(gate_up))
+            _same_act8(q, it.act8_quant(y.reshape(rows, -1), bits), bits)
+            wide = torch.randn(2, 4096, device=x.device, dtype=x.dtype)  # past NORM_ACT8_CHUNK: a row over 4 programs
+            ww = torch.ones(4096, device=x.device, dtype=x.dtype)
+            y, h, q = add_rms_norm_a8(wide, wide.flip(0), ww, eps)
+            want_y, want_h = add_rms_norm(wide, wide.flip(0), ww, eps)
+            assert torch.equal(y, want_y) and torch.equal(h, want_h)
+            _same_act8(q, it.act8_quant(y, bits), bits)
+            with pytest.raises(ValueError, match="multiple of 64"):
+                rms_norm_a8(x[..., :-32].contiguous(), w[:-32], eps)
+    finally:
+        it.ACT = default
 
 
-def _same_act8(got: torch.Tensor, want: torch.Tensor) -> None:
+def _same_act8(got: torch.Tensor, want: torch.Tensor, bits: int = 8) -> None:
     """Two ACT8_FORMAT tensors hold the same codes and scales bit for bit, and the same block sums up to their order
     of addition (a compiled kernel may sum a block in another order than another kernel does)."""
     from kernels.int4_triton import act8_unpack
 
     assert got.shape == want.shape and got.dtype == want.dtype == torch.int8
-    (gc, gd, gs), (wc, wd, ws) = act8_unpack(got), act8_unpack(want)
+    (gc, gd, gs), (wc, wd, ws) = act8_unpack(got, bits), act8_unpack(want, bits)
     assert torch.equal(gc, wc) and torch.equal(gd, wd), float((gc.float() - wc.float()).abs().max())
     assert torch.allclose(gs, ws, rtol=1e-6, atol=1e-5), float((gs - ws).abs().max())
 
@@ -139,9 +146,9 @@ def check_act8_model(device: str) -> None:
     quant = it.act8_quant
     defaults = it.ACT, it.REDUCE, it.act8_quant, pm.ACT8_FUSED
 
-    def counted(x: torch.Tensor) -> torch.Tensor:
+    def counted(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
         calls.append(x.shape)
-        return quant(x)
+        return quant(x, bits)
 
     def run(t: int, act: str, fused: bool, layers: int = 2) -> torch.Tensor:
         it.ACT, pm.ACT8_FUSED = act, fused
@@ -154,21 +161,22 @@ def check_act8_model(device: str) -> None:
 
     try:
         it.REDUCE, it.act8_quant = "last", counted  # "last": sums in a fixed order, so runs compare bit for bit
-        for t in (1, 3):
-            unfused = run(t, "int8", False)
-            assert len(calls) == 2 * 4 + 1, calls
-            fused = run(t, "int8", True)
-            assert len(calls) == 2 and all(c == (t, 128) for c in calls), calls  # o_proj's
-            # compiled, a block sum's last bit may differ between kernels (_same_act8), and so a code one layer on
-            # may round the other way: one int8 step of one value (on an H200, 0.0021 with logits up to ~0.7)
-            diff = float((fused - unfused).abs().max())
-            assert diff == 0 if device == "cpu" else diff <= 0.01 * float(unfused.abs().max()), (t, diff)
-            exact = run(t, "exact", True)
-            # int8's rounding through 9 GEMVs of a random model (0.7-2.3 % each, 7.9 % in the logits, measured in
-            # the interpreter): off by that much, not by a wrong layout
-            assert not calls and float((fused - exact).norm() / exact.norm()) < 0.15
-        prefill = run(8, "int8", True, layers=1)  # hidden states out (a prefill's head reads one row: the GEMV)
-        assert not calls and torch.equal(prefill, run(8, "exact", True, layers=1))
+        # int8's rounding through 9 GEMVs of a random model (0.7-2.3 % each, 7.9 % in the logits, measured in the
+        # interpreter), int16's (~1e-5 each): off by that much, not by a wrong layout
+        for act, tol in (("int8", 0.15), ("int16", 2e-3)):
+            for t in (1, 3):
+                unfused = run(t, act, False)
+                assert len(calls) == 2 * 4 + 1, calls
+                fused = run(t, act, True)
+                assert len(calls) == 2 and all(c == (t, 128) for c in calls), calls  # o_proj's
+                # compiled, a block sum's last bit may differ between kernels (_same_act8), and so a code one layer
+                # on may round the other way: one int8 step of one value (on an H200, 0.0021 with logits up to ~0.7)
+                diff = float((fused - unfused).abs().max())
+                assert diff == 0 if device == "cpu" else diff <= 0.01 * float(unfused.abs().max()), (act, t, diff)
+                exact = run(t, "exact", True)
+                assert not calls and float((fused - exact).norm() / exact.norm()) < tol, (act, t)
+            prefill = run(8, act, True, layers=1)  # hidden states out (a prefill's head reads one row: the GEMV)
+            assert not calls and torch.equal(prefill, run(8, "exact", True, layers=1))
     finally:
         it.ACT, it.REDUCE, it.act8_quant, pm.ACT8_FUSED = defaults
 
