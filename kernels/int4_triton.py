@@ -341,12 +341,15 @@ if triton is not None:
     @triton.jit
     def _gemv_finish(tot, ss, resv, gv, y_ptr, ws_ptr, cnt_ptr, xg_ptr, eps, pid_m, pid_t, N, NT, K, PAIR_OFF,
                      TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, RES: tl.constexpr, XG: tl.constexpr,
-                     NORM: tl.constexpr, SILU: tl.constexpr):
+                     NORM: tl.constexpr, SILU: tl.constexpr, XQ: tl.constexpr = False, BITS: tl.constexpr = 8,
+                     XQW=0):
         """A tile's whole sum tot (TN,) fp32 to y, through the epilogue the flags ask for (`int4_gemv_epilogue`):
         NORM: times 1 / sqrt(ss / K + eps), ss the sum of squares of the norm's input row (x was that row times the
         norm's weight); RES: plus resv (the residual's rows, loaded ahead); XG: also xg = y * gv (the next norm's
         weight's rows, loaded ahead); SILU: the weight's first N / 2 rows are gates, the rest ups: the tile pairs
-        with the tile N / 2 rows on, and the second of the pair to finish writes silu(gate) * up."""
+        with the tile N / 2 rows on, and the second of the pair to finish writes silu(gate) * up. XQ: xg (with
+        SILU: also the product) goes to xg_ptr as the next GEMV's ACT8_FORMAT codes of BITS bits (rows of XQW
+        bytes; `act8_store`, the tile's TN / 32 blocks) instead of in y's dtype."""
         r = tl.arange(0, TN)
         rows = pid_t * TN + r
         ok = rows < N
@@ -365,7 +368,10 @@ if triton is not None:
                 gate = tl.where(first, tot, other)
                 up = tl.where(first, other, tot)
                 s = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # rounded as norm_triton's silu_mul
-                tl.store(y_ptr + pid_m * (N // 2) + pair * TN + r, (s * up).to(dt))
+                prod = (s * up).to(dt)
+                tl.store(y_ptr + pid_m * (N // 2) + pair * TN + r, prod)
+                if XQ:
+                    act8_store(prod.to(tl.float32), pair * (TN // 32), xg_ptr + pid_m * XQW, N // 2, TN // 32, BITS)
                 zero = tl.zeros((TN,), tl.float32)
                 tl.store(ws_ptr + pid_m * N + pair * TN + r, zero)
                 tl.store(ws_ptr + pid_m * N + (pair + half) * TN + r, zero)
@@ -376,7 +382,12 @@ if triton is not None:
             y = tot.to(dt)
             tl.store(y_ptr + pid_m * N + rows, y, mask=ok)
             if XG:
-                tl.store(xg_ptr + pid_m * N + rows, (y.to(tl.float32) * gv).to(dt), mask=ok)
+                xgv = (y.to(tl.float32) * gv).to(dt)
+                if XQ:  # rows past N: 0 (whatever the masked load of the sum left there)
+                    act8_store(tl.where(ok, xgv.to(tl.float32), 0.0), pid_t * (TN // 32), xg_ptr + pid_m * XQW, N,
+                               TN // 32, BITS)
+                else:
+                    tl.store(xg_ptr + pid_m * N + rows, xgv, mask=ok)
 
     @triton.jit
     def _gemv_reduced_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NT, KS, STEPS_SPLIT, stride_xm,
@@ -387,7 +398,7 @@ if triton is not None:
                              res_ptr=None, g_ptr=None,
                              xg_ptr=None, h_ptr=None, ss_ptr=None, eps=0.0, PAIR_OFF=0, RES: tl.constexpr = False,
                              XG: tl.constexpr = False, NORM: tl.constexpr = False, SILU: tl.constexpr = False,
-                             HB: tl.constexpr = 64):
+                             HB: tl.constexpr = 64, XQ: tl.constexpr = False, XQW=0):
         """y[m, rows] = x[m] . w[rows] in y's dtype, the split-K sum done in this kernel (REDUCE_MODES):
         every program of a (row, tile) adds its partial into the fp32 scratch (MODE 1: atomically into
         ws (M, N), which the last program zeroes again; MODE 2: its own slice of ws (SPLIT, M, N), which the
@@ -395,10 +406,11 @@ if triton is not None:
         program that counts last writes y and resets its counter to 0, so the scratch is as it was found
         after every call (what lets the op declare no mutation, and CUDA graphs replay it). ACT8: x is
         packed by `act8_quant` (see `_gemv_tile`); y_ptr's dtype is the output's. PDL: kernels.pdl.
-        RES, XG, NORM, SILU: the epilogue's (`_gemv_finish`). The epilogue's inputs are read by every program before
-        it counts itself, so the last one finds them in registers: the residual's and the next weight's rows, and
-        for NORM the sum of squares of h[m] over the program's own columns (HB at most), which MODE 1 adds up in
-        ss_ptr (M, NT) fp32 beside the partials (MODE 2 keeps its sums in order: the last program reads all of h)."""
+        RES, XG, NORM, SILU, XQ: the epilogue's (`_gemv_finish`; XQ's codes of BITS bits, as ACT8's input). The
+        epilogue's inputs are read by every program before it counts itself, so the last one finds them in
+        registers: the residual's and the next weight's rows, and for NORM the sum of squares of h[m] over the
+        program's own columns (HB at most), which MODE 1 adds up in ss_ptr (M, NT) fp32 beside the partials (MODE 2
+        keeps its sums in order: the last program reads all of h)."""
         pdl.trigger(PDL)
         pid_m = tl.program_id(0)
         pid_t = tl.program_id(1)
@@ -419,7 +431,7 @@ if triton is not None:
             if NORM:
                 ss = _sum_squares(h_ptr, pid_m, K, 0, K, HB)
             _gemv_finish(out, ss, resv, gv, y_ptr, ws_ptr, cnt_ptr, xg_ptr, eps, pid_m, pid_t, N, NT, K, PAIR_OFF,
-                         TN, SPLIT, MODE, RES, XG, NORM, SILU)
+                         TN, SPLIT, MODE, RES, XG, NORM, SILU, XQ, BITS, XQW)
         else:
             if MODE == 1:
                 tl.atomic_add(ws_ptr + pid_m * N + rows, out, mask=ok, sem="relaxed")
@@ -449,7 +461,7 @@ if triton is not None:
                     if NORM:
                         ss = _sum_squares(h_ptr, pid_m, K, 0, K, HB)
                 _gemv_finish(tot, ss, resv, gv, y_ptr, ws_ptr, cnt_ptr, xg_ptr, eps, pid_m, pid_t, N, NT, K,
-                             PAIR_OFF, TN, SPLIT, MODE, RES, XG, NORM, SILU)
+                             PAIR_OFF, TN, SPLIT, MODE, RES, XG, NORM, SILU, XQ, BITS, XQW)
                 tl.atomic_xchg(cnt_ptr + pid_m * NT + pid_t, 0, sem="relaxed")
 
     @triton.jit
@@ -1011,10 +1023,11 @@ def int4_gemv_reduced(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Ten
 def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int,
              group_size: int, split: int, mode: int, dtype: torch.dtype, residual: Tensor | None = None,
              next_weight: Tensor | None = None, rms_of: Tensor | None = None, eps: float = 0.0,
-             silu: bool = False, bits: int = 8) -> tuple[Tensor, Tensor | None]:
-    """Launch `_gemv_reduced_kernel` on x (M, K) in a float dtype, or (act8) on an ACT8_FORMAT activation of `bits`-bit
-    codes viewed as int32 words: (y (M, N) in dtype, or (M, N / 2) with silu; xg (M, N) where next_weight is given, else None), the
-    epilogue as `int4_gemv_epilogue` describes it."""
+             silu: bool = False, bits: int = 8, codes_out: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Launch `_gemv_reduced_kernel` on x (M, K) in a float dtype, or (act8) on an ACT8_FORMAT activation of
+    `bits`-bit codes viewed as int32 words: (y (M, N) in dtype, or (M, N / 2) with silu; xg (M, N) where next_weight
+    is given, else None), the epilogue as `int4_gemv_epilogue` describes it; codes_out: that xg (with silu: y's
+    rows), as `bits`-bit ACT8_FORMAT codes instead (`int4_gemv_epilogue_a8`)."""
     m = x.shape[0]
     nt, ks, tn, _ = codes.shape
     if m > ws.shape[0] or mode not in (1, 2):
@@ -1027,7 +1040,13 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
             raise ValueError(f"int4_gemv_epilogue: {name} must be contiguous ({m}, {width}), got {tuple(t.shape)}")
     warps, _, stages = gemv_config(n, k, 132, tn)
     y = torch.empty((m, n // 2 if silu else n), device=x.device, dtype=dtype)
-    xg = None if next_weight is None else torch.empty((m, n), device=x.device, dtype=dtype)
+    width = n // 2 if silu else n
+    if codes_out and (width % 64 or tn % 32):
+        raise ValueError(f"codes out of the epilogue take N (N / 2 with silu) a multiple of 64, got {width}")
+    if codes_out and (silu or next_weight is not None):
+        xg = torch.empty((m, act8_width(width, bits)), device=x.device, dtype=torch.int8)
+    else:
+        xg = None if next_weight is None else torch.empty((m, n), device=x.device, dtype=dtype)
     part = ws if mode == 1 or split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     steps = -(-ks // split)
     # the columns of h a load for NORM: a program's own split's (the whole row where it has them all, and in MODE 2's
@@ -1042,6 +1061,7 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
                                          ss_ptr=cnt[2 * ws.shape[0]:].view(torch.float32), eps=eps,
                                          PAIR_OFF=ws.shape[0] * nt, RES=residual is not None,
                                          XG=next_weight is not None, NORM=rms_of is not None, SILU=silu, HB=hb,
+                                         XQ=codes_out, XQW=xg.stride(0) if codes_out and xg is not None else 0,
                                          **pdl.launch_args(x, m))
     return y, xg
 
@@ -1074,6 +1094,37 @@ def _(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, gro
       silu: bool) -> tuple[Tensor, Tensor]:
     m = x.shape[0]
     return x.new_empty((m, n // 2 if silu else n)), x.new_empty((0,) if next_weight is None else (m, n))
+
+
+@torch.library.custom_op("orin_agent::int4_gemv_epilogue_a8", mutates_args=())
+def int4_gemv_epilogue_a8(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, group_size: int,
+                          split: int, mode: int, residual: Tensor | None, next_weight: Tensor | None,
+                          rms_of: Tensor | None, eps: float, silu: bool, bits: int,
+                          dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`int4_gemv_epilogue` for a step whose GEMVs take quantised activations (ACT "int8" / "int16", `bits`): x (M, K)
+    in a float dtype or as ACT8_FORMAT codes (int8, as its width says); y in dtype; the second output is the codes
+    the next GEMV takes instead of a float tensor: of y * next_weight where next_weight is given, or with silu of y
+    itself (M, act8_width(N or N / 2, bits)); else empty. So the producer of every GEMV input but the attention's
+    writes its codes, and no quantise launch is left between the layer's GEMVs."""
+    k = codes.shape[1] * 64
+    if x.dtype == torch.int8:
+        if act8_bits(x.shape[1], k) != bits:
+            raise ValueError(f"int4_gemv_epilogue_a8: the activation's codes are not of {bits} bits")
+        xin = x.view(torch.int32)
+    else:
+        xin = x
+    y, xg = _reduced(xin, x.dtype == torch.int8, k, codes, sb, ws, cnt, n, group_size, split, mode, dtype, residual,
+                     next_weight, rms_of, eps, silu, bits, codes_out=True)
+    return y, (x.new_empty((0,), dtype=torch.int8) if xg is None else xg)
+
+
+@int4_gemv_epilogue_a8.register_fake
+def _(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, group_size: int, split: int, mode: int,
+      residual: Tensor | None, next_weight: Tensor | None, rms_of: Tensor | None, eps: float, silu: bool, bits: int,
+      dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    m, width = x.shape[0], n // 2 if silu else n
+    xg = (m, act8_width(width, bits)) if silu or next_weight is not None else (0,)
+    return x.new_empty((m, width), dtype=dtype), x.new_empty(xg, dtype=torch.int8)
 
 
 def _asm() -> bool:

@@ -199,15 +199,17 @@ ROPE_FUSED = True
 # a graphed batch-1 decode step of a small model is bound by its kernel count (SmolLM2-135M on an H200: ~27 kernels
 # a layer, ~3 us each, docs/BENCHMARKS.md "SmolLM2 on the GPU").
 FUSED_ELEMENTWISE = True
-# A decode step over CUDA INT4 layers on the Triton GEMV (fused q/k/v and gate/up, exact activations) runs the work of
-# the small kernels between the GEMVs in the GEMVs' own epilogues (kernels.int4_triton.int4_gemv_epilogue,
-# DecoderLayer.run_epilogues): the residual adds, both RMSNorms and SiLU * up, 7 kernels a Llama layer instead of 10.
-# On an H100 (docs/BENCHMARKS.md, twentieth session): Llama-3-8B INT4 decode +0.2-1.7 %, SmolLM2-135M's shape
-# +6.7-7.5 %.
+# A decode step over CUDA INT4 layers on the Triton GEMV (fused q/k/v and gate/up) runs the work of the small kernels
+# between the GEMVs in the GEMVs' own epilogues (kernels.int4_triton.int4_gemv_epilogue, DecoderLayer.run_epilogues):
+# the residual adds, both RMSNorms and SiLU * up, 7 kernels a Llama layer instead of 10. On an H100
+# (docs/BENCHMARKS.md, twentieth session): Llama-3-8B INT4 decode +0.2-1.7 %, SmolLM2-135M's shape +6.7-7.5 %. With
+# quantised activations (ACT "int8" / "int16") the epilogues also write the next GEMV's codes
+# (int4_gemv_epilogue_a8), and ACT8_FUSED below is left to the step without them.
 GEMV_EPILOGUES = True
 # Where a decode step's INT4 GEMVs take int8 activations (kernels.int4_triton ACT "int8"), the RMSNorms and SiLU * up
 # before them write the codes too (kernels.norm_triton's `_a8` ops) instead of a quantise launch per GEMV (129 in
-# a Llama-3-8B step, ~1.4 us each on an H200, docs/BENCHMARKS.md). Off: each GEMV quantises its own input.
+# a Llama-3-8B step, ~1.4 us each on an H200, docs/BENCHMARKS.md). Off: each GEMV quantises its own input. (Where
+# the GEMV epilogues run, they make the codes: GEMV_EPILOGUES.)
 ACT8_FUSED = True
 
 
@@ -495,13 +497,18 @@ class DecoderLayer(nn.Module):
                       next_weight: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """A decode step of the layer with its norms, residual adds and SiLU * up inside the INT4 GEMVs' epilogues
         (`_gemv_epilogues` says where): h the residual stream, hg = h * input_layernorm's weight (the previous
-        layer's down_proj made it). Returns (the stream after the layer, it times next_weight or None, k, v)."""
+        layer's down_proj made it). Returns (the stream after the layer, it times next_weight or None, k, v).
+        With quantised activations (kernels.int4_triton ACT "int8" / "int16") hg is its ACT8_FORMAT codes, and each
+        epilogue writes the codes of the next GEMV's input (QuantLinear.epilogue): q/k/v, gate/up and down_proj
+        take codes, o_proj the attention's output as it is (a quantise launch a layer fewer)."""
         a, m = self.self_attn, self.mlp
-        qkv, _ = a.qkv_proj.epilogue(hg, rms_of=h, eps=self.input_layernorm.eps)
+        qkv, _ = a.qkv_proj.epilogue(hg, rms_of=h, eps=self.input_layernorm.eps, dtype=h.dtype)
         out, k, v = a.attend(*qkv.split(a.qkv_sizes, dim=-1), cos, sin, mask, past_k, past_v, slot, lengths)
         h, hg = a.o_proj.epilogue(out, residual=h, next_weight=self.post_attention_layernorm.weight)
-        act, _ = m.gate_up_proj.epilogue(hg, rms_of=h, eps=self.post_attention_layernorm.eps, silu=True)
-        h, hg = m.down_proj.epilogue(act, residual=h, next_weight=next_weight)
+        act, act8 = m.gate_up_proj.epilogue(hg, rms_of=h, eps=self.post_attention_layernorm.eps, silu=True,
+                                            dtype=h.dtype)
+        h, hg = m.down_proj.epilogue(act if act8 is None else act8, residual=h, next_weight=next_weight,
+                                     dtype=h.dtype)
         return h, hg, k, v
 
     def _hold_int4(self, x: Tensor) -> list:
@@ -591,6 +598,11 @@ class SliceModule(nn.Module):
         if fused and _gemv_epilogues(self.layers, h):  # a decode step over INT4 layers: the GEMVs' epilogues
             first = self.layers[0].input_layernorm.weight
             hg = (h.float() * first.float()).to(h.dtype)
+            from kernels import int4_triton
+
+            if int4_triton.ACT != "exact":  # the first q/k/v takes codes (DecoderLayer.run_epilogues)
+                hg = int4_triton.act8_quant(hg.reshape(-1, hg.shape[-1]), int4_triton.act_bits()).reshape(
+                    *hg.shape[:-1], -1)
             for i, layer in enumerate(self.layers):
                 nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else None
                 h, hg, k, v = layer.run_epilogues(h, hg, cos, sin, mask, past[2 * i], past[2 * i + 1], slot,

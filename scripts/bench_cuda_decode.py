@@ -129,9 +129,13 @@ VARIANTS = {v.name: v for v in (
             act8_fused=False),
     Variant("int4-fused-a8-compile", True, buckets=False, quant="int4", fused=True, act="int8", compile=True),
     # int16 activations (kernels.int4_triton ACT "int16": two dp4a a word, codes exact for bf16 values within 2^7 of
-    # their block's largest), codes from the producers, with PDL ("-pdl") and without (what "auto" gives them)
-    *(Variant(f"int4-fused{h}-a16{p}", True, buckets=False, quant="int4", fused=True, lm_head=bool(h), act="int16",
-              pdl="on" if p else "") for h in ("", "-lmhead") for p in ("", "-pdl")),
+    # their block's largest), the codes from the GEMVs' epilogues (or "-noepi": from the norms and SiLU * up), with
+    # PDL ("-pdl") and without (what "auto" gives them)
+    *(Variant(f"int4-fused{h}-a16{p}{e}", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
+              act="int16", pdl="on" if p else "", epilogues=not e)
+      for h in ("", "-lmhead") for p in ("", "-pdl") for e in ("", "-noepi")),
+    Variant("int4-fused-lmhead-a8-noepi", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8",
+            epilogues=False),
     # without programmatic dependent launch (kernels.pdl: on by default where the GPU has it, sm_90 and newer)
     Variant("graphs-compile-nopdl", True, buckets=False, compile=True, pdl="off"),
     Variant("int4-fused-nopdl", True, buckets=False, quant="int4", fused=True, pdl="off"),

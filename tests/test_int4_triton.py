@@ -377,6 +377,52 @@ def check_act16(device: str, cases: list[tuple[int, int, int, bool, int]] = CASE
         it.act8_bits(3 * 256, 256)
 
 
+def check_epilogue_codes(device: str) -> None:
+    """int4_gemv_epilogue_a8 (quantised activations, the epilogue writing the next GEMV's codes): given a float x it
+    gives int4_gemv_epilogue's y, given x's codes the same within their rounding, and its codes are act8_quant's
+    of what the float epilogue hands on (y * next_weight; with SiLU, y), codes and scales bit for bit, for 8 and 16
+    bits, on a weight of uneven tiles (N = 320 over 128-row tiles: the last tile's rows past N are not codes).
+    In fp32 in the interpreter, whose cast to bf16 rounds toward zero where torch's rounds to nearest."""
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    for n, tile_n, silu in ((320, 128, False), (256, 64, True)):
+        k, group = 256, 32
+        w = _weights(n, k, group, False, n)
+        codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=tile_n))
+        ws, cnt = it.scratch(n, codes)
+        gen = torch.Generator().manual_seed(n)
+        x = torch.randn(2, k, generator=gen).to(device=device, dtype=dt)
+        h = (torch.randn(2, k, generator=gen) * 3).to(device=device, dtype=dt)
+        res = torch.randn(2, n, generator=gen).to(device=device, dtype=dt)
+        g = (torch.rand(n, generator=gen) + 0.5).to(device=device, dtype=dt)
+        kw = {"residual": None, "next_weight": None, "rms_of": h, "silu": True} if silu else {
+            "residual": res, "next_weight": g, "rms_of": None, "silu": False}
+        for bits in (8, 16):
+            for split in (1, 3) if device == "cuda" else (3,):
+                q = it.act8_quant(x, bits)
+                for xin in (x, q):
+                    y, xq = it.int4_gemv_epilogue_a8(xin, codes, sb, ws, cnt, n, group, split, 1, kw["residual"],
+                                                     kw["next_weight"], kw["rms_of"], 1e-5, silu, bits, dt)
+                    assert int(cnt.abs().sum()) == 0 and float(ws.abs().sum()) == 0
+                    want_y, _ = it.int4_gemv_epilogue(x.float(), codes, sb, ws, cnt, n, group, split, 1,
+                                                      *(None if t is None else t.float() for t in (
+                                                          kw["residual"], kw["next_weight"], kw["rms_of"])),
+                                                      1e-5, silu)
+                    assert y.dtype == dt and y.shape == want_y.shape
+                    tol = 0.03 if xin is q and bits == 8 else 2 ** -7  # int8 codes: ~1 % (check_act8)
+                    assert float((y.double() - want_y.double()).norm() / want_y.double().norm()) < tol
+                    handed = y if silu else (y.float() * g.float()).to(dt)  # as the kernel rounds it
+                    want_q = it.act8_quant(handed, bits)
+                    assert xq.shape == want_q.shape == (2, it.act8_width(n // 2 if silu else n, bits))
+                    (gc, gd, gs), (wc, wd, wsum) = it.act8_unpack(xq, bits), it.act8_unpack(want_q, bits)
+                    assert torch.equal(gc, wc) and torch.equal(gd, wd), (n, bits, split)
+                    assert torch.allclose(gs, wsum, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        w = _weights(160, 128, 32, False, 3)
+        codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=32))
+        it.int4_gemv_epilogue_a8(torch.zeros(1, 128, device=device), codes, sb, *it.scratch(160, codes), 160, 32, 1,
+                                 1, None, torch.ones(160, device=device), None, 1e-5, False, 16, torch.float32)
+
+
 def check_epilogues(device: str) -> None:
     """int4_gemv_epilogue's four epilogues (residual add and the next norm's input; the norm's scale; SiLU(gate) * up
     over tile pairs, with the norm's scale) against the same arithmetic in float64 on the kernel's own product, both
@@ -432,6 +478,7 @@ def check_epilogues(device: str) -> None:
             it.int4_gemv_epilogue(x, codes, sb, ws, cnt, n, group, 1, 1, res, None, None, 1e-5, True)
         with pytest.raises(ValueError, match="residual must be contiguous"):
             it.int4_gemv_epilogue(x, codes, sb, ws, cnt, n, group, 1, 1, res[:, :8], None, None, 1e-5, False)
+    check_epilogue_codes(device)
     w = _weights(192, 128, 32, False, 7)  # 192 rows: 3 tiles of 64, no pairs
     codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=64))
     assert not it.silu_pairs(192, 64) and it.silu_pairs(256, 64)

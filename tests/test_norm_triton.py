@@ -144,14 +144,14 @@ def check_act8_model(device: str) -> None:
     sl = model.slice(0, 2)
     calls = []
     quant = it.act8_quant
-    defaults = it.ACT, it.REDUCE, it.act8_quant, pm.ACT8_FUSED
+    defaults = it.ACT, it.REDUCE, it.act8_quant, pm.ACT8_FUSED, pm.GEMV_EPILOGUES
 
     def counted(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
         calls.append(x.shape)
         return quant(x, bits)
 
-    def run(t: int, act: str, fused: bool, layers: int = 2) -> torch.Tensor:
-        it.ACT, pm.ACT8_FUSED = act, fused
+    def run(t: int, act: str, fused: bool, layers: int = 2, epilogues: bool = False) -> torch.Tensor:
+        it.ACT, pm.ACT8_FUSED, pm.GEMV_EPILOGUES = act, fused, epilogues
         calls.clear()
         ids = torch.arange(3, 3 + t, dtype=torch.int32, device=device)[None]
         pos = torch.arange(t, dtype=torch.int32, device=device)[None]
@@ -177,8 +177,18 @@ def check_act8_model(device: str) -> None:
                 assert not calls and float((fused - exact).norm() / exact.norm()) < tol, (act, t)
             prefill = run(8, act, True, layers=1)  # hidden states out (a prefill's head reads one row: the GEMV)
             assert not calls and torch.equal(prefill, run(8, "exact", True, layers=1))
+            # the GEMVs' epilogues writing the next GEMV's codes (int4_gemv_epilogue_a8): one quantise a step (the
+            # first q/k/v's input) instead of one a layer, o_proj on the attention's output as it is; the logits
+            # within the codes' error of the exact step's with epilogues, and of the step without them
+            for t in (1, 3):
+                epi = run(t, act, True, epilogues=True)
+                assert len(calls) == 1 and calls[0] == (t, 128), calls
+                exact = run(t, "exact", True, epilogues=True)
+                assert float((epi - exact).norm() / exact.norm()) < tol, (act, t)
+                plain = run(t, act, True)
+                assert float((epi - plain).norm() / plain.norm()) < tol, (act, t)
     finally:
-        it.ACT, it.REDUCE, it.act8_quant, pm.ACT8_FUSED = defaults
+        it.ACT, it.REDUCE, it.act8_quant, pm.ACT8_FUSED, pm.GEMV_EPILOGUES = defaults
 
 
 def check_epilogue_model(device: str) -> None:
