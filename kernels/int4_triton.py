@@ -125,31 +125,26 @@ def unpack_sb(sb: Tensor, n: int) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def _dp4a_u4(a, b, c, ASM: tl.constexpr):
+    def _dp4a_u4(a, b, c, ASM: tl.constexpr, B_SIGNED: tl.constexpr = True):
         """c + the dot of a's four unsigned bytes with b's four signed bytes, per int32 element (PTX dp4a.u32.s32:
         one instruction from sm_61, Orin's sm_87 and Hopper's sm_90 included; it is how llama.cpp's CUDA
-        mat-vec kernels multiply 4-bit weights with int8 activations). ASM False: the same sum in integer ops,
-        for Triton's CPU interpreter, which runs no inline assembly."""
+        mat-vec kernels multiply 4-bit weights with int8 activations); B_SIGNED False: b's bytes unsigned
+        (dp4a.u32.u32: the low bytes of int16 activations, `act8_store` BITS 16). ASM False: the same sum in
+        integer ops, for Triton's CPU interpreter, which runs no inline assembly."""
         if ASM:
-            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                             dtype=tl.int32, is_pure=True, pack=1)
+            if B_SIGNED:
+                return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                 dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                return tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                 dtype=tl.int32, is_pure=True, pack=1)
         else:
             r = c
             for i in tl.static_range(4):
-                r += ((a >> (8 * i)) & 255) * ((b << (24 - 8 * i)) >> 24)
-            return r
-
-    @triton.jit
-    def _dp4a_uu(a, b, c, ASM: tl.constexpr):
-        """c + the dot of a's four unsigned bytes with b's four unsigned bytes (PTX dp4a.u32.u32; the low bytes of
-        int16 activations, `act8_store` BITS 16). ASM False: integer ops, for the interpreter."""
-        if ASM:
-            return tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            r = c
-            for i in tl.static_range(4):
-                r += ((a >> (8 * i)) & 255) * ((b >> (8 * i)) & 255)
+                if B_SIGNED:
+                    r += ((a >> (8 * i)) & 255) * ((b << (24 - 8 * i)) >> 24)
+                else:
+                    r += ((a >> (8 * i)) & 255) * ((b >> (8 * i)) & 255)
             return r
 
     @triton.jit
@@ -265,8 +260,8 @@ if triton is not None:
                 t = _dp4a_u4(we, xa, tl.zeros((TN, 2, 4), tl.int32), ASM)
                 t = _dp4a_u4(wo, xb, t, ASM)
                 if BITS == 16:  # xq = 256 hi + lo, lo unsigned: 256 (q . hi) + q . lo; |sum| < 15 * 2^15 * 32 < 2^24
-                    t = _dp4a_uu(we, tl.load(xw + KS * 16)[None, :, :], t << 8, ASM)
-                    t = _dp4a_uu(wo, tl.load(xw + KS * 16 + 4)[None, :, :], t, ASM)
+                    t = _dp4a_u4(we, tl.load(xw + KS * 16)[None, :, :], t << 8, ASM, B_SIGNED=False)
+                    t = _dp4a_u4(wo, tl.load(xw + KS * 16 + 4)[None, :, :], t, ASM, B_SIGNED=False)
                 dot = tl.sum(t, axis=2).to(tl.float32)  # (TN, 2): sum over each block of q * xq, exact
                 acc += dot * (sv * xd[None, :]) + bv * xsum[None, :]
             elif CHAIN:
