@@ -1037,7 +1037,8 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
     y = torch.empty((m, n // 2 if silu else n), device=x.device, dtype=dtype)
     width = n // 2 if silu else n
     if codes_out and (width % 64 or tn % 32):
-        raise ValueError(f"codes out of the epilogue take N (N / 2 with silu) a multiple of 64, got {width}")
+        raise ValueError(f"codes out of the epilogue take N (N / 2 with silu) a multiple of 64 and tiles of a "
+                         f"multiple of 32 rows, got {width} and {tn}")
     if codes_out and (silu or next_weight is not None):
         xg = torch.empty((m, act8_width(width, bits)), device=x.device, dtype=torch.int8)
     else:
@@ -1051,7 +1052,8 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
                                          GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
                                          CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
                                          PREFETCH=PREFETCH, UNROLL=UNROLL, ACT8=act8, ASM=_asm(),
-                                         CHAIN=LOOP == "chain", BITS=bits, num_warps=warps, enable_fp_fusion=FP_FUSION,
+                                         CHAIN=LOOP == "chain", BITS=bits, num_warps=warps,
+                                         enable_fp_fusion=FP_FUSION,
                                          res_ptr=residual, g_ptr=next_weight, xg_ptr=xg, h_ptr=rms_of,
                                          ss_ptr=cnt[2 * ws.shape[0]:].view(torch.float32), eps=eps,
                                          PAIR_OFF=ws.shape[0] * nt, RES=residual is not None,
