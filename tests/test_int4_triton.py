@@ -524,6 +524,11 @@ def check_compile(device: str) -> None:
     x = torch.randn(1, 256, device=device)
     assert torch.allclose(compiled(x), g(x), rtol=1e-5, atol=1e-6)
     assert torch.allclose(compiled(x), f(x), rtol=0.05, atol=0.05)  # int8 activations: ~1 % off exact
+    it.ACT = "int16"  # and int16 ones (the bits a traced argument of the quantise)
+    torch._dynamo.reset()
+    compiled = torch.compile(g, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    assert torch.allclose(compiled(x), g(x), rtol=1e-5, atol=1e-6)
+    assert float((compiled(x) - f(x)).norm() / f(x).norm()) < 1e-4  # fp32 x: its 16-bit codes, ~2e-5 off exact
     it.ACT = default
     nw = torch.linspace(0.5, 1.5, 64, device=device)  # the epilogues: optional tensors, two outputs, traced whole
 
@@ -537,6 +542,17 @@ def check_compile(device: str) -> None:
     x, res = torch.randn(1, 256, device=device), torch.randn(1, 64, device=device)
     for _ in range(2):
         assert torch.allclose(compiled(x, res), e(x, res), atol=1e-5)
+
+    def e16(x: torch.Tensor, res: torch.Tensor) -> tuple[torch.Tensor, ...]:  # codes in and out, a dtype argument
+        y, xq = it.int4_gemv_epilogue_a8(it.act8_quant(x, 16), codes, sb, ws, cnt, 64, 32, 2, 1, res, nw, None, 1e-5,
+                                         False, 16, torch.float32)
+        return y, xq
+
+    torch._dynamo.reset()
+    compiled = torch.compile(e16, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    for _ in range(2):
+        (cy, cq), (ey, eq) = compiled(x, res), e16(x, res)
+        assert torch.allclose(cy, ey, atol=1e-5) and cq.shape == eq.shape == (1, it.act8_width(64, 16))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
