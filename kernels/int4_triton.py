@@ -1034,8 +1034,8 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
         if t is not None and (t.shape != (m, width) or t.stride() != (width, 1)):
             raise ValueError(f"int4_gemv_epilogue: {name} must be contiguous ({m}, {width}), got {tuple(t.shape)}")
     warps, _, stages = gemv_config(n, k, 132, tn)
-    y = torch.empty((m, n // 2 if silu else n), device=x.device, dtype=dtype)
-    width = n // 2 if silu else n
+    width = n // 2 if silu else n  # y's columns
+    y = torch.empty((m, width), device=x.device, dtype=dtype)
     if codes_out and (width % 64 or tn % 32):
         raise ValueError(f"codes out of the epilogue take N (N / 2 with silu) a multiple of 64 and tiles of a "
                          f"multiple of 32 rows, got {width} and {tn}")
