@@ -72,6 +72,7 @@ class Variant:
     loop: str = ""  # kernels.int4_triton.LOOP (the GEMV loop's form: "planes" or "chain"); "" = its default
     epilogues: bool = True  # partition.model.GEMV_EPILOGUES: norms, residual adds, SiLU * up in the INT4 GEMVs
     split_min: int = 0  # kernels.kv_triton.SPLIT_MIN_SLOTS (the decode attention's shortest split); 0 = default
+    merge: str = ""  # kernels.kv_triton.MERGE (the decode attention's splits merged by a kernel or the last split)
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -134,6 +135,12 @@ VARIANTS = {v.name: v for v in (
     *(Variant(f"int4-fused{h}-a16{p}{e}", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
               act="int16", pdl="on" if p else "", epilogues=not e)
       for h in ("", "-lmhead") for p in ("", "-pdl") for e in ("", "-noepi")),
+    # the decode attention's splits merged by the last split program (kernels.kv_triton.MERGE "last"): a kernel a
+    # layer fewer
+    *(Variant(f"int4-fused{h}{a}-lastmerge", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
+              act=a.removeprefix("-").replace("a16", "int16"), merge="last")
+      for h in ("", "-lmhead") for a in ("", "-a16")),
+    Variant("graphs-compile-lastmerge", True, buckets=False, compile=True, merge="last"),
     Variant("int4-fused-lmhead-a8-noepi", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8",
             epilogues=False),
     # without programmatic dependent launch (kernels.pdl: on by default where the GPU has it, sm_90 and newer)
@@ -366,7 +373,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     from kernels import int4_triton, kv_triton, pdl
     from partition import model as pm
 
-    default_pdl, default_split_min = pdl.MODE, kv_triton.SPLIT_MIN_SLOTS
+    default_pdl, default_split_min, default_merge = pdl.MODE, kv_triton.SPLIT_MIN_SLOTS, kv_triton.MERGE
     default_reduce, default_prefill, default_act = int4_triton.REDUCE, int4_triton.PREFILL, int4_triton.ACT
     default_gemv = (int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS)
     default_ahead_split, default_loop = int4_triton.AHEAD_SPLIT, int4_triton.LOOP
@@ -382,6 +389,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         int4_triton.LOOP = v.loop or default_loop  # read at each launch (a graph keeps its capture's)
         pm.ROPE_FUSED, pm.ACT8_FUSED, pm.GEMV_EPILOGUES = v.rope, v.act8_fused, v.epilogues
         kv_triton.SPLIT_MIN_SLOTS = v.split_min or default_split_min  # read at each call (a graph keeps its capture's)
+        kv_triton.MERGE = v.merge or default_merge  # likewise
         pdl.MODE = v.pdl or default_pdl  # read at each launch: a graph keeps what its capture launched
 
     for v in variants:
