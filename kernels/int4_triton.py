@@ -385,6 +385,42 @@ if triton is not None:
                     tl.store(xg_ptr + pid_m * N + rows, xgv, mask=ok)
 
     @triton.jit
+    def _rope_tile(y_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, pid_m, row0, N, s_cs, s_p, skc_b, skc_h, skc_s,
+                   svc_b, svc_h, svc_s, NH, NKV, TN: tl.constexpr, HD: tl.constexpr):
+        """The ROPE epilogue of a q/k/v GEMV's tile, rows [row0, row0 + TN) of y[pid_m] (M, N), stored: its q heads
+        rotated in place, its k heads rotated into kc[pid_m, head, pos[pid_m]], its v heads copied into vc at that
+        slot; kernels.rope_triton's `_rope_write_kernel` arithmetic on the same (rounded) y, so the same values.
+        The tile's heads whole (TN a multiple of HD), y's rows [0, NH HD) q, then NKV heads of k, NKV of v."""
+        half = tl.arange(0, HD // 2)
+        cs = pid_m * s_cs
+        c1 = tl.load(cos_ptr + cs + half).to(tl.float32)  # cos = cat(f, f): its two halves are equal
+        c2 = tl.load(cos_ptr + cs + HD // 2 + half).to(tl.float32)
+        s1 = tl.load(sin_ptr + cs + half).to(tl.float32)
+        s2 = tl.load(sin_ptr + cs + HD // 2 + half).to(tl.float32)
+        slot = tl.load(pos_ptr + pid_m * s_p).to(tl.int64)
+        yrow = y_ptr + pid_m * N
+        for j in tl.static_range(TN // HD):
+            head = row0 // HD + j
+            src = yrow + head * HD
+            if head < NH + NKV:  # q or k: rotated
+                x1 = tl.load(src + half, cache_modifier=".cg").to(tl.float32)
+                x2 = tl.load(src + HD // 2 + half, cache_modifier=".cg").to(tl.float32)
+                r1 = x1 * c1 - x2 * s1
+                r2 = x2 * c2 + x1 * s2
+                if head < NH:
+                    tl.store(src + half, r1.to(y_ptr.dtype.element_ty))
+                    tl.store(src + HD // 2 + half, r2.to(y_ptr.dtype.element_ty))
+                else:
+                    dst = kc_ptr + pid_m * skc_b + (head - NH) * skc_h + slot * skc_s
+                    tl.store(dst + half, r1.to(kc_ptr.dtype.element_ty))
+                    tl.store(dst + HD // 2 + half, r2.to(kc_ptr.dtype.element_ty))
+            elif head < NH + 2 * NKV:  # v: copied
+                full = tl.arange(0, HD)
+                vals = tl.load(src + full, cache_modifier=".cg")
+                tl.store(vc_ptr + pid_m * svc_b + (head - NH - NKV) * svc_h + slot * svc_s + full,
+                         vals.to(vc_ptr.dtype.element_ty))
+
+    @triton.jit
     def _gemv_reduced_kernel(x_ptr, w_ptr, sb_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NT, KS, STEPS_SPLIT, stride_xm,
                              GROUP: tl.constexpr, TN: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
                              CH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
@@ -393,7 +429,10 @@ if triton is not None:
                              res_ptr=None, g_ptr=None,
                              xg_ptr=None, h_ptr=None, ss_ptr=None, eps=0.0, PAIR_OFF=0, RES: tl.constexpr = False,
                              XG: tl.constexpr = False, NORM: tl.constexpr = False, SILU: tl.constexpr = False,
-                             HB: tl.constexpr = 64, XQ: tl.constexpr = False, XQW=0):
+                             HB: tl.constexpr = 64, XQ: tl.constexpr = False, XQW=0, cos_ptr=None, sin_ptr=None,
+                             pos_ptr=None, kc_ptr=None, vc_ptr=None, s_cs=0, s_p=0, skc_b=0, skc_h=0, skc_s=0,
+                             svc_b=0, svc_h=0, svc_s=0, NH=0, NKV=0, ROPE: tl.constexpr = False,
+                             HD: tl.constexpr = 64):
         """y[m, rows] = x[m] . w[rows] in y's dtype, the split-K sum done in this kernel (REDUCE_MODES):
         every program of a (row, tile) adds its partial into the fp32 scratch (MODE 1: atomically into
         ws (M, N), which the last program zeroes again; MODE 2: its own slice of ws (SPLIT, M, N), which the
@@ -405,7 +444,8 @@ if triton is not None:
         epilogue's inputs are read by every program before it counts itself, so the last one finds them in
         registers: the residual's and the next weight's rows, and for NORM the sum of squares of h[m] over the
         program's own columns (HB at most), which MODE 1 adds up in ss_ptr (M, NT) fp32 beside the partials (MODE 2
-        keeps its sums in order: the last program reads all of h)."""
+        keeps its sums in order: the last program reads all of h). ROPE: after y's tile is stored, `_rope_tile` (the
+        rotations and the cache writes of a q/k/v GEMV, NH and NKV heads of HD rows)."""
         pdl.trigger(PDL)
         pid_m = tl.program_id(0)
         pid_t = tl.program_id(1)
@@ -427,6 +467,10 @@ if triton is not None:
                 ss = _sum_squares(h_ptr, pid_m, K, 0, K, HB)
             _gemv_finish(out, ss, resv, gv, y_ptr, ws_ptr, cnt_ptr, xg_ptr, eps, pid_m, pid_t, N, NT, K, PAIR_OFF,
                          TN, SPLIT, MODE, RES, XG, NORM, SILU, XQ, BITS, XQW)
+            if ROPE:
+                tl.debug_barrier()  # the tile's y stored by every thread before it is read back
+                _rope_tile(y_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, pid_m, pid_t * TN, N, s_cs, s_p, skc_b,
+                           skc_h, skc_s, svc_b, svc_h, svc_s, NH, NKV, TN, HD)
         else:
             if MODE == 1:
                 tl.atomic_add(ws_ptr + pid_m * N + rows, out, mask=ok, sem="relaxed")
@@ -457,6 +501,10 @@ if triton is not None:
                         ss = _sum_squares(h_ptr, pid_m, K, 0, K, HB)
                 _gemv_finish(tot, ss, resv, gv, y_ptr, ws_ptr, cnt_ptr, xg_ptr, eps, pid_m, pid_t, N, NT, K,
                              PAIR_OFF, TN, SPLIT, MODE, RES, XG, NORM, SILU, XQ, BITS, XQW)
+                if ROPE:
+                    tl.debug_barrier()
+                    _rope_tile(y_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, pid_m, pid_t * TN, N, s_cs, s_p,
+                               skc_b, skc_h, skc_s, svc_b, svc_h, svc_s, NH, NKV, TN, HD)
                 tl.atomic_xchg(cnt_ptr + pid_m * NT + pid_t, 0, sem="relaxed")
 
     @triton.jit
@@ -1018,11 +1066,13 @@ def int4_gemv_reduced(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Ten
 def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int,
              group_size: int, split: int, mode: int, dtype: torch.dtype, residual: Tensor | None = None,
              next_weight: Tensor | None = None, rms_of: Tensor | None = None, eps: float = 0.0,
-             silu: bool = False, bits: int = 8, codes_out: bool = False) -> tuple[Tensor, Tensor | None]:
+             silu: bool = False, bits: int = 8, codes_out: bool = False,
+             rope: tuple | None = None) -> tuple[Tensor, Tensor | None]:
     """Launch `_gemv_reduced_kernel` on x (M, K) in a float dtype, or (act8) on an ACT8_FORMAT activation of
     `bits`-bit codes viewed as int32 words: (y (M, N) in dtype, or (M, N / 2) with silu; xg (M, N) where next_weight
     is given, else None), the epilogue as `int4_gemv_epilogue` describes it; codes_out: that xg (with silu: y's
-    rows), as `bits`-bit ACT8_FORMAT codes instead (`int4_gemv_epilogue_a8`)."""
+    rows), as `bits`-bit ACT8_FORMAT codes instead (`int4_gemv_epilogue_a8`); rope: (cos, sin, positions, k_cache,
+    v_cache, n_heads), the q/k/v epilogue of `int4_gemv_rope`."""
     m = x.shape[0]
     nt, ks, tn, _ = codes.shape
     if m > ws.shape[0] or mode not in (1, 2):
@@ -1048,6 +1098,21 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
     # the columns of h a load for NORM: a program's own split's (the whole row where it has them all, and in MODE 2's
     # pass of the last program over the row), at most NORM_BLOCK
     hb = min(triton.next_power_of_2(ks * 64 if mode == 2 else steps * 64), NORM_BLOCK)
+    rope_args = {}
+    if rope is not None:
+        cos, sin, positions, kc, vc, n_heads = rope
+        hd, n_kv = kc.shape[3], kc.shape[1]
+        if (silu or residual is not None or next_weight is not None or hd & (hd - 1) or tn % hd
+                or n != (n_heads + 2 * n_kv) * hd or kc.stride(3) != 1 or vc.stride(3) != 1
+                or cos.shape != (m, hd) or cos.stride(1) != 1 or sin.stride() != cos.stride()
+                or positions.shape != (m,) or kc.shape[0] < m or vc.shape[:2] != kc.shape[:2]):
+            raise ValueError(f"the RoPE epilogue takes N = (heads + 2 KV heads) x head_dim rows in tiles of whole "
+                             f"heads, unit-stride caches (B, KV, L, hd) and cos / sin (M, hd); got N={n}, tiles of "
+                             f"{tn}, caches {tuple(kc.shape)}, cos {tuple(cos.shape)}")
+        rope_args = dict(cos_ptr=cos, sin_ptr=sin, pos_ptr=positions, kc_ptr=kc, vc_ptr=vc, s_cs=cos.stride(0),
+                         s_p=positions.stride(0), skc_b=kc.stride(0), skc_h=kc.stride(1), skc_s=kc.stride(2),
+                         svc_b=vc.stride(0), svc_h=vc.stride(1), svc_s=vc.stride(2), NH=n_heads, NKV=n_kv, ROPE=True,
+                         HD=hd)
     _gemv_reduced_kernel[(m, nt, split)](x, codes, sb, y, part, cnt, m, n, nt, ks, steps, x.stride(0),
                                          GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
                                          CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
@@ -1059,7 +1124,7 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
                                          PAIR_OFF=ws.shape[0] * nt, RES=residual is not None,
                                          XG=next_weight is not None, NORM=rms_of is not None, SILU=silu, HB=hb,
                                          XQ=codes_out, XQW=xg.stride(0) if codes_out and xg is not None else 0,
-                                         **pdl.launch_args(x, m))
+                                         **rope_args, **pdl.launch_args(x, m))
     return y, xg
 
 
@@ -1122,6 +1187,38 @@ def _(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, gro
     m, width = x.shape[0], n // 2 if silu else n
     xg = (m, act8_width(width, bits)) if silu or next_weight is not None else (0,)
     return x.new_empty((m, width), dtype=dtype), x.new_empty(xg, dtype=torch.int8)
+
+
+# RoPE and the K/V cache write in the q/k/v GEMV's epilogue (`int4_gemv_rope`, partition.model.ROPE_EPILOGUE): the
+# program that finishes a tile of whole heads rotates them and writes k and v into the caches, as
+# kernels.rope_triton's kernel did a launch later. A Llama layer's decode step: 6 kernels instead of 7.
+
+
+@torch.library.custom_op("orin_agent::int4_gemv_rope", mutates_args=("k_cache", "v_cache"))
+def int4_gemv_rope(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, group_size: int,
+                   split: int, mode: int, rms_of: Tensor | None, eps: float, cos: Tensor, sin: Tensor,
+                   positions: Tensor, k_cache: Tensor, v_cache: Tensor, n_heads: int, bits: int,
+                   dtype: torch.dtype) -> Tensor:
+    """A decode step's fused q/k/v GEMV, x (M, K) @ W^T (times 1 / rms(rms_of) where given, as
+    `int4_gemv_epilogue`), with RoPE and the cache write in its epilogue: y (M, N) in dtype, N = (n_heads + 2 KV)
+    head_dim, whose first n_heads head_dim columns are q rotated (the rest k and v, unrotated); k rotated and v
+    written into k_cache / v_cache (B, KV, L, hd), row m at slot positions[m]; cos / sin (M, hd). x in a float
+    dtype, or the ACT8_FORMAT codes of `bits` bits (int8) where the GEMVs take quantised activations. The same
+    values as the GEMV followed by kernels.rope_triton.rope_write."""
+    k = codes.shape[1] * 64
+    act8 = x.dtype == torch.int8
+    if act8 and act8_bits(x.shape[1], k) != bits:
+        raise ValueError(f"int4_gemv_rope: the activation's codes are not of {bits} bits")
+    y, _ = _reduced(x.view(torch.int32) if act8 else x, act8, k, codes, sb, ws, cnt, n, group_size, split, mode,
+                    dtype, rms_of=rms_of, eps=eps, bits=bits, rope=(cos, sin, positions, k_cache, v_cache, n_heads))
+    return y
+
+
+@int4_gemv_rope.register_fake
+def _(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, group_size: int, split: int, mode: int,
+      rms_of: Tensor | None, eps: float, cos: Tensor, sin: Tensor, positions: Tensor, k_cache: Tensor,
+      v_cache: Tensor, n_heads: int, bits: int, dtype: torch.dtype) -> Tensor:
+    return x.new_empty((x.shape[0], n), dtype=dtype)
 
 
 def _asm() -> bool:

@@ -433,7 +433,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     o = torch.empty((b, h, n_splits, hd), dtype=torch.float32, device=q.device)
     m = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)  # every split writes its m, l, o
     l_sum = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)
-    q = q.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()  # rows and heads at any stride (int4_gemv_rope's q: y's rows)
     lengths = lengths.to(torch.int32).contiguous()
     has_rows = rows is not None
     rows = rows.to(torch.int32).contiguous() if has_rows else lengths  # a dummy pointer, never read

@@ -257,6 +257,25 @@ class QuantLinear(nn.Module):
             int4_triton.REDUCE_MODES[int4_triton.REDUCE], rows(residual, n), next_weight, rows(rms_of, k), eps, silu)
         return y.reshape(*lead, n // 2 if silu else n), None if next_weight is None else xg.reshape(*lead, n)
 
+    def takes_rope(self, x: Tensor, head_dim: int) -> bool:
+        """Whether `rope_epilogue` can take x: `takes_epilogue`, and tiles of whole heads of head_dim rows."""
+        return self.takes_epilogue(x) and head_dim & (head_dim - 1) == 0 and self.weight.shape[2] % head_dim == 0
+
+    def rope_epilogue(self, x: Tensor, rms_of: Tensor | None, eps: float, cos: Tensor, sin: Tensor,
+                      positions: Tensor, k_cache: Tensor, v_cache: Tensor, n_heads: int,
+                      dtype: torch.dtype | None = None) -> Tensor:
+        """A fused q/k/v projection's decode step with RoPE and the cache write in the GEMV's epilogue
+        (kernels.int4_triton.int4_gemv_rope, where `takes_rope`): x (B, 1, K) (or its ACT8_FORMAT codes), rms_of as
+        `epilogue`'s, cos / sin (B, hd), positions (B,) the slots; k and v go into the caches (B, KV, L, hd).
+        Returns q rotated, (B, 1, n_heads * hd) in dtype (default x's), a view of the GEMV's output."""
+        b, k, n = x.shape[0], self.in_features, self.out_features
+        y = int4_triton.int4_gemv_rope(
+            x.reshape(b, x.shape[-1]).contiguous(), self.weight, self.sb, self.gemv_ws, self.gemv_cnt, n,
+            self.group_size, self.split, int4_triton.REDUCE_MODES[int4_triton.REDUCE],
+            None if rms_of is None else rms_of.reshape(b, k).contiguous(), eps, cos, sin, positions, k_cache,
+            v_cache, n_heads, int4_triton.act_bits(), dtype or x.dtype)
+        return y[:, :n_heads * k_cache.shape[3]].unsqueeze(1)
+
     def forward(self, x: Tensor, x8: Tensor | None = None) -> Tensor:
         """x (..., K) -> (..., N) in x's dtype. x8: x's rows in ACT8_FORMAT, where `takes_act8(x)` (the GEMV then
         reads x8 only)."""

@@ -211,6 +211,11 @@ GEMV_EPILOGUES = True
 # a Llama-3-8B step, ~1.4 us each on an H200, docs/BENCHMARKS.md). Off: each GEMV quantises its own input. (Where
 # the GEMV epilogues run, they make the codes: GEMV_EPILOGUES.)
 ACT8_FUSED = True
+# Where the GEMV epilogues run (GEMV_EPILOGUES) and RoPE + the cache write would be kernels.rope_triton's kernel
+# (ROPE_FUSED), the fused q/k/v GEMV does them in its own epilogue instead (kernels.int4_triton.int4_gemv_rope): a
+# Llama layer's decode step is 6 kernels, not 7. Off until a GPU has timed it (bench_cuda_decode.py's "-ropeepi"
+# variants); the values are the same either way (tests/test_norm_triton.py).
+ROPE_EPILOGUE = False
 
 
 def _takes_act8(linears: list[nn.Module], x: Tensor) -> bool:
@@ -372,6 +377,14 @@ class Attention(nn.Module):
             q, k, v = self._rotated(qx, kx, vx, cos, sin)
             past_k.scatter_(2, slot, k)
             past_v.scatter_(2, slot, v)
+        return self._attend_cache(q, mask, past_k, past_v, lengths), k, v
+
+    def _attend_cache(self, q: Tensor, mask: Tensor, past_k: Tensor, past_v: Tensor,
+                      lengths: Tensor | None) -> Tensor:
+        """In-place cache mode's attention, q rotated (B, H, T, hd) and the T tokens' K/V already in the caches ->
+        o_proj's input (B, T, H * hd)."""
+        b, _, t, _ = q.shape
+        group = self.n_heads // self.n_kv_heads
         q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)  # the GQA fold of the export path
         if t == 1:  # decode: decode_attention_dense (DECODE_PV). SDPA's kernels run one block per KV head for G
             # query rows here (8 blocks for Llama-3-8B: 31 us a layer on an H200 against ~1 us of K/V traffic).
@@ -379,8 +392,16 @@ class Attention(nn.Module):
         else:
             with sdpa_kernel(SDPA_BACKENDS):
                 out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
-        out = out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
-        return out, k, v
+        return out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
+
+    def rope_in_epilogue(self, h: Tensor, past_k: Past, slot: Tensor | None) -> bool:
+        """Whether a decode step over h (B, 1, D) runs RoPE and the cache write in the q/k/v GEMV's epilogue
+        (ROPE_EPILOGUE): in-place cache mode over a dense cache, where the Triton kernels apply, and a fused INT4
+        q/k/v projection whose tiles hold whole heads (QuantLinear.takes_rope)."""
+        qkv = getattr(self, "qkv_proj", None)
+        return (ROPE_EPILOGUE and ROPE_FUSED and slot is not None and isinstance(past_k, Tensor)
+                and h.shape[1] == 1 and _triton_decode_shapes(h, self.head_dim, self.n_heads // self.n_kv_heads)
+                and hasattr(qkv, "takes_rope") and qkv.takes_rope(h, self.head_dim))
 
 
 class MLP(nn.Module):
@@ -502,8 +523,18 @@ class DecoderLayer(nn.Module):
         epilogue writes the codes of the next GEMV's input (QuantLinear.epilogue): q/k/v, gate/up and down_proj
         take codes, o_proj the attention's output as it is (a quantise launch a layer fewer)."""
         a, m = self.self_attn, self.mlp
-        qkv, _ = a.qkv_proj.epilogue(hg, rms_of=h, eps=self.input_layernorm.eps, dtype=h.dtype)
-        out, k, v = a.attend(*qkv.split(a.qkv_sizes, dim=-1), cos, sin, mask, past_k, past_v, slot, lengths)
+        if a.rope_in_epilogue(h, past_k, slot):  # RoPE and the cache write in the q/k/v GEMV's epilogue too
+            pos = slot[:, 0, 0, 0]  # (B,) the token's slot = its position
+            q = a.qkv_proj.rope_epilogue(hg, h, self.input_layernorm.eps, cos[:, 0, 0], sin[:, 0, 0], pos, past_k,
+                                         past_v, a.n_heads, dtype=h.dtype)
+            if lengths is None:
+                lengths = (pos + 1).to(torch.int32)
+            b = q.shape[0]
+            out = a._attend_cache(q.view(b, a.n_heads, 1, a.head_dim), mask, past_k, past_v, lengths)
+            k, v = past_k, past_v
+        else:
+            qkv, _ = a.qkv_proj.epilogue(hg, rms_of=h, eps=self.input_layernorm.eps, dtype=h.dtype)
+            out, k, v = a.attend(*qkv.split(a.qkv_sizes, dim=-1), cos, sin, mask, past_k, past_v, slot, lengths)
         h, hg = a.o_proj.epilogue(out, residual=h, next_weight=self.post_attention_layernorm.weight)
         act, act8 = m.gate_up_proj.epilogue(hg, rms_of=h, eps=self.post_attention_layernorm.eps, silu=True,
                                             dtype=h.dtype)

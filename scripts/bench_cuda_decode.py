@@ -73,6 +73,7 @@ class Variant:
     epilogues: bool = True  # partition.model.GEMV_EPILOGUES: norms, residual adds, SiLU * up in the INT4 GEMVs
     split_min: int = 0  # kernels.kv_triton.SPLIT_MIN_SLOTS (the decode attention's shortest split); 0 = default
     merge: str = ""  # kernels.kv_triton.MERGE (the decode attention's splits merged by a kernel or the last split)
+    rope_epi: bool = False  # partition.model.ROPE_EPILOGUE: RoPE + the cache write in the q/k/v GEMV's epilogue
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -141,6 +142,11 @@ VARIANTS = {v.name: v for v in (
               act=a.removeprefix("-").replace("a16", "int16"), merge="last")
       for h in ("", "-lmhead") for a in ("", "-a16")),
     Variant("graphs-compile-lastmerge", True, buckets=False, compile=True, merge="last"),
+    # RoPE and the cache write in the q/k/v GEMV's epilogue ("-ropeepi"), and with the merge above ("-fewer": 5
+    # kernels a layer)
+    *(Variant(f"int4-fused{h}{a}-{s}", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
+              act=a.removeprefix("-").replace("a16", "int16"), rope_epi=True, merge="last" if s == "fewer" else "")
+      for h in ("", "-lmhead") for a in ("", "-a16") for s in ("ropeepi", "fewer")),
     Variant("int4-fused-lmhead-a8-noepi", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8",
             epilogues=False),
     # without programmatic dependent launch (kernels.pdl: on by default where the GPU has it, sm_90 and newer)
@@ -390,6 +396,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         pm.ROPE_FUSED, pm.ACT8_FUSED, pm.GEMV_EPILOGUES = v.rope, v.act8_fused, v.epilogues
         kv_triton.SPLIT_MIN_SLOTS = v.split_min or default_split_min  # read at each call (a graph keeps its capture's)
         kv_triton.MERGE = v.merge or default_merge  # likewise
+        pm.ROPE_EPILOGUE = v.rope_epi
         pdl.MODE = v.pdl or default_pdl  # read at each launch: a graph keeps what its capture launched
 
     for v in variants:

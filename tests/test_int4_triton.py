@@ -423,6 +423,47 @@ def check_epilogue_codes(device: str) -> None:
                                  1, None, torch.ones(160, device=device), None, 1e-5, False, 16, torch.float32)
 
 
+def check_rope_epilogue(device: str) -> None:
+    """int4_gemv_rope (RoPE and the cache write in the fused q/k/v GEMV's epilogue) against the GEMV's epilogue
+    followed by kernels.rope_triton.rope_write, bit for bit: q rotated in y, k rotated and v copied into the caches at
+    each row's slot and nowhere else, k and v unrotated in y; tiles of one head and of two, one split and several,
+    float activations and 16-bit codes; the scratch left zeroed; a tile that cuts a head is refused."""
+    from kernels.rope_triton import rope_write
+
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    heads, kv, hd, k, group, m = 4, 2, 32, 256, 32, 2
+    n = (heads + 2 * kv) * hd
+    gen = torch.Generator().manual_seed(5)
+    w = _weights(n, k, group, False, 11)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dt)
+    h = (torch.randn(m, k, generator=gen) * 2).to(device=device, dtype=dt)
+    ang = torch.rand(m, hd // 2, generator=gen) * 6
+    cos, sin = (torch.cat((f, f), -1).to(device=device, dtype=dt) for f in (ang.cos(), ang.sin()))
+    pos = torch.tensor([5, 9], device=device)
+    for tile_n in (32, 64):
+        codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=tile_n))
+        ws, cnt = it.scratch(n, codes)
+        for split in (1, 3):
+            for bits, xin in ((8, x), (16, it.act8_quant(x, 16))):
+                caches = [torch.zeros(3, kv, 16, hd, device=device, dtype=dt) for _ in range(4)]
+                y = it.int4_gemv_rope(xin, codes, sb, ws, cnt, n, group, split, 1, h, 1e-5, cos, sin, pos, caches[0],
+                                      caches[1], heads, bits, dt)
+                assert int(cnt.abs().sum()) == 0 and float(ws.abs().sum()) == 0
+                want, _ = it.int4_gemv_epilogue_a8(xin, codes, sb, ws, cnt, n, group, split, 1, None, None, h, 1e-5,
+                                                   False, bits, dt)
+                q = rope_write(want[:, :heads * hd], want[:, heads * hd:(heads + kv) * hd],
+                               want[:, (heads + kv) * hd:], cos, sin, pos, caches[2], caches[3])
+                assert torch.equal(y[:, :heads * hd].reshape(q.shape), q), (tile_n, split, bits)
+                assert torch.equal(y[:, heads * hd:], want[:, heads * hd:])
+                assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+                assert int((caches[0] != 0).sum()) == m * kv * hd  # each row's slot, nothing else
+    codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=32))
+    with pytest.raises(ValueError, match="whole heads"):  # head_dim 64 over tiles of 32 rows
+        it.int4_gemv_rope(x, codes, sb, *it.scratch(n, codes), n, group, 1, 1, None, 1e-5, cos, sin, pos,
+                          torch.zeros(3, 1, 16, 64, device=device, dtype=dt),
+                          torch.zeros(3, 1, 16, 64, device=device, dtype=dt), 2, 8, dt)
+
+
 def check_epilogues(device: str) -> None:
     """int4_gemv_epilogue's four epilogues (residual add and the next norm's input; the norm's scale; SiLU(gate) * up
     over tile pairs, with the norm's scale) against the same arithmetic in float64 on the kernel's own product, both
@@ -479,6 +520,7 @@ def check_epilogues(device: str) -> None:
         with pytest.raises(ValueError, match="residual must be contiguous"):
             it.int4_gemv_epilogue(x, codes, sb, ws, cnt, n, group, 1, 1, res[:, :8], None, None, 1e-5, False)
     check_epilogue_codes(device)
+    check_rope_epilogue(device)
     w = _weights(192, 128, 32, False, 7)  # 192 rows: 3 tiles of 64, no pairs
     codes, sb = (t.to(device) for t in it.pack(w["q"], w["scales"], zeros=w["zeros"], tile_n=64))
     assert not it.silu_pairs(192, 64) and it.silu_pairs(256, 64)

@@ -240,6 +240,27 @@ def check_epilogue_model(device: str) -> None:
                 assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (in_place, float((a - b).abs().max()))
         step(True, False, t=5)  # a prefill: rows past the GEMV's
         assert "epilogue" not in calls and "silu_mul" in calls
+        # RoPE and the cache write in the q/k/v GEMV's epilogue (ROPE_EPILOGUE), against rope_write's kernel a launch
+        # later: logits and caches bit for bit, one int4_gemv_rope a layer and no rope_write. The Triton decode path
+        # (dense_decode_attention, rope_write) runs on the CPU too in the interpreter, where it is let in.
+        from kernels import rope_triton
+
+        shapes, rope_gemv, rope_write = pm._triton_decode_shapes, it.int4_gemv_rope, rope_triton.rope_write
+        if device == "cpu":
+            pm._triton_decode_shapes = lambda q, hd, grp, pv=None: hd & (hd - 1) == 0 and grp <= 16
+        it.int4_gemv_rope = counting("rope_epilogue", rope_gemv)
+        rope_triton.rope_write = counting("rope_write", rope_write)
+        try:
+            plain = step(True, True)
+            assert calls.count("rope_write") == 2 and "rope_epilogue" not in calls, calls
+            pm.ROPE_EPILOGUE = True
+            fused = step(True, True)
+            assert calls.count("rope_epilogue") == 2 and "rope_write" not in calls, calls
+            for a, b in zip(fused, plain):
+                assert torch.equal(a, b), float((a - b).abs().max())
+        finally:
+            pm._triton_decode_shapes, it.int4_gemv_rope, rope_triton.rope_write = shapes, rope_gemv, rope_write
+            pm.ROPE_EPILOGUE = False
     finally:
         for n, f in saved.items():
             setattr(norm_triton, n, f)
