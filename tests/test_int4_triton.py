@@ -645,6 +645,16 @@ def test_gemv_epilogues_compile_for_orin_and_hopper(arch: int) -> None:
     for epi in ({"RES": True, "XG": True, "XQ": True}, {"NORM": True, "SILU": True, "XQ": True}):
         got = resources(compile_kernel(it._gemv_reduced_kernel, p16, {**a16, **epi}, arch, warps, 1))
         assert got["stack_bytes"] == 0 and got["registers"] <= 96, (arch, epi, got, base)
+    # RoPE and the cache write in the q/k/v GEMV's epilogue (int4_gemv_rope), at Llama-3-8B's q/k/v shape: tiles of
+    # 4 heads of 128 rows, with the norm's scale, bf16 and int16 activations; no spills, within the same 96
+    n = 6144
+    warps, split, _ = it.gemv_config(n, k, 132)
+    rope = {"NORM": True, "ROPE": True, "HD": 128, "TN": it.tile_rows(n), "SPLIT": split,
+            "CH": min(it.REDUCE_CHUNK, split)}
+    rptr = {"cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64", "kc_ptr": "*bf16", "vc_ptr": "*bf16"}
+    for c, p in (({**consts, **rope}, {**ptrs, **rptr}), ({**a16, **rope}, {**p16, **rptr})):
+        got = resources(compile_kernel(it._gemv_reduced_kernel, p, c, arch, warps, 1))
+        assert got["stack_bytes"] == 0 and got["registers"] <= 96, (arch, got)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
