@@ -147,6 +147,8 @@ VARIANTS = {v.name: v for v in (
     *(Variant(f"int4-fused{h}{a}-{s}", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
               act=a.removeprefix("-").replace("a16", "int16"), rope_epi=True, merge="last" if s == "fewer" else "")
       for h in ("", "-lmhead") for a in ("", "-a16") for s in ("ropeepi", "fewer")),
+    Variant("int4-fused-g32-fewer", True, buckets=False, quant="int4", fused=True, group=32, rope_epi=True,
+            merge="last"),
     Variant("int4-fused-lmhead-a8-noepi", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8",
             epilogues=False),
     # without programmatic dependent launch (kernels.pdl: on by default where the GPU has it, sm_90 and newer)
