@@ -32,7 +32,6 @@ verified on a board here; until it is, the CPU/PyTorch path (kernels.kv_quant) i
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -56,15 +55,6 @@ BLOCK_H = 16  # query heads of one KV head, padded to tl.dot's smallest M
 # 132-SM GPU, each reading its 256 slots in 4 dependent steps. At 64: the whole INT4 step 311.0 / 310.5 -> 324.0 /
 # 324.5 tok/s (H100, bench_cuda_decode.py, interleaved, 2026-12-07, docs/BENCHMARKS.md "Twentieth session").
 SPLIT_MIN_SLOTS = 64
-# Where a dense (FP16 / BF16) cache's decode splits are merged (read at each call): "kernel", a second kernel
-# (`_merge_kernel`, one program a query head), or "last", the split kernel's program that finishes last for a KV
-# head (an acq_rel counter, as the INT4 GEMV's split-K sum, kernels.int4_triton) merges its HPK heads with the
-# same arithmetic, bit for bit, and the step has one kernel a layer fewer. ORIN_AGENT_DECODE_MERGE; "kernel" until
-# a GPU has timed "last" (bench_cuda_decode.py's "-lastmerge" variants).
-MERGE_MODES = ("kernel", "last")
-MERGE = os.environ.get("ORIN_AGENT_DECODE_MERGE", "kernel")
-if MERGE not in MERGE_MODES:
-    raise ValueError(f"ORIN_AGENT_DECODE_MERGE={MERGE!r}: use one of {', '.join(MERGE_MODES)}")
 # The V cache's token tile for the decode kernel (Int8KVCache(token_tile=...)): 16 slots of a channel in
 # one 16-byte run, the width of one async copy. 4 / 8 / 16 / 32 measured on an H200 (docs/BENCHMARKS.md).
 V_TOKEN_TILE = 16
@@ -167,39 +157,15 @@ if triton is not None:
             return x.to(tl.float16)
 
     @triton.jit
-    def _split_terms(o_ptr, m_ptr, l_ptr, pid, n_splits, BLOCK_S: tl.constexpr, HD: tl.constexpr):
-        """Query head pid's splits as the merge takes them: partial outputs (BLOCK_S, HD), maxima and sums (o
-        (B, H, splits, HD), m and l (B, H, splits), contiguous); the rows past n_splits empty. Loads through L2
-        (.cg): in the split kernel's last program they are other programs' stores."""
-        offs_s = tl.arange(0, BLOCK_S)
-        ok = offs_s < n_splits
-        m = tl.load(m_ptr + pid * n_splits + offs_s, mask=ok, other=-float("inf"), cache_modifier=".cg")
-        l_s = tl.load(l_ptr + pid * n_splits + offs_s, mask=ok, other=0.0, cache_modifier=".cg")
-        o = tl.load(o_ptr + (pid * n_splits + offs_s)[:, None] * HD + tl.arange(0, HD)[None, :], mask=ok[:, None],
-                    other=0.0, cache_modifier=".cg")
-        return o, m, l_s
-
-    @triton.jit
-    def _merged(o, m, l_s, big):
-        """flash-decoding's reduction over the splits, their max `big` given: (sum_j exp(m_j - big) o_j,
-        sum_j exp(m_j - big) l_j); empty splits (m = -inf) weigh nothing."""
-        w = tl.where(m > -float("inf"), tl.exp(m - big), 0.0)
-        return tl.sum(o * w[:, None], axis=0), tl.sum(l_s * w, axis=0)
-
-    @triton.jit
     def _decode_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
                              sq_b, sq_h, sk_b, sk_h, sk_s, so_b, so_h, so_sp, sm_b, sm_h, sm_scale, split_len,
                              HPK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                             HAS_ROWS: tl.constexpr = True, PDL: tl.constexpr = False, cnt_ptr=None,
-                             out_ptr=None, MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2):
+                             HAS_ROWS: tl.constexpr = True, PDL: tl.constexpr = False):
         """FP16 / BF16 cache: one (row, KV head, split) per program, its HPK query heads as the rows of tl.dot.
         The dots take fp16 operands with fp32 accumulation: a bf16 value within fp16's range (|x| < 65504, the
         normal range from 6e-5) converts exactly (8 significant bits into 11), the probabilities keep 3 bits
         more than bf16 would; Triton's interpreter also runs only this form (its bf16 tl.dot returns garbage).
-        PDL: kernels.pdl. MERGE (MERGE "last"): each program counts itself in cnt (B, KV), int32, zeroed; the one
-        that counts last merges the KV head's HPK query heads into out (B, H, HD) as `_merge_kernel` does, and
-        zeroes its counter again. Its partials are stored, like every program's, before the count (o, m and l
-        contiguous, as decode_attention makes them)."""
+        PDL: kernels.pdl."""
         pdl.start(PDL)
         b, kvh, sp, lo, hi = _split_bounds(len_ptr, split_len)
         offs_h = tl.arange(0, BLOCK_H)
@@ -226,16 +192,6 @@ if triton is not None:
             m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
         _store_partial(o_ptr, m_ptr, l_ptr, acc, m_i, l_i, b, kvh, sp, so_b, so_h, so_sp, sm_b, sm_h, HPK, BLOCK_H, HD)
-        if MERGE:
-            n_splits = tl.num_programs(2)
-            head0 = (b * tl.num_programs(1) + kvh) * HPK
-            tl.debug_barrier()  # every thread's partial stored before the count releases them
-            if tl.atomic_add(cnt_ptr + b * tl.num_programs(1) + kvh, 1, sem="acq_rel") == n_splits - 1:
-                for hh in range(HPK):
-                    o, m, l_s = _split_terms(o_ptr, m_ptr, l_ptr, head0 + hh, n_splits, BLOCK_S, HD)
-                    num, den = _merged(o, m, l_s, tl.max(m, axis=0))
-                    tl.store(out_ptr + (head0 + hh) * HD + offs_d, num / den)
-                tl.atomic_xchg(cnt_ptr + b * tl.num_programs(1) + kvh, 0, sem="relaxed")
 
     @triton.jit
     def _decode_split_int8_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
@@ -335,8 +291,12 @@ if triton is not None:
         concatenates the fresh K/V to the dequantised past. PDL: kernels.pdl."""
         pdl.start(PDL)
         pid = tl.program_id(0)
+        offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, HD)
-        o, m, l_s = _split_terms(o_ptr, m_ptr, l_ptr, pid, n_splits, BLOCK_S, HD)
+        ok = offs_s < n_splits
+        m = tl.load(m_ptr + pid * n_splits + offs_s, mask=ok, other=-float("inf"))
+        l_s = tl.load(l_ptr + pid * n_splits + offs_s, mask=ok, other=0.0)
+        o = tl.load(o_ptr + (pid * n_splits + offs_s)[:, None] * HD + offs_d[None, :], mask=ok[:, None], other=0.0)
         big = tl.max(m, axis=0)
         if HAS_NEW:
             b = pid // H
@@ -347,7 +307,9 @@ if triton is not None:
             s_new = tl.sum(qv * kn, axis=0) * sm_scale
             big = tl.maximum(big, s_new)
             w_new = tl.exp(s_new - big)
-        num, den = _merged(o, m, l_s, big)
+        w = tl.where(m > -float("inf"), tl.exp(m - big), 0.0)  # empty splits (m = -inf) weigh nothing
+        num = tl.sum(o * w[:, None], axis=0)
+        den = tl.sum(l_s * w, axis=0)
         if HAS_NEW:
             num = num + w_new * vn
             den = den + w_new
@@ -357,19 +319,6 @@ if triton is not None:
 def _need_triton() -> None:
     if triton is None:
         raise RuntimeError("Triton is not installed: `pip install triton` (it ships with CUDA builds of torch)")
-
-
-_COUNTERS: dict[torch.device, list[Tensor]] = {}
-
-
-def merge_counters(device: torch.device, n: int) -> Tensor:
-    """Int32 counters, zeroed, for MERGE "last": one per (row, KV head) of a call. Every call leaves them zeroed
-    and a stream's kernels run one after another, so one buffer a device serves every layer. A larger one replaces
-    it when a call needs more; the smaller ones are kept alive, since a captured CUDA graph may still use them."""
-    kept = _COUNTERS.setdefault(device, [])
-    if not kept or kept[-1].numel() < n:
-        kept.append(torch.zeros(max(256, 1 << (n - 1).bit_length()), dtype=torch.int32, device=device))
-    return kept[-1]
 
 
 def quantize_write(fresh: Tensor, q_cache: Tensor, s_cache: Tensor, rows: Tensor, starts: Tensor) -> None:
@@ -395,8 +344,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
                      v_scale: Tensor | None = None, rows: Tensor | None = None, k_new: Tensor | None = None,
                      v_new: Tensor | None = None, n_splits: int | None = None, block_n: int = 64,
                      num_warps: int = 4, num_stages: int = 3, waves: float = 8.0, dense_scales: bool = True,
-                     cvt: int | None = None, qk_int8: bool = False, out_dtype: torch.dtype = torch.float32,
-                     merge: str | None = None) -> Tensor:
+                     cvt: int | None = None, qk_int8: bool = False, out_dtype: torch.dtype = torch.float32) -> Tensor:
     """q (B, H, hd); k, v (B, KV, S, hd) int8 with scales (B, KV, S, hd / G), or fp16 with no scales;
     lengths (B,) int32: row b attends to slots [0, lengths[b]). Returns (B, H, hd) in `out_dtype` (the merge
     kernel's fp32 result rounded on its store: no cast kernel after it).
@@ -410,8 +358,6 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     `dense_scales`, `cvt`: the INT8 kernel's scale loads and int8 -> fp16 conversion (`_int8_to_fp16`;
     default 2, the PTX one, on CUDA and 1 elsewhere, i.e. in Triton's interpreter); the simpler variants
     are there for the GPU benchmark to measure against.
-    `merge`: MERGE's modes, where a dense cache's splits are merged (default MERGE; an INT8 cache, or a step's
-    own K/V, always takes the merge kernel).
     Defaults: the INT8 kernel's best settings in the sweep on an H200 (docs/BENCHMARKS.md)."""
     _need_triton()
     b, h, hd = q.shape
@@ -448,27 +394,19 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
             k_scale.stride(2), *out_strides, HPK=hpk, HD=hd, G=hd // ng, NG=ng, BLOCK_R=block_r, BLOCK_HH=block_r // ng,
             BLOCK_N=block_n, DENSE_SCALES=dense_scales, CVT=(2 if q.is_cuda else 1) if cvt is None else cvt,
             V_TILE=v_tile, QK_INT8=qk_int8, HAS_ROWS=has_rows, num_warps=num_warps, num_stages=num_stages)
-    out = torch.empty((b, h, hd), dtype=out_dtype, device=q.device)
-    has_new = k_new is not None
-    block_s = max(2, triton.next_power_of_2(n_splits))
-    merge = MERGE if merge is None else merge
-    if merge not in MERGE_MODES:
-        raise ValueError(f"merge={merge!r}: use one of {', '.join(MERGE_MODES)}")
-    if not is_int8:
-        last = merge == "last" and not has_new
-        extra = dict(cnt_ptr=merge_counters(q.device, b * kv), out_ptr=out, MERGE=True, BLOCK_S=block_s) if last else {}
+    else:
         _decode_split_kernel[(b, kv, n_splits)](
             q, k, v, lengths, rows, o, m, l_sum, *common, *out_strides, HPK=hpk, HD=hd, BLOCK_H=BLOCK_H,
             BLOCK_N=block_n, HAS_ROWS=has_rows, num_warps=num_warps, num_stages=num_stages,
-            **pdl.launch_args(q, b), **extra)
-        if last:
-            return out
+            **pdl.launch_args(q, b))
     # Merge the splits: out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j (empty splits: m = -inf).
+    out = torch.empty((b, h, hd), dtype=out_dtype, device=q.device)
+    has_new = k_new is not None
     kn = k_new.contiguous() if has_new else q  # dummy pointers when there is no fresh token (never read)
     vn = v_new.contiguous() if has_new else q
     _merge_kernel[(b * h,)](o, m, l_sum, out, q, kn, vn, n_splits, 1.0 / math.sqrt(hd), q.stride(0), q.stride(1),
                             kn.stride(0), kn.stride(1), H=h, HPK=hpk, HD=hd,
-                            BLOCK_S=block_s, HAS_NEW=has_new,
+                            BLOCK_S=max(2, triton.next_power_of_2(n_splits)), HAS_NEW=has_new,
                             **pdl.launch_args(q, b))
     return out
 

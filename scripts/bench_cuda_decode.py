@@ -72,7 +72,6 @@ class Variant:
     loop: str = ""  # kernels.int4_triton.LOOP (the GEMV loop's form: "planes" or "chain"); "" = its default
     epilogues: bool = True  # partition.model.GEMV_EPILOGUES: norms, residual adds, SiLU * up in the INT4 GEMVs
     split_min: int = 0  # kernels.kv_triton.SPLIT_MIN_SLOTS (the decode attention's shortest split); 0 = default
-    merge: str = ""  # kernels.kv_triton.MERGE (the decode attention's splits merged by a kernel or the last split)
     rope_epi: bool = False  # partition.model.ROPE_EPILOGUE: RoPE + the cache write in the q/k/v GEMV's epilogue
 
 
@@ -136,19 +135,11 @@ VARIANTS = {v.name: v for v in (
     *(Variant(f"int4-fused{h}-a16{p}{e}", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
               act="int16", pdl="on" if p else "", epilogues=not e)
       for h in ("", "-lmhead") for p in ("", "-pdl") for e in ("", "-noepi")),
-    # the decode attention's splits merged by the last split program (kernels.kv_triton.MERGE "last"): a kernel a
-    # layer fewer
-    *(Variant(f"int4-fused{h}{a}-lastmerge", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
-              act=a.removeprefix("-").replace("a16", "int16"), merge="last")
+    # RoPE and the cache write in the q/k/v GEMV's epilogue (partition.model.ROPE_EPILOGUE)
+    *(Variant(f"int4-fused{h}{a}-ropeepi", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
+              act=a.removeprefix("-").replace("a16", "int16"), rope_epi=True)
       for h in ("", "-lmhead") for a in ("", "-a16")),
-    Variant("graphs-compile-lastmerge", True, buckets=False, compile=True, merge="last"),
-    # RoPE and the cache write in the q/k/v GEMV's epilogue ("-ropeepi"), and with the merge above ("-fewer": 5
-    # kernels a layer)
-    *(Variant(f"int4-fused{h}{a}-{s}", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
-              act=a.removeprefix("-").replace("a16", "int16"), rope_epi=True, merge="last" if s == "fewer" else "")
-      for h in ("", "-lmhead") for a in ("", "-a16") for s in ("ropeepi", "fewer")),
-    Variant("int4-fused-g32-fewer", True, buckets=False, quant="int4", fused=True, group=32, rope_epi=True,
-            merge="last"),
+    Variant("int4-fused-g32-ropeepi", True, buckets=False, quant="int4", fused=True, group=32, rope_epi=True),
     Variant("int4-fused-lmhead-a8-noepi", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8",
             epilogues=False),
     # without programmatic dependent launch (kernels.pdl: on by default where the GPU has it, sm_90 and newer)
@@ -381,7 +372,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
     from kernels import int4_triton, kv_triton, pdl
     from partition import model as pm
 
-    default_pdl, default_split_min, default_merge = pdl.MODE, kv_triton.SPLIT_MIN_SLOTS, kv_triton.MERGE
+    default_pdl, default_split_min = pdl.MODE, kv_triton.SPLIT_MIN_SLOTS
     default_reduce, default_prefill, default_act = int4_triton.REDUCE, int4_triton.PREFILL, int4_triton.ACT
     default_gemv = (int4_triton.PREFETCH, int4_triton.UNROLL, int4_triton.MIN_STEPS)
     default_ahead_split, default_loop = int4_triton.AHEAD_SPLIT, int4_triton.LOOP
@@ -397,7 +388,6 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         int4_triton.LOOP = v.loop or default_loop  # read at each launch (a graph keeps its capture's)
         pm.ROPE_FUSED, pm.ACT8_FUSED, pm.GEMV_EPILOGUES = v.rope, v.act8_fused, v.epilogues
         kv_triton.SPLIT_MIN_SLOTS = v.split_min or default_split_min  # read at each call (a graph keeps its capture's)
-        kv_triton.MERGE = v.merge or default_merge  # likewise
         pm.ROPE_EPILOGUE = v.rope_epi
         pdl.MODE = v.pdl or default_pdl  # read at each launch: a graph keeps what its capture launched
 

@@ -99,10 +99,6 @@ def report(args: argparse.Namespace) -> list[dict[str, object]]:
          {**base, "V_TILE": kt.V_TOKEN_TILE, "QK_INT8": True}),
         ("fp16", kt._decode_split_kernel, fp16,
          {"HPK": SHAPE["HPK"], "HD": SHAPE["HD"], "BLOCK_H": kt.BLOCK_H, "BLOCK_N": args.block_n}),
-        ("fp16, merged by the last split (MERGE last)", kt._decode_split_kernel,
-         {**fp16, "cnt_ptr": "*i32", "out_ptr": "*bf16"},
-         {"HPK": SHAPE["HPK"], "HD": SHAPE["HD"], "BLOCK_H": kt.BLOCK_H, "BLOCK_N": args.block_n, "MERGE": True,
-          "BLOCK_S": 16}),
     ]
     rows = []
     for name, fn, ptrs, consts in variants:

@@ -97,20 +97,6 @@ def check_decode_attention(device: str) -> None:
     want = torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv)
     got = decode_attention(q.half(), k.half(), v.half(), lengths, n_splits=3)
     assert torch.allclose(got, want, atol=3e-3), float((got - want).abs().max())
-    # merged by the split kernel's last program instead of a second kernel: the same arithmetic, bit for bit, for
-    # one split and for several (row 2's length 1 leaves splits with nothing), and the counters left zeroed
-    from kernels.kv_triton import merge_counters
-
-    for splits in (1, 3, 5):
-        for dtype in (torch.float32, torch.bfloat16):
-            two = decode_attention(q.half(), k.half(), v.half(), lengths, n_splits=splits, out_dtype=dtype)
-            for _ in range(2):  # twice: the first call's counters must be zero again for the second
-                one = decode_attention(q.half(), k.half(), v.half(), lengths, n_splits=splits, out_dtype=dtype,
-                                       merge="last")
-                assert one.dtype == dtype and torch.equal(one, two), (splits, float((one.float() - two.float()).abs().max()))
-    assert not merge_counters(q.device, b * kv).any()
-    with pytest.raises(ValueError, match="merge="):
-        decode_attention(q.half(), k.half(), v.half(), lengths, merge="first")
     # query row b reads cache row rows[b]: the cache's rows reversed and a reversed `rows` give the same result
     rows = torch.arange(b - 1, -1, -1, device=device, dtype=torch.int32)
     flipped = decode_attention(q.half(), k.half().flip(0), v.half().flip(0), lengths, rows=rows, n_splits=3)

@@ -241,10 +241,9 @@ def check_epilogue_model(device: str) -> None:
         step(True, False, t=5)  # a prefill: rows past the GEMV's
         assert "epilogue" not in calls and "silu_mul" in calls
         # RoPE and the cache write in the q/k/v GEMV's epilogue (ROPE_EPILOGUE), against rope_write's kernel a launch
-        # later: logits and caches bit for bit, one int4_gemv_rope a layer and no rope_write; and with the attention's
-        # splits merged by the last split program (kv_triton.MERGE "last"), the same again. The Triton decode path
+        # later: logits and caches bit for bit, one int4_gemv_rope a layer and no rope_write. The Triton decode path
         # (dense_decode_attention, rope_write) runs on the CPU too in the interpreter, where it is let in.
-        from kernels import kv_triton, rope_triton
+        from kernels import rope_triton
 
         shapes, rope_gemv, rope_write = pm._triton_decode_shapes, it.int4_gemv_rope, rope_triton.rope_write
         if device == "cpu":
@@ -257,13 +256,11 @@ def check_epilogue_model(device: str) -> None:
             pm.ROPE_EPILOGUE = True
             fused = step(True, True)
             assert calls.count("rope_epilogue") == 2 and "rope_write" not in calls, calls
-            kv_triton.MERGE = "last"
-            merged = step(True, True)
-            for a, b, c in zip(fused, plain, merged):
-                assert torch.equal(a, b) and torch.equal(c, b), float((a - b).abs().max())
+            for a, b in zip(fused, plain):
+                assert torch.equal(a, b), float((a - b).abs().max())
         finally:
             pm._triton_decode_shapes, it.int4_gemv_rope, rope_triton.rope_write = shapes, rope_gemv, rope_write
-            pm.ROPE_EPILOGUE, kv_triton.MERGE = False, "kernel"
+            pm.ROPE_EPILOGUE = False
     finally:
         for n, f in saved.items():
             setattr(norm_triton, n, f)
