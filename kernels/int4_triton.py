@@ -1227,7 +1227,7 @@ def _asm() -> bool:
 
 
 # How the GEMV (M <= GEMV_MAX_M, in-kernel split-K sum) takes its activation: "exact" (in its own dtype, one fp32
-# FMA a weight, products exact: the default) or "int8" (quantised per 32-column block as llama.cpp's CUDA
+# FMA a weight, products exact) or "int8" (quantised per 32-column block as llama.cpp's CUDA
 # mat-vec kernels quantise theirs, to Q8_1: `act8_quant`, then four weights a dp4a instruction, `int4_gemv_a8`).
 # "int8" costs a quantise (its own small kernel, or inside the kernel that makes the activation: kernels.norm_triton's
 # `_a8` ops, partition.model.ACT8_FUSED) and an activation rounded to 8 bits per block (relative error ~1/254 of the
@@ -1238,8 +1238,13 @@ def _asm() -> bool:
 # exactly, a smaller one within 2^-15 of the largest (SmolLM2's greedy tokens, emulated in fp32: 99.91 % those of
 # the float model, bf16 activations 99.16 %, int8 93.5 %). Either mode's codes come from the GEMV epilogues
 # (`int4_gemv_epilogue_a8`) or the norms (kernels.norm_triton), one quantise launch a step more than "exact".
-ACT_MODES = ("exact", "int8", "int16")
-ACT = os.environ.get("ORIN_AGENT_INT4_ACT", "exact")
+# "auto", the default (`act_mode`): "int16" for a bf16 or fp16 model, "exact" for an fp32 one (whose activations
+# int16 codes would round). Measured on an H100 (docs/BENCHMARKS.md, twenty-fourth session): the Llama-3-8B INT4
+# decode step with an INT4 head 1.3-10.3 % faster with int16 than exact in four runs (388.3 against 369.1 tok/s in
+# the run beside gpt-fast), with a bf16 head +3.0 %; the SmolLM2-135M shape (fp16, g32) +4-15 % with PDL on, and
+# 24-27 % slower without it (so PDL's "auto" keeps it on for int16, `_int8_activations`).
+ACT_MODES = ("auto", "exact", "int8", "int16")
+ACT = os.environ.get("ORIN_AGENT_INT4_ACT", "auto")
 if ACT not in ACT_MODES:
     raise ValueError(f"ORIN_AGENT_INT4_ACT={ACT!r}: use one of {', '.join(ACT_MODES)}")
 ACT8_BLOCKS = 32  # 32-column blocks an `_act8_kernel` program quantises
@@ -1247,14 +1252,24 @@ ACT8_BLOCKS = 32  # 32-column blocks an `_act8_kernel` program quantises
 
 @pdl.measured_slower
 def _int8_activations() -> bool:
-    """With int8 activations the decode step measured 2.5-7 % slower with PDL on an H200 (kernels.pdl); int16
-    ones take the same path, not measured apart."""
-    return ACT in ("int8", "int16")
+    """With int8 activations the decode step measured 2.5-7 % slower with PDL on an H200 (kernels.pdl). Not int16
+    ones: with them PDL measured +1-5 % on the Llama-3-8B step and +30-40 % on SmolLM2's (H100, twenty-fourth
+    session)."""
+    return ACT == "int8"
 
 
-def act_bits() -> int:
-    """The bits of a quantised activation's codes as ACT says (8 where ACT is "exact": the format's default)."""
-    return 16 if ACT == "int16" else 8
+def act_mode(dtype: torch.dtype) -> str:
+    """How the GEMV takes the activations of a model of float `dtype`: ACT, with "auto" resolved ("int16" for
+    bf16 / fp16, "exact" otherwise)."""
+    if ACT != "auto":
+        return ACT
+    return "int16" if dtype in (torch.bfloat16, torch.float16) else "exact"
+
+
+def act_bits(dtype: torch.dtype) -> int:
+    """The bits of a quantised activation's codes for a model of float `dtype` (8 where `act_mode` is "exact":
+    the format's default)."""
+    return 16 if act_mode(dtype) == "int16" else 8
 
 
 def act8_width(k: int, bits: int = 8) -> int:
@@ -1352,9 +1367,9 @@ def linear(x2: Tensor, codes: Tensor, sb: Tensor, n: int, group_size: int, split
         dequant = dequant_graphed if PREFILL == "graphed" else int4_dequant
         return torch.nn.functional.linear(x2, dequant(codes, sb, n, group_size, x2.dtype))
     if REDUCE != "partials" and ws is not None and cnt is not None:
-        if ACT != "exact":
-            return int4_gemv_a8(act8_quant(x2.contiguous(), act_bits()), codes, sb, ws, cnt, n, group_size, split,
-                                REDUCE_MODES[REDUCE], x2.dtype)
+        if act_mode(x2.dtype) != "exact":
+            return int4_gemv_a8(act8_quant(x2.contiguous(), act_bits(x2.dtype)), codes, sb, ws, cnt, n, group_size,
+                                split, REDUCE_MODES[REDUCE], x2.dtype)
         return int4_gemv_reduced(x2.contiguous(), codes, sb, ws, cnt, n, group_size, split, REDUCE_MODES[REDUCE])
     partial = int4_gemv(x2.contiguous(), codes, sb, n, group_size, split)
     return (partial[0] if split == 1 else partial.sum(0)).to(x2.dtype)

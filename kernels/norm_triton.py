@@ -25,7 +25,7 @@ The `_a8` forms also write their output quantised for an INT4 GEMV that takes in
 scales equal act8_quant's of the returned output bit for bit, the block sums up to their order of addition), which
 saves that GEMV's separate quantise launch: 129 of them,
 ~1.4 us each, in a Llama-3-8B decode step on an H200 (docs/BENCHMARKS.md). Their codes have the bits that ACT says
-(int4_triton.act_bits: 16 for ACT "int16").
+(int4_triton.act_bits: 16 where ACT is "int16", or "auto" on a bf16 / fp16 model).
 """
 from __future__ import annotations
 
@@ -137,12 +137,12 @@ def _act8_rows(x: Tensor, k: int, act8: bool) -> Tensor:
         return torch.empty((1, 1), device=x.device, dtype=torch.int8)
     if k % 64:
         raise ValueError(f"int8 activations (ACT8_FORMAT) take a last dim that is a multiple of 64, got {k}")
-    return torch.empty((_rows(x).shape[0], int4_triton.act8_width(k, int4_triton.act_bits())), device=x.device,
+    return torch.empty((_rows(x).shape[0], int4_triton.act8_width(k, int4_triton.act_bits(x.dtype))), device=x.device,
                        dtype=torch.int8)
 
 
 def _fake_act8(x: Tensor) -> Tensor:
-    return x.new_empty((_rows(x).shape[0], int4_triton.act8_width(x.shape[-1], int4_triton.act_bits())),
+    return x.new_empty((_rows(x).shape[0], int4_triton.act8_width(x.shape[-1], int4_triton.act_bits(x.dtype))),
                        dtype=torch.int8)
 
 
@@ -159,7 +159,7 @@ def _launch_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     chunk = NORM_ACT8_CHUNK if act8 and block > NORM_ACT8_CHUNK else 0
     _rms_norm_kernel[(x2.shape[0], triton.cdiv(n, chunk) if chunk else 1)](
         x2, r2, weight, y2, h2, q, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0), q.stride(0), n, eps,
-        HAS_RES=residual is not None, BLOCK=block, ACT8=act8, BITS=int4_triton.act_bits(), CHUNK=chunk,
+        HAS_RES=residual is not None, BLOCK=block, ACT8=act8, BITS=int4_triton.act_bits(x.dtype), CHUNK=chunk,
         num_warps=min(8, max(1, block // 256)),
         **pdl.launch_args(x, x2.shape[0]))
     return y, h, q
@@ -228,7 +228,7 @@ def _launch_silu(gate_up: Tensor, act8: bool = False) -> tuple[Tensor, Tensor]:
     q = _act8_rows(y, inter, act8)
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(inter, SILU_BLOCK))](g2, y2, q, g2.stride(0), y2.stride(0),
                                                                     q.stride(0), inter, BLOCK=SILU_BLOCK,
-                                                                    ACT8=act8, BITS=int4_triton.act_bits(),
+                                                                    ACT8=act8, BITS=int4_triton.act_bits(gate_up.dtype),
                                                                     num_warps=4,
                                                                     **pdl.launch_args(gate_up, g2.shape[0]))
     return y, q

@@ -216,28 +216,29 @@ class QuantLinear(nn.Module):
 
     def takes_act8(self, x: Tensor) -> bool:
         """Whether `forward` takes x's rows also as ACT8_FORMAT codes made by x's producer (kernels.norm_triton's
-        `_a8` ops): the Triton INT4 GEMV with int8 or int16 activations (int4_triton.ACT), its split-K sum in the
-        kernel, and at most GEMV_MAX_M rows in x (a decode step; a prefill runs on the float x)."""
-        return (self.kernel == "int4_triton" and int4_triton.ACT != "exact" and int4_triton.REDUCE != "partials"
+        `_a8` ops): the Triton INT4 GEMV with int8 or int16 activations (int4_triton.act_mode), its split-K sum in
+        the kernel, and at most GEMV_MAX_M rows in x (a decode step; a prefill runs on the float x)."""
+        return (self.kernel == "int4_triton" and int4_triton.act_mode(x.dtype) != "exact"
+                and int4_triton.REDUCE != "partials"
                 and x.numel() // x.shape[-1] <= int4_triton.GEMV_MAX_M)
 
     def takes_epilogue(self, x: Tensor, silu: bool = False) -> bool:
         """Whether `epilogue` can take x: the Triton INT4 GEMV with its split-K sum in the kernel, no bias, at most
         GEMV_MAX_M rows in x (a decode step); silu: gate and up halves on tile edges; with quantised activations
-        (int4_triton.ACT "int8" / "int16"), an output the next GEMV can take as codes (N, or N / 2 with silu, a
+        (int4_triton.act_mode "int8" / "int16"), an output the next GEMV can take as codes (N, or N / 2 with silu, a
         multiple of 64)."""
         width = self.out_features // 2 if silu else self.out_features
         return (self.kernel == "int4_triton" and int4_triton.REDUCE != "partials"
                 and self.bias is None and x.numel() // x.shape[-1] <= int4_triton.GEMV_MAX_M
                 and (not silu or int4_triton.silu_pairs(self.out_features, self.weight.shape[2]))
-                and (int4_triton.ACT == "exact" or width % 64 == 0))
+                and (int4_triton.act_mode(x.dtype) == "exact" or width % 64 == 0))
 
     def epilogue(self, x: Tensor, residual: Tensor | None = None, next_weight: Tensor | None = None,
                  rms_of: Tensor | None = None, eps: float = 0.0, silu: bool = False,
                  dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
         """x (..., K) @ W^T with the GEMV's epilogue (kernels.int4_triton.int4_gemv_epilogue, where `takes_epilogue`):
         times 1 / rms(rms_of) (..., K); plus residual (..., N); silu: silu(first half) * second half (..., N / 2).
-        Returns (y, y * next_weight or None). With quantised activations (int4_triton.ACT not "exact":
+        Returns (y, y * next_weight or None). With quantised activations (int4_triton.act_mode not "exact":
         `int4_gemv_epilogue_a8`) x may be the ACT8_FORMAT codes of the input (int8; dtype: the output's), and the
         second output is the next GEMV's codes: of y * next_weight, or with silu of y; None without either."""
         lead, k, n = x.shape[:-1], self.in_features, self.out_features
@@ -245,11 +246,12 @@ class QuantLinear(nn.Module):
         def rows(t: Tensor | None, width: int) -> Tensor | None:
             return None if t is None else t.reshape(-1, width).contiguous()
 
-        if int4_triton.ACT != "exact":
+        dtype = dtype or x.dtype
+        if int4_triton.act_mode(dtype) != "exact":
             y, xq = int4_triton.int4_gemv_epilogue_a8(
                 rows(x, x.shape[-1]), self.weight, self.sb, self.gemv_ws, self.gemv_cnt, n, self.group_size,
                 self.split, int4_triton.REDUCE_MODES[int4_triton.REDUCE], rows(residual, n), next_weight,
-                rows(rms_of, k), eps, silu, int4_triton.act_bits(), dtype or x.dtype)
+                rows(rms_of, k), eps, silu, int4_triton.act_bits(dtype), dtype)
             return (y.reshape(*lead, n // 2 if silu else n),
                     xq.reshape(*lead, xq.shape[-1]) if xq.numel() else None)
         y, xg = int4_triton.int4_gemv_epilogue(
@@ -273,7 +275,7 @@ class QuantLinear(nn.Module):
             x.reshape(b, x.shape[-1]).contiguous(), self.weight, self.sb, self.gemv_ws, self.gemv_cnt, n,
             self.group_size, self.split, int4_triton.REDUCE_MODES[int4_triton.REDUCE],
             None if rms_of is None else rms_of.reshape(b, k).contiguous(), eps, cos, sin, positions, k_cache,
-            v_cache, n_heads, int4_triton.act_bits(), dtype or x.dtype)
+            v_cache, n_heads, int4_triton.act_bits(dtype or x.dtype), dtype or x.dtype)
         return y[:, :n_heads * k_cache.shape[3]].unsqueeze(1)
 
     def forward(self, x: Tensor, x8: Tensor | None = None) -> Tensor:

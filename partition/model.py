@@ -631,8 +631,8 @@ class SliceModule(nn.Module):
             hg = (h.float() * first.float()).to(h.dtype)
             from kernels import int4_triton
 
-            if int4_triton.ACT != "exact":  # the first q/k/v takes codes (DecoderLayer.run_epilogues)
-                hg = int4_triton.act8_quant(hg.reshape(-1, hg.shape[-1]), int4_triton.act_bits()).reshape(
+            if int4_triton.act_mode(h.dtype) != "exact":  # the first q/k/v takes codes (DecoderLayer.run_epilogues)
+                hg = int4_triton.act8_quant(hg.reshape(-1, hg.shape[-1]), int4_triton.act_bits(h.dtype)).reshape(
                     *hg.shape[:-1], -1)
             for i, layer in enumerate(self.layers):
                 nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else None

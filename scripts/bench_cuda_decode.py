@@ -65,7 +65,7 @@ class Variant:
     prefill: str = ""  # kernels.int4_triton.PREFILL (INT4 rows past the GEMV: PREFILL_MODES); "" = default
     gemv: tuple[int, int, int] = ()  # kernels.int4_triton (PREFETCH, UNROLL, MIN_STEPS) of the GEMV's loop; () = defaults
     prefill_graphs: bool = True  # with cuda_graphs, the prompt's prefill replayed from the second one on (PrefillGraphs)
-    act: str = ""  # kernels.int4_triton.ACT (the GEMV's activation: "exact", "int8" or "int16" on dp4a); "" = default
+    act: str = ""  # kernels.int4_triton.ACT (the GEMV's activation: "auto", "exact", "int8" or "int16"); "" = default
     act8_fused: bool = True  # partition.model.ACT8_FUSED: with act "int8", the norms and SiLU * up write the codes
     pdl: str = ""  # kernels.pdl.MODE (programmatic dependent launch of the step's Triton kernels); "" = its default
     ahead_split: int = -1  # kernels.int4_triton.AHEAD_SPLIT (0: the dense split-K rule under PDL too); -1 = default
@@ -140,6 +140,10 @@ VARIANTS = {v.name: v for v in (
               act=a.removeprefix("-").replace("a16", "int16"), rope_epi=True)
       for h in ("", "-lmhead") for a in ("", "-a16")),
     Variant("int4-fused-g32-ropeepi", True, buckets=False, quant="int4", fused=True, group=32, rope_epi=True),
+    # the GEMV on the model's own activations (ACT "exact", the default before int16 was measured faster)
+    Variant("int4-fused-exact", True, buckets=False, quant="int4", fused=True, act="exact"),
+    Variant("int4-fused-lmhead-exact", True, buckets=False, quant="int4", fused=True, lm_head=True, act="exact"),
+    Variant("int4-fused-g32-exact", True, buckets=False, quant="int4", fused=True, group=32, act="exact"),
     Variant("int4-fused-lmhead-a8-noepi", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8",
             epilogues=False),
     # without programmatic dependent launch (kernels.pdl: on by default where the GPU has it, sm_90 and newer)

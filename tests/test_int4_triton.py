@@ -680,6 +680,22 @@ def test_prefill_gemm_compiles_for_orin_and_hopper(arch: int) -> None:
         assert "LDGSTS" in sass and not re.search(r"LDG\.E\.U16", sass), (arch, swap)
 
 
+def test_activation_mode_auto_takes_int16_codes_for_16_bit_models_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ACT "auto" (the default): int16 codes for a bf16 / fp16 model (bf16 values exact within 2^7 of their block's
+    largest), the model's own activations for an fp32 one, whose values int16 codes would round; a set mode holds
+    for every dtype. PDL's "auto" stays on for int16 and goes off only for int8 (what each measured)."""
+    from kernels import pdl
+
+    assert it.ACT == "auto"
+    assert [it.act_mode(d) for d in (torch.bfloat16, torch.float16, torch.float32)] == ["int16", "int16", "exact"]
+    assert [it.act_bits(d) for d in (torch.bfloat16, torch.float32)] == [16, 8]
+    for mode, pdl_ok in (("auto", True), ("int16", True), ("exact", True), ("int8", False)):
+        monkeypatch.setattr(it, "ACT", mode)
+        assert pdl._measured_faster(1) == pdl_ok, mode
+        if mode != "auto":
+            assert it.act_mode(torch.bfloat16) == it.act_mode(torch.float32) == mode
+
+
 def test_prefill_rule_takes_the_fused_gemm_up_to_mm_max_m(monkeypatch: pytest.MonkeyPatch) -> None:
     """PREFILL "auto" (the default): tensor-core dtypes run int4_mm up to MM_MAX_M rows and dequantise once above
     (the crossover measured on an H100), fp32 always dequantises; a layer's weights are held dequantised only
