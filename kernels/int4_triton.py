@@ -1240,9 +1240,9 @@ def _asm() -> bool:
 # (`int4_gemv_epilogue_a8`) or the norms (kernels.norm_triton), one quantise launch a step more than "exact".
 # "auto", the default (`act_mode`): "int16" for a bf16 or fp16 model, "exact" for an fp32 one (whose activations
 # int16 codes would round). Measured on an H100 (docs/BENCHMARKS.md, twenty-fourth session): the Llama-3-8B INT4
-# decode step with an INT4 head 1.3-10.3 % faster with int16 than exact in four runs (388.3 against 369.1 tok/s in
-# the run beside gpt-fast), with a bf16 head +3.0 %; the SmolLM2-135M shape (fp16, g32) +4-15 % with PDL on, and
-# 24-27 % slower without it (so PDL's "auto" keeps it on for int16, `_int8_activations`).
+# decode step with an INT4 head 1.3-10.3 % faster with int16 than exact in three runs (388.3 against 369.1 tok/s
+# in the run beside gpt-fast), with a bf16 head +3.0 %; the SmolLM2-135M shape (fp16, g32) +4-15 % with PDL on, and
+# 24-27 % slower than exact without it (so PDL's "auto" keeps it on for int16, `_int8_activations`).
 ACT_MODES = ("auto", "exact", "int8", "int16")
 ACT = os.environ.get("ORIN_AGENT_INT4_ACT", "auto")
 if ACT not in ACT_MODES:
@@ -1253,7 +1253,7 @@ ACT8_BLOCKS = 32  # 32-column blocks an `_act8_kernel` program quantises
 @pdl.measured_slower
 def _int8_activations() -> bool:
     """With int8 activations the decode step measured 2.5-7 % slower with PDL on an H200 (kernels.pdl). Not int16
-    ones: with them PDL measured +1-5 % on the Llama-3-8B step and +30-40 % on SmolLM2's (H100, twenty-fourth
+    ones: with them PDL measured -1 to +5 % on the Llama-3-8B step and +27-40 % on SmolLM2's (H100, twenty-fourth
     session)."""
     return ACT == "int8"
 

@@ -21,7 +21,7 @@ bench_cuda_decode.py):
   GEMV's loads ahead of the wait, 4 % slower than no PDL at all;
 - with int8 activations (kernels.int4_triton ACT "int8"): 2.5-7 % slower, so MODE "auto" leaves it off there;
 - with int16 ones (ACT "int16", and "auto"'s choice for a bf16 / fp16 model; H100, twenty-fourth session): the
-  Llama-3-8B step +1-5 % with it, the SmolLM2-135M shape's 1007-1055 tok/s with it against 755-796 without;
+  Llama-3-8B step -1 to +5 % with it, the SmolLM2-135M shape's 1007-1055 tok/s with it against 755-796 without;
 - the INT4 prefill (512 tokens; its GEMMs are cuBLAS's, which take no PDL): 17.9-18.5 ms with it against 17.5-18.3
   without, so "auto" takes it only for launches of at most GEMV_MAX_M rows, the decode shapes the GEMV serves.
 
