@@ -129,12 +129,12 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-lmhead-a8-unfused", True, buckets=False, quant="int4", fused=True, lm_head=True, act="int8",
             act8_fused=False),
     Variant("int4-fused-a8-compile", True, buckets=False, quant="int4", fused=True, act="int8", compile=True),
-    # int16 activations (kernels.int4_triton ACT "int16": two dp4a a word, codes exact for bf16 values within 2^7 of
-    # their block's largest), the codes from the GEMVs' epilogues (or "-noepi": from the norms and SiLU * up), with
-    # PDL ("-pdl") and without (what "auto" gives them)
+    # int16 activations (kernels.int4_triton ACT "int16", what "auto" takes for a bf16 model: two dp4a a word, codes
+    # exact for bf16 values within 2^7 of their block's largest), the codes from the GEMVs' epilogues (or "-noepi":
+    # from the norms and SiLU * up), with PDL (kernels.pdl "auto" gives it them) and without ("-nopdl")
     *(Variant(f"int4-fused{h}-a16{p}{e}", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
-              act="int16", pdl="on" if p else "", epilogues=not e)
-      for h in ("", "-lmhead") for p in ("", "-pdl") for e in ("", "-noepi")),
+              act="int16", pdl="off" if p else "", epilogues=not e)
+      for h in ("", "-lmhead") for p in ("", "-nopdl") for e in ("", "-noepi")),
     # RoPE and the cache write in the q/k/v GEMV's epilogue (partition.model.ROPE_EPILOGUE)
     *(Variant(f"int4-fused{h}{a}-ropeepi", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
               act=a.removeprefix("-").replace("a16", "int16"), rope_epi=True)
