@@ -213,8 +213,10 @@ GEMV_EPILOGUES = True
 ACT8_FUSED = True
 # Where the GEMV epilogues run (GEMV_EPILOGUES) and RoPE + the cache write would be kernels.rope_triton's kernel
 # (ROPE_FUSED), the fused q/k/v GEMV does them in its own epilogue instead (kernels.int4_triton.int4_gemv_rope): a
-# Llama layer's decode step is 6 kernels, not 7. Off until a GPU has timed it (bench_cuda_decode.py's "-ropeepi"
-# variants); the values are the same either way (tests/test_norm_triton.py).
+# Llama layer's decode step is 6 kernels, not 7. Off: the Llama-3-8B INT4 step measured even with it (386.2 against
+# 388.3 tok/s, H100, docs/BENCHMARKS.md twenty-fourth session); the small models' step, bound by its kernel count,
+# not timed yet (bench_cuda_decode.py's "-ropeepi" variants). The values are the same either way
+# (tests/test_norm_triton.py).
 ROPE_EPILOGUE = False
 
 
