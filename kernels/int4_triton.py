@@ -59,7 +59,7 @@ except ImportError:  # CPU-only installs: QuantLinear uses tinygemm / the refere
     triton = None
     tl = None
 
-from kernels import pdl
+from kernels import pdl, rope_triton
 
 BLOCK_COLS = 32  # columns per 4-word block of the packed layout
 STEP_WORDS = 8  # packed words per row per GEMV step: two blocks, 32 bytes (a whole sector)
@@ -389,24 +389,19 @@ if triton is not None:
                    svc_b, svc_h, svc_s, NH, NKV, TN: tl.constexpr, HD: tl.constexpr):
         """The ROPE epilogue of a q/k/v GEMV's tile, rows [row0, row0 + TN) of y[pid_m] (M, N), stored: its q heads
         rotated in place, its k heads rotated into kc[pid_m, head, pos[pid_m]], its v heads copied into vc at that
-        slot; kernels.rope_triton's `_rope_write_kernel` arithmetic on the same (rounded) y, so the same values.
+        slot; kernels.rope_triton's `rotate` on the same (rounded) y as its kernel, so the same values.
         The tile's heads whole (TN a multiple of HD), y's rows [0, NH HD) q, then NKV heads of k, NKV of v."""
         half = tl.arange(0, HD // 2)
-        cs = pid_m * s_cs
-        c1 = tl.load(cos_ptr + cs + half).to(tl.float32)  # cos = cat(f, f): its two halves are equal
-        c2 = tl.load(cos_ptr + cs + HD // 2 + half).to(tl.float32)
-        s1 = tl.load(sin_ptr + cs + half).to(tl.float32)
-        s2 = tl.load(sin_ptr + cs + HD // 2 + half).to(tl.float32)
+        c1, c2, s1, s2 = rope_triton.cos_sin(cos_ptr, sin_ptr, pid_m * s_cs, HD)
         slot = tl.load(pos_ptr + pid_m * s_p).to(tl.int64)
         yrow = y_ptr + pid_m * N
         for j in tl.static_range(TN // HD):
             head = row0 // HD + j
             src = yrow + head * HD
             if head < NH + NKV:  # q or k: rotated
-                x1 = tl.load(src + half, cache_modifier=".cg").to(tl.float32)
-                x2 = tl.load(src + HD // 2 + half, cache_modifier=".cg").to(tl.float32)
-                r1 = x1 * c1 - x2 * s1
-                r2 = x2 * c2 + x1 * s2
+                r1, r2 = rope_triton.rotate(tl.load(src + half, cache_modifier=".cg").to(tl.float32),
+                                            tl.load(src + HD // 2 + half, cache_modifier=".cg").to(tl.float32),
+                                            c1, c2, s1, s2)
                 if head < NH:
                     tl.store(src + half, r1.to(y_ptr.dtype.element_ty))
                     tl.store(src + HD // 2 + half, r2.to(y_ptr.dtype.element_ty))
@@ -1128,6 +1123,16 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
     return y, xg
 
 
+def _float_or_codes(x: Tensor, k: int, bits: int, op: str) -> tuple[Tensor, bool]:
+    """An epilogue op's input as `_reduced` takes it: (x, False) for a float x, (its int32 words, True) for its
+    ACT8_FORMAT codes (int8), which must be of `bits` bits over K columns."""
+    if x.dtype != torch.int8:
+        return x, False
+    if act8_bits(x.shape[1], k) != bits:
+        raise ValueError(f"{op}: the activation's codes are not of {bits} bits")
+    return x.view(torch.int32), True
+
+
 # The GEMV's epilogues (`int4_gemv_epilogue`, partition.model.GEMV_EPILOGUES): what the decode step's small kernels
 # between the GEMVs did, done by the program that finishes a tile (it holds the tile's whole sum): the residual add
 # after o_proj and down_proj (and the next RMSNorm's input h * weight), the RMSNorm's scale before qkv and gate/up
@@ -1169,14 +1174,8 @@ def int4_gemv_epilogue_a8(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt:
     itself (M, act8_width(N or N / 2, bits)); else empty. So the producer of every GEMV input but the attention's
     writes its codes, and no quantise launch is left between the layer's GEMVs."""
     k = codes.shape[1] * 64
-    if x.dtype == torch.int8:
-        if act8_bits(x.shape[1], k) != bits:
-            raise ValueError(f"int4_gemv_epilogue_a8: the activation's codes are not of {bits} bits")
-        xin = x.view(torch.int32)
-    else:
-        xin = x
-    y, xg = _reduced(xin, x.dtype == torch.int8, k, codes, sb, ws, cnt, n, group_size, split, mode, dtype, residual,
-                     next_weight, rms_of, eps, silu, bits, codes_out=True)
+    y, xg = _reduced(*_float_or_codes(x, k, bits, "int4_gemv_epilogue_a8"), k, codes, sb, ws, cnt, n, group_size,
+                     split, mode, dtype, residual, next_weight, rms_of, eps, silu, bits, codes_out=True)
     return y, (x.new_empty((0,), dtype=torch.int8) if xg is None else xg)
 
 
@@ -1206,11 +1205,9 @@ def int4_gemv_rope(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor
     dtype, or the ACT8_FORMAT codes of `bits` bits (int8) where the GEMVs take quantised activations. The same
     values as the GEMV followed by kernels.rope_triton.rope_write."""
     k = codes.shape[1] * 64
-    act8 = x.dtype == torch.int8
-    if act8 and act8_bits(x.shape[1], k) != bits:
-        raise ValueError(f"int4_gemv_rope: the activation's codes are not of {bits} bits")
-    y, _ = _reduced(x.view(torch.int32) if act8 else x, act8, k, codes, sb, ws, cnt, n, group_size, split, mode,
-                    dtype, rms_of=rms_of, eps=eps, bits=bits, rope=(cos, sin, positions, k_cache, v_cache, n_heads))
+    y, _ = _reduced(*_float_or_codes(x, k, bits, "int4_gemv_rope"), k, codes, sb, ws, cnt, n, group_size, split,
+                    mode, dtype, rms_of=rms_of, eps=eps, bits=bits,
+                    rope=(cos, sin, positions, k_cache, v_cache, n_heads))
     return y
 
 

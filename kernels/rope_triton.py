@@ -41,6 +41,22 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def cos_sin(cos_ptr, sin_ptr, off, HD: tl.constexpr):
+        """A token's cos / sin rows at `off`, each as its two halves in fp32: (c1, c2, s1, s2)."""
+        half = tl.arange(0, HD // 2)
+        c1 = tl.load(cos_ptr + off + half).to(tl.float32)  # cos = cat(f, f): its two halves are equal
+        c2 = tl.load(cos_ptr + off + HD // 2 + half).to(tl.float32)
+        s1 = tl.load(sin_ptr + off + half).to(tl.float32)
+        s2 = tl.load(sin_ptr + off + HD // 2 + half).to(tl.float32)
+        return c1, c2, s1, s2
+
+    @triton.jit
+    def rotate(x1, x2, c1, c2, s1, s2):
+        """A head's halves x1, x2 (fp32) rotated, x * cos + rotate_half(x) * sin: (x1 c1 - x2 s1, x2 c2 + x1 s2).
+        One formula for this module's kernel and kernels.int4_triton's q/k/v epilogue, so both give the same bits."""
+        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+    @triton.jit
     def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, qo_ptr, T,
                            sq_b, sq_t, sk_b, sk_t, sv_b, sv_t, sc_b, sc_t, sp_b, sp_t, skc_b, skc_h, skc_s,
                            svc_b, svc_h, svc_s, H: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr = False):
@@ -53,27 +69,23 @@ if triton is not None:
         t = bt % T
         hh = tl.program_id(1)
         half = tl.arange(0, HD // 2)
-        cs = b * sc_b + t * sc_t
-        c1 = tl.load(cos_ptr + cs + half).to(tl.float32)  # cos = cat(f, f): its two halves are equal
-        c2 = tl.load(cos_ptr + cs + HD // 2 + half).to(tl.float32)
-        s1 = tl.load(sin_ptr + cs + half).to(tl.float32)
-        s2 = tl.load(sin_ptr + cs + HD // 2 + half).to(tl.float32)
+        c1, c2, s1, s2 = cos_sin(cos_ptr, sin_ptr, b * sc_b + t * sc_t, HD)
         if hh < H:
             src = q_ptr + b * sq_b + t * sq_t + hh * HD
-            x1 = tl.load(src + half).to(tl.float32)
-            x2 = tl.load(src + HD // 2 + half).to(tl.float32)
+            r1, r2 = rotate(tl.load(src + half).to(tl.float32), tl.load(src + HD // 2 + half).to(tl.float32),
+                            c1, c2, s1, s2)
             dst = qo_ptr + ((b * H + hh) * T + t) * HD
-            tl.store(dst + half, (x1 * c1 - x2 * s1).to(qo_ptr.dtype.element_ty))
-            tl.store(dst + HD // 2 + half, (x2 * c2 + x1 * s2).to(qo_ptr.dtype.element_ty))
+            tl.store(dst + half, r1.to(qo_ptr.dtype.element_ty))
+            tl.store(dst + HD // 2 + half, r2.to(qo_ptr.dtype.element_ty))
         else:
             kh = hh - H
             slot = tl.load(pos_ptr + b * sp_b + t * sp_t).to(tl.int64)
             src = k_ptr + b * sk_b + t * sk_t + kh * HD
-            x1 = tl.load(src + half).to(tl.float32)
-            x2 = tl.load(src + HD // 2 + half).to(tl.float32)
+            r1, r2 = rotate(tl.load(src + half).to(tl.float32), tl.load(src + HD // 2 + half).to(tl.float32),
+                            c1, c2, s1, s2)
             dst = kc_ptr + b * skc_b + kh * skc_h + slot * skc_s
-            tl.store(dst + half, (x1 * c1 - x2 * s1).to(kc_ptr.dtype.element_ty))
-            tl.store(dst + HD // 2 + half, (x2 * c2 + x1 * s2).to(kc_ptr.dtype.element_ty))
+            tl.store(dst + half, r1.to(kc_ptr.dtype.element_ty))
+            tl.store(dst + HD // 2 + half, r2.to(kc_ptr.dtype.element_ty))
             full = tl.arange(0, HD)
             vals = tl.load(v_ptr + b * sv_b + t * sv_t + kh * HD + full)
             tl.store(vc_ptr + b * svc_b + kh * svc_h + slot * svc_s + full, vals.to(vc_ptr.dtype.element_ty))
