@@ -752,14 +752,22 @@ if LOOP not in LOOP_FORMS:
     raise ValueError(f"ORIN_AGENT_INT4_LOOP={LOOP!r}: use one of {', '.join(LOOP_FORMS)}")
 UNROLL = int(os.environ.get("ORIN_AGENT_INT4_UNROLL", "1"))  # steps a loop iteration (tl.range's loop_unroll_factor)
 MIN_STEPS = int(os.environ.get("ORIN_AGENT_INT4_MIN_STEPS", "2"))
-# The split-K rule for a GEMV whose loop loads a step ahead (AHEAD: PREFETCH or PDL, `_gemv_tile`), opt-in
-# (ORIN_AGENT_INT4_AHEAD_SPLIT=1): at most 8 programs per SM (not 16), and a split that divides the steps. Per
+# The split-K rule for a GEMV whose loop loads a step ahead (AHEAD: PREFETCH or PDL, `_gemv_tile`),
+# ORIN_AGENT_INT4_AHEAD_SPLIT: 0 the dense rule (up to 16 programs an SM, as a loop that does not load ahead);
+# 1 at most 8 programs an SM and a split that divides the steps; 2 (the default) at most 8 programs an SM. Rule 1, per
 # kernel, on an H200 (docs/BENCHMARKS.md, "Where the INT4 GEMV's time goes", scripts/bench_gemv_anatomy.py, the loop
 # loading ahead): Llama-3-8B gate/up 24.52 us at split 32 -> 23.19 at 16, down 14.41 at 64 -> 13.79 at 32. But the
 # first model-level run of it (H100, 2026-12-06, bench_cuda_decode, Llama-3-8B INT4, PDL on, two interleaved runs
 # each) decoded 286.1 / 287.0 tok/s with it against 307.7 / 320.7 with the dense rule, so the dense rule is the
 # default on every GPU (Orin, without PDL, was always on it: there down was faster at 64, 14.58 us against 16.07).
-AHEAD_SPLIT = int(os.environ.get("ORIN_AGENT_INT4_AHEAD_SPLIT", "0"))
+# What cost rule 1 that run was down's split (64 -> 32, for 224 steps to divide). Rule 2 leaves down at 64 and
+# changes only the widest GEMVs: gate/up 32 -> 16 and an INT4 head 8 -> 4. With int16 activations on an H100
+# (2026-12-07, twenty-fifth session, docs/BENCHMARKS.md): the gate/up GEMV alone 26.50 us at split 32 against
+# 23.66 at 16 (bench_int4_gemv.py --sweep-act16), and the Llama-3-8B step, two interleaved pairs, 364.9 / 363.2
+# tok/s (dense) against 369.7 / 369.7 (rule 2) with an INT4 head, 336.5 against 338.9 with a bf16 head.
+AHEAD_SPLIT = int(os.environ.get("ORIN_AGENT_INT4_AHEAD_SPLIT", "2"))
+if AHEAD_SPLIT not in (0, 1, 2):
+    raise ValueError(f"ORIN_AGENT_INT4_AHEAD_SPLIT={AHEAD_SPLIT}: use 0 (dense), 1 (8 an SM, dividing) or 2 (8 an SM)")
 
 
 def gemv_config(n: int, k: int, sms: int, tile_n: int | None = None, ahead: bool = False) -> tuple[int, int, int]:
@@ -768,14 +776,14 @@ def gemv_config(n: int, k: int, sms: int, tile_n: int | None = None, ahead: bool
     two) down to 2 steps per split, up to ~16 programs per SM. On an H200 (sweeps in docs/BENCHMARKS.md)
     this picked the best of 4 tile / split settings for every Llama-3-8B shape; a cp.async pipeline
     (stages > 1) measured 1.3-1.6x slower, so the loop is plain. `ahead`: the loop loads a step ahead
-    (AHEAD_SPLIT's rule: up to 8 programs per SM, a split that divides the steps)."""
+    (AHEAD_SPLIT's rule: by default up to 8 programs per SM)."""
     ks = k // (8 * STEP_WORDS)
     tiles = -(-n // (tile_rows(n) if tile_n is None else tile_n))
-    ahead = ahead and bool(AHEAD_SPLIT)
-    per_sm = 8 if ahead else 16
+    rule = AHEAD_SPLIT if ahead else 0
+    per_sm = 8 if rule else 16
     split = 1
     while (ks // (split * 2) >= MIN_STEPS and tiles * split * 2 <= per_sm * sms
-           and not (ahead and ks % (split * 2))):
+           and not (rule == 1 and ks % (split * 2))):
         split *= 2
     return 4, split, 1
 

@@ -158,8 +158,8 @@ VARIANTS = {v.name: v for v in (
     *(Variant(f"int4-fused{h}{p}-split{m}", True, buckets=False, quant="int4", fused=True, lm_head=bool(h),
               pdl="off" if p else "", split_min=m) for h in ("", "-lmhead") for p in ("", "-nopdl") for m in (64, 128)),
     Variant("int4-fused-g32-nopdl", True, buckets=False, quant="int4", fused=True, group=32, pdl="off"),
-    # the GEMVs split as without loading ahead (kernels.int4_triton AHEAD_SPLIT 0, the default), and by the opt-in
-    # rule for a loop that loads ahead (AHEAD_SPLIT 1)
+    # the GEMVs split as without loading ahead (kernels.int4_triton AHEAD_SPLIT 0: up to 16 programs an SM), and by
+    # rule 1 for a loop that loads ahead (8 an SM, dividing the steps); the default is rule 2 (8 an SM)
     Variant("int4-fused-dense", True, buckets=False, quant="int4", fused=True, ahead_split=0),
     Variant("int4-fused-ahead", True, buckets=False, quant="int4", fused=True, ahead_split=1),
     Variant("int4-fused-lmhead-dense", True, buckets=False, quant="int4", fused=True, lm_head=True, ahead_split=0),

@@ -37,6 +37,7 @@ SHAPES = {
                    ("lm_head", 128256, 4096)],
     # as the model runs them: q, k, v fused, gate and up fused (QuantLinear.concat)
     "llama-3-8b-fused": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate+up", 28672, 4096), ("down", 4096, 14336)],
+    "llama-3-8b-head": [("lm_head", 128256, 4096)],
     "smollm2-135m": [("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576), ("down", 576, 1536),
                      ("lm_head", 49152, 576)],
 }
@@ -96,7 +97,7 @@ def _gemv_launch(x: torch.Tensor, codes: torch.Tensor, sb: torch.Tensor, n: int,
 
 
 def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sweep: bool, bw: float,
-                gemlite: object | None) -> list[dict]:
+                gemlite: object | None, sweep16: bool = False) -> list[dict]:
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     q = torch.randint(0, 16, (n, k), device=dev, dtype=torch.uint8, generator=g)
@@ -200,6 +201,25 @@ def bench_shape(name: str, n: int, k: int, group: int, rows: tuple[int, ...], sw
                 print(f"gemlite {name} M={m}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
         sec = graph_time([lambda w=w: F.linear(x, w) for w in bfs], 4 * nbf)
         row("bf16 F.linear", m, sec, bf.numel() * 2, rel(F.linear(x, bf)))
+        if sweep16 and m == 1:  # the int16 loop's settings (ACT "int16", the bf16 / fp16 default): tile, warps,
+            # steps per split, loading a step ahead (PREFETCH 1: the loop the decode step runs under PDL)
+            y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+            ks = k // 64
+            for tn in (256, 512):
+                packed = [it.pack(q, s, zeros=z, tile_n=tn) for _ in range(nc)] if tn != it.tile_rows(n) else mine
+                scr = [it.scratch(n, c) for c, _ in packed]
+                for warps in (2, 4, 8):
+                    for per in (2, 4):
+                        sp = max(1, ks // per)
+                        for prefetch in (0, 1):
+                            go = lambda c, b, w: _gemv_launch(x16, c, b, n, group, warps, sp, 1, prefetch, 1,  # noqa: E731
+                                                              y, w[0], w[1], True, bits=16)
+                            sec = graph_time([lambda c=c, b=b, w=w: go(c, b, w) for (c, b), w in zip(packed, scr)],
+                                             4 * nc)
+                            go(codes, sb, it.scratch(n, codes)) if tn == it.tile_rows(n) else go(*packed[0], scr[0])
+                            row(f"  sweep int16 tn{tn} w{warps} s{sp} pf{prefetch}", m, sec, int4_bytes, rel(y),
+                                config=[tn, warps, sp, prefetch, 1], act="int16")
+                del packed, scr
         if sweep and m == 1:  # the loop's settings: tile, warps, steps per split, next step prefetched, unrolled
             y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
             ks = k // 64
@@ -274,6 +294,8 @@ def main() -> None:
     ap.add_argument("--groups", default="128,32")
     ap.add_argument("--rows", default="1,2,4,16,512")
     ap.add_argument("--sweep", action="store_true", help="tile / split-K sweep of the GEMV at M = 1")
+    ap.add_argument("--sweep-act16", action="store_true",
+                    help="tile / warps / split-K / prefetch sweep of the int16-activation GEMV at M = 1")
     ap.add_argument("--no-gemlite", action="store_true")
     ap.add_argument("--launch", action="store_true",
                     help="only the host time a call of each prefill dequantise form (launch overhead)")
@@ -305,7 +327,8 @@ def main() -> None:
         for group in (int(g) for g in args.groups.split(",")):
             for name, n, k in SHAPES[model]:
                 rows += bench_shape(f"{model.split('-')[0]}:{name}", n, k, group,
-                                    tuple(int(r) for r in args.rows.split(",")), args.sweep and group == 128, bw, gemlite)
+                                    tuple(int(r) for r in args.rows.split(",")), args.sweep and group == 128, bw, gemlite,
+                                    args.sweep_act16)
                 if args.out:
                     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

@@ -74,12 +74,17 @@ def test_gemv_config_fills_the_gpu_with_short_splits() -> None:
 
 
 def test_gemv_split_with_the_loop_loading_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With AHEAD_SPLIT on (opt-in), under PDL or PREFETCH (the loop loads a step ahead) a split keeps at most 8
-    programs an SM and divides the steps: the H200 anatomy's best splits for Llama-3-8B (docs/BENCHMARKS.md);
-    without, and by default, the dense rule's."""
+    """Under PDL or PREFETCH (the loop loads a step ahead) a split keeps at most 8 programs an SM by default
+    (AHEAD_SPLIT 2: of Llama-3-8B's GEMVs only gate/up and an INT4 head change, the H100's int16 measurement in
+    docs/BENCHMARKS.md); rule 1 also divides the steps (the H200 anatomy's best splits); rule 0 is the dense rule."""
     from kernels import pdl
 
-    assert it.AHEAD_SPLIT == 0 and it.gemv_config(28672, 4096, 132, ahead=True)[1] == 32  # the default: dense
+    assert it.AHEAD_SPLIT == 2
+    for (n, k), (dense, ahead) in {(28672, 4096): (32, 16), (4096, 14336): (64, 64), (6144, 4096): (32, 32),
+                                   (4096, 4096): (32, 32), (128256, 4096): (8, 4), (576, 1536): (8, 8)}.items():
+        assert (it.gemv_config(n, k, 132)[1], it.gemv_config(n, k, 132, ahead=True)[1]) == (dense, ahead), (n, k)
+    monkeypatch.setattr(it, "AHEAD_SPLIT", 0)
+    assert it.gemv_config(28672, 4096, 132, ahead=True)[1] == 32
     monkeypatch.setattr(it, "AHEAD_SPLIT", 1)
 
     for (n, k), (dense, ahead) in {(28672, 4096): (32, 16), (4096, 14336): (64, 32), (6144, 4096): (32, 32),
@@ -90,11 +95,16 @@ def test_gemv_split_with_the_loop_loading_ahead(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(pdl, "triton_supports", lambda: True)
     cuda = torch.device("cuda", 0)
     for capability, prefetch, rule, split in (((9, 0), 0, 1, 32), ((9, 0), 0, 0, 64), ((8, 7), 0, 1, 64),
-                                              ((8, 7), 1, 1, 32)):
+                                              ((8, 7), 1, 1, 32), ((9, 0), 0, 2, 64)):
         monkeypatch.setattr(pdl, "_device_supports", lambda index, c=capability: c >= pdl.MIN_CAPABILITY)
         monkeypatch.setattr(it, "PREFETCH", prefetch)
         monkeypatch.setattr(it, "AHEAD_SPLIT", rule)
         assert it.gemv_split(4096, 14336, cuda) == split, (capability, prefetch, rule)
+    monkeypatch.setattr(it, "AHEAD_SPLIT", 2)
+    monkeypatch.setattr(it, "PREFETCH", 0)
+    for capability, split in (((9, 0), 16), ((8, 7), 32)):  # gate/up: PDL on Hopper, none on Orin
+        monkeypatch.setattr(pdl, "_device_supports", lambda index, c=capability: c >= pdl.MIN_CAPABILITY)
+        assert it.gemv_split(28672, 4096, cuda) == split, capability
     monkeypatch.setattr(pdl, "MODE", "off")  # PDL off, PREFETCH 0: the dense rule on Hopper too
     monkeypatch.setattr(it, "PREFETCH", 0)
     monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
