@@ -712,13 +712,18 @@ if triton is not None:
 
     @triton.jit
     def _act8_kernel(x_ptr, q_ptr, K, stride_xm, stride_qm, NB: tl.constexpr, PDL: tl.constexpr = False,
-                     BITS: tl.constexpr = 8):
-        """Row program_id(0)'s blocks program_id(1) * NB .. + NB of x into q's ACT8_FORMAT row (`act8_store`)."""
+                     BITS: tl.constexpr = 8, w_ptr=None, HAS_W: tl.constexpr = False):
+        """Row program_id(0)'s blocks program_id(1) * NB .. + NB of x into q's ACT8_FORMAT row (`act8_store`);
+        HAS_W: of x times w (K,), the product in fp32 rounded to x's dtype, as torch's
+        (x.float() * w.float()).to(x.dtype)."""
         pdl.start(PDL)
         m = tl.program_id(0).to(tl.int64)
         blk0 = tl.program_id(1) * NB
         cols = blk0 * 32 + tl.arange(0, NB * 32)
         v = tl.load(x_ptr + m * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            v = (v * w).to(x_ptr.dtype.element_ty).to(tl.float32)
         act8_store(v, blk0, q_ptr + m * stride_qm, K, NB, BITS)
 
 
@@ -1293,20 +1298,25 @@ ACT8_FORMAT = "int8 codes + (d, sum) fp32 per 32-column block"
 
 
 @torch.library.custom_op("orin_agent::int4_act8", mutates_args=())
-def act8_quant(x: Tensor, bits: int = 8) -> Tensor:
+def act8_quant(x: Tensor, bits: int = 8, weight: Tensor | None = None) -> Tensor:
     """x (M, K), K a multiple of 64 -> its ACT8_FORMAT rows of 8- or 16-bit codes, int8 (M, act8_width(K, bits))
-    (`_act8_kernel`)."""
+    (`_act8_kernel`). weight (K,): the codes of (x.float() * weight.float()).to(x.dtype) instead, in the same launch
+    (a decode step's first q/k/v input: the embedding times the first norm's weight; four torch kernels fewer)."""
     m, k = x.shape
     if k % 64 or bits not in (8, 16):
         raise ValueError(f"act8_quant takes K a multiple of 64 and 8 or 16 bits, got K={k}, {bits} bits")
+    if weight is not None and (weight.shape != (k,) or weight.stride(0) != 1):
+        raise ValueError(f"act8_quant's weight must be contiguous ({k},), got {tuple(weight.shape)}")
     q = torch.empty((m, act8_width(k, bits)), device=x.device, dtype=torch.int8)
     _act8_kernel[(m, triton.cdiv(k // 32, ACT8_BLOCKS))](x, q, k, x.stride(0), q.stride(0), NB=ACT8_BLOCKS,
-                                                         BITS=bits, num_warps=4, **pdl.launch_args(x, m))
+                                                         BITS=bits, w_ptr=x if weight is None else weight,
+                                                         HAS_W=weight is not None, num_warps=4,
+                                                         **pdl.launch_args(x, m))
     return q
 
 
 @act8_quant.register_fake
-def _(x: Tensor, bits: int = 8) -> Tensor:
+def _(x: Tensor, bits: int = 8, weight: Tensor | None = None) -> Tensor:
     return x.new_empty((x.shape[0], act8_width(x.shape[1], bits)), dtype=torch.int8)
 
 

@@ -630,12 +630,13 @@ class SliceModule(nn.Module):
         pending: Tensor | None = None
         if fused and _gemv_epilogues(self.layers, h):  # a decode step over INT4 layers: the GEMVs' epilogues
             first = self.layers[0].input_layernorm.weight
-            hg = (h.float() * first.float()).to(h.dtype)
             from kernels import int4_triton
 
             if int4_triton.act_mode(h.dtype) != "exact":  # the first q/k/v takes codes (DecoderLayer.run_epilogues)
-                hg = int4_triton.act8_quant(hg.reshape(-1, hg.shape[-1]), int4_triton.act_bits(h.dtype)).reshape(
-                    *hg.shape[:-1], -1)
+                hg = int4_triton.act8_quant(h.reshape(-1, h.shape[-1]), int4_triton.act_bits(h.dtype),
+                                            weight=first).reshape(*h.shape[:-1], -1)  # of h * first, one launch
+            else:
+                hg = (h.float() * first.float()).to(h.dtype)
             for i, layer in enumerate(self.layers):
                 nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else None
                 h, hg, k, v = layer.run_epilogues(h, hg, cos, sin, mask, past[2 * i], past[2 * i + 1], slot,
@@ -675,10 +676,13 @@ class SliceModule(nn.Module):
             b, t = positions.shape
             kv, hd = past[0].shape[1], past[0].shape[3]
             group = self.config.n_heads // self.config.n_kv_heads
-            mask = cache_mask(positions, past[0].shape[2], h.dtype).repeat(1, 1, group, 1)  # (B, 1, G*T, L)
             slot = positions.long()[:, None, :, None].expand(b, kv, t, hd)
-            if t == 1 and h.is_cuda:  # the decode kernels' visible slots, once a step instead of once a layer
+            # a decode step whose every layer attends through the Triton decode kernel, which reads lengths: no mask
+            # (six kernels a step fewer)
+            triton_decode = t == 1 and all(isinstance(p, Tensor) for p in past) and _triton_decode_shapes(h, hd, group)
+            if triton_decode or (t == 1 and h.is_cuda):  # the decode kernels' visible slots, once a step
                 lengths = (positions[:, 0] + 1).to(torch.int32)
+            mask = None if triton_decode else cache_mask(positions, past[0].shape[2], h.dtype).repeat(1, 1, group, 1)
         else:
             mask = attention_mask(positions, past[0].shape[2])
         new: list[Tensor] = []

@@ -347,6 +347,15 @@ def check_act16(device: str, cases: list[tuple[int, int, int, bool, int]] = CASE
             x = x.to(device=device, dtype=torch.bfloat16)
             q = it.act8_quant(x, 16)
             assert q.shape == (m, it.act8_width(k, 16)) == (m, 9 * k // 4) and q.dtype == torch.int8
+            # with a weight (a decode step's first q/k/v input, h times the norm's weight): the codes of torch's
+            # rounded product, bit for bit (fp32 in the interpreter, whose cast to bf16 rounds toward zero)
+            xw = x if device == "cuda" else x.float()
+            g = torch.randn(k, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=xw.dtype)
+            for bits in (8, 16):
+                assert torch.equal(it.act8_quant(xw, bits, weight=g),
+                                   it.act8_quant((xw.float() * g.float()).to(xw.dtype), bits)), bits
+            with pytest.raises(ValueError, match="weight must be contiguous"):
+                it.act8_quant(xw, 16, weight=g[:64])
             assert it.act8_bits(q.shape[1], k) == 16 and it.act8_bits(it.act8_width(k), k) == 8
             qc, dd, ss = it.act8_unpack(q, 16)
             blocks = x.float().reshape(m, k // 32, 32)

@@ -146,9 +146,9 @@ def check_act8_model(device: str) -> None:
     quant = it.act8_quant
     defaults = it.ACT, it.REDUCE, it.act8_quant, pm.ACT8_FUSED, pm.GEMV_EPILOGUES
 
-    def counted(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    def counted(x: torch.Tensor, bits: int = 8, weight: torch.Tensor | None = None) -> torch.Tensor:
         calls.append(x.shape)
-        return quant(x, bits)
+        return quant(x, bits, weight=weight)
 
     def run(t: int, act: str, fused: bool, layers: int = 2, epilogues: bool = False) -> torch.Tensor:
         it.ACT, pm.ACT8_FUSED, pm.GEMV_EPILOGUES = act, fused, epilogues
