@@ -218,6 +218,12 @@ ACT8_FUSED = True
 # not timed yet (bench_cuda_decode.py's "-ropeepi" variants). The values are the same either way
 # (tests/test_norm_triton.py).
 ROPE_EPILOGUE = False
+# The decode step's prologue, lean: where every layer attends through the Triton decode kernel (which reads the
+# visible lengths) no additive mask is built (six kernels a step), and where the first q/k/v GEMV takes codes they
+# come from one act8_quant launch over the embedding times the first norm's weight (four kernels fewer). The same
+# values either way (tests); ten of a Llama-3-8B step's ~22 small kernels (H100 profile, docs/BENCHMARKS.md
+# twenty-fifth session). Not timed on a GPU yet: off is bench_cuda_decode.py's "-prologue0" variants, for the A/B.
+LEAN_PROLOGUE = True
 
 
 def _takes_act8(linears: list[nn.Module], x: Tensor) -> bool:
@@ -632,11 +638,15 @@ class SliceModule(nn.Module):
             first = self.layers[0].input_layernorm.weight
             from kernels import int4_triton
 
-            if int4_triton.act_mode(h.dtype) != "exact":  # the first q/k/v takes codes (DecoderLayer.run_epilogues)
+            codes = int4_triton.act_mode(h.dtype) != "exact"  # the first q/k/v takes codes (run_epilogues)
+            if codes and LEAN_PROLOGUE:  # the codes of h * first in one launch
                 hg = int4_triton.act8_quant(h.reshape(-1, h.shape[-1]), int4_triton.act_bits(h.dtype),
-                                            weight=first).reshape(*h.shape[:-1], -1)  # of h * first, one launch
+                                            weight=first).reshape(*h.shape[:-1], -1)
             else:
                 hg = (h.float() * first.float()).to(h.dtype)
+                if codes:
+                    hg = int4_triton.act8_quant(hg.reshape(-1, hg.shape[-1]), int4_triton.act_bits(h.dtype)).reshape(
+                        *hg.shape[:-1], -1)
             for i, layer in enumerate(self.layers):
                 nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else None
                 h, hg, k, v = layer.run_epilogues(h, hg, cos, sin, mask, past[2 * i], past[2 * i + 1], slot,
@@ -678,8 +688,9 @@ class SliceModule(nn.Module):
             group = self.config.n_heads // self.config.n_kv_heads
             slot = positions.long()[:, None, :, None].expand(b, kv, t, hd)
             # a decode step whose every layer attends through the Triton decode kernel, which reads lengths: no mask
-            # (six kernels a step fewer)
-            triton_decode = t == 1 and all(isinstance(p, Tensor) for p in past) and _triton_decode_shapes(h, hd, group)
+            # (LEAN_PROLOGUE)
+            triton_decode = (LEAN_PROLOGUE and t == 1 and all(isinstance(p, Tensor) for p in past)
+                             and _triton_decode_shapes(h, hd, group))
             if triton_decode or (t == 1 and h.is_cuda):  # the decode kernels' visible slots, once a step
                 lengths = (positions[:, 0] + 1).to(torch.int32)
             mask = None if triton_decode else cache_mask(positions, past[0].shape[2], h.dtype).repeat(1, 1, group, 1)

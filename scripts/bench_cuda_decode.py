@@ -73,6 +73,7 @@ class Variant:
     epilogues: bool = True  # partition.model.GEMV_EPILOGUES: norms, residual adds, SiLU * up in the INT4 GEMVs
     split_min: int = 0  # kernels.kv_triton.SPLIT_MIN_SLOTS (the decode attention's shortest split); 0 = default
     rope_epi: bool = False  # partition.model.ROPE_EPILOGUE: RoPE + the cache write in the q/k/v GEMV's epilogue
+    lean: bool = True  # partition.model.LEAN_PROLOGUE: no mask for the Triton decode attention, the first codes in one
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -163,6 +164,10 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-dense", True, buckets=False, quant="int4", fused=True, ahead_split=0),
     Variant("int4-fused-ahead", True, buckets=False, quant="int4", fused=True, ahead_split=1),
     Variant("int4-fused-lmhead-dense", True, buckets=False, quant="int4", fused=True, lm_head=True, ahead_split=0),
+    # the decode step's prologue as before LEAN_PROLOGUE (the mask built, the first codes in five kernels)
+    *(Variant(f"int4-fused{h}-prologue0", True, buckets=False, quant="int4", fused=True, lm_head=bool(h), lean=False)
+      for h in ("", "-lmhead")),
+    Variant("int4-fused-g32-prologue0", True, buckets=False, quant="int4", fused=True, group=32, lean=False),
     # the GEMV loop's opt-in form (kernels.int4_triton LOOP "chain"), alone, with the dense split, with the INT4 head
     Variant("int4-fused-chain", True, buckets=False, quant="int4", fused=True, loop="chain"),
     Variant("int4-fused-chain-dense", True, buckets=False, quant="int4", fused=True, loop="chain", ahead_split=0),
@@ -393,6 +398,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         pm.ROPE_FUSED, pm.ACT8_FUSED, pm.GEMV_EPILOGUES = v.rope, v.act8_fused, v.epilogues
         kv_triton.SPLIT_MIN_SLOTS = v.split_min or default_split_min  # read at each call (a graph keeps its capture's)
         pm.ROPE_EPILOGUE = v.rope_epi
+        pm.LEAN_PROLOGUE = v.lean  # read when the decode step is traced / captured
         pdl.MODE = v.pdl or default_pdl  # read at each launch: a graph keeps what its capture launched
 
     for v in variants:

@@ -246,6 +246,7 @@ def check_epilogue_model(device: str) -> None:
         from kernels import rope_triton
 
         shapes, rope_gemv, rope_write = pm._triton_decode_shapes, it.int4_gemv_rope, rope_triton.rope_write
+        mask_fn = pm.cache_mask
         if device == "cpu":
             pm._triton_decode_shapes = lambda q, hd, grp, pv=None: hd & (hd - 1) == 0 and grp <= 16
         it.int4_gemv_rope = counting("rope_epilogue", rope_gemv)
@@ -258,9 +259,20 @@ def check_epilogue_model(device: str) -> None:
             assert calls.count("rope_epilogue") == 2 and "rope_write" not in calls, calls
             for a, b in zip(fused, plain):
                 assert torch.equal(a, b), float((a - b).abs().max())
+            # the lean prologue (LEAN_PROLOGUE): no mask where every layer attends through the Triton decode kernel;
+            # the same logits and caches as the step that builds it
+            pm.ROPE_EPILOGUE = False
+            pm.cache_mask = counting("cache_mask", mask_fn)
+            lean = step(True, True)
+            assert "cache_mask" not in calls, calls
+            pm.LEAN_PROLOGUE = False
+            full = step(True, True)
+            assert calls.count("cache_mask") == 1, calls
+            for a, b in zip(lean, full):
+                assert torch.equal(a, b), float((a - b).abs().max())
         finally:
             pm._triton_decode_shapes, it.int4_gemv_rope, rope_triton.rope_write = shapes, rope_gemv, rope_write
-            pm.ROPE_EPILOGUE = False
+            pm.ROPE_EPILOGUE, pm.LEAN_PROLOGUE, pm.cache_mask = False, True, mask_fn
     finally:
         for n, f in saved.items():
             setattr(norm_triton, n, f)
