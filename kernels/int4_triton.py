@@ -1014,6 +1014,36 @@ PREFILL_MODES = ("auto", "dequant", "dequant-ahead", "dequant-each", "fused", "g
 PREFILL = os.environ.get("ORIN_AGENT_INT4_PREFILL", "auto")
 if PREFILL not in PREFILL_MODES:
     raise ValueError(f"ORIN_AGENT_INT4_PREFILL={PREFILL!r}: use one of {', '.join(PREFILL_MODES)}")
+# SMs that a prefill's cuBLAS matmuls leave free while PREFILL "dequant-ahead" dequantises the next layer on its side
+# stream (weight_only.LayerPrefetch, `carve_sms`); 0: none (the matmuls take every SM). Why: graphed on an H200 the
+# side stream overlapped 0.3 of the 3.4 ms of dequantise (docs/BENCHMARKS.md, ninth session), because cuBLAS's
+# persistent kernels hold every SM. With n SMs left to it the dequantise runs beside the matmuls, which slow by
+# ~SMs / (SMs - n), against the ~210 us a Llama-3-8B layer the dequantise costs in line (H100, twenty-second
+# session). Opt-in and untimed: no GPU has run it (bench_cuda_decode.py's "int4-fused-carveN" variants).
+PREFILL_CARVEOUT = int(os.environ.get("ORIN_AGENT_INT4_PREFILL_CARVEOUT", "0"))
+
+
+def carve_sms(n: int):
+    """Until the returned function is called, cuBLAS matmuls leave n SMs free: torch's experimental SM carveout
+    (cuBLASLt's SM_COUNT_TARGET, PyTorch PR 147966), with cuBLASLt preferred meanwhile, since torch's plain cuBLAS
+    calls may ignore it; the function restores both settings. None (nothing changed) where n is 0 or this torch has
+    no carveout."""
+    get = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    put = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if n <= 0 or get is None or put is None:
+        return None
+    carve, blas = get(), torch.backends.cuda.preferred_blas_library()
+    put(n)
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    except RuntimeError:  # a torch built without cuBLASLt: the carveout alone
+        pass
+
+    def restore() -> None:
+        put(carve)
+        torch.backends.cuda.preferred_blas_library(blas)
+
+    return restore
 
 
 def prefill_fused(rows: int, dtype: torch.dtype) -> bool:

@@ -389,6 +389,8 @@ class LayerPrefetch:
         self.stream = self._streams.setdefault(device, torch.cuda.Stream(device))
         self.held: dict[int, list[QuantLinear]] = {}
         self.ready: dict[int, torch.cuda.Event] = {}
+        # the matmuls leave int4_triton.PREFILL_CARVEOUT SMs to the side stream's dequantise until `close`
+        self._uncarve = int4_triton.carve_sms(int4_triton.PREFILL_CARVEOUT)
 
     @classmethod
     def of(cls, layers: list[list], rows: int, dtype: torch.dtype,
@@ -423,3 +425,6 @@ class LayerPrefetch:
             release_prefill_weights(held)
         self.held.clear()
         self.ready.clear()
+        if self._uncarve is not None:
+            self._uncarve()
+            self._uncarve = None

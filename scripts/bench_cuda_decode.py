@@ -74,6 +74,7 @@ class Variant:
     split_min: int = 0  # kernels.kv_triton.SPLIT_MIN_SLOTS (the decode attention's shortest split); 0 = default
     rope_epi: bool = False  # partition.model.ROPE_EPILOGUE: RoPE + the cache write in the q/k/v GEMV's epilogue
     lean: bool = True  # partition.model.LEAN_PROLOGUE: no mask for the Triton decode attention, the first codes in one
+    carve: int = 0  # kernels.int4_triton.PREFILL_CARVEOUT: SMs the prefill's matmuls leave to "dequant-ahead"'s stream
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -116,6 +117,9 @@ VARIANTS = {v.name: v for v in (
     Variant("int4-fused-graphed", True, buckets=False, quant="int4", fused=True, prefill="graphed"),
     Variant("int4-fused-each", True, buckets=False, quant="int4", fused=True, prefill="dequant-each"),  # a launch a weight
     Variant("int4-fused-ahead", True, buckets=False, quant="int4", fused=True, prefill="dequant-ahead"),  # side stream
+    # the same with the prefill's matmuls leaving N SMs to the side stream's dequantise (PREFILL_CARVEOUT)
+    *(Variant(f"int4-fused-carve{n}", True, buckets=False, quant="int4", fused=True, prefill="dequant-ahead", carve=n)
+      for n in (16, 32, 48)),
     Variant("graphs-pe", True, buckets=False, prefill_graphs=False),  # "-pe": the prefill eager
     Variant("int4-fused-pe", True, buckets=False, quant="int4", fused=True, prefill_graphs=False),
     Variant("int4-fused-ahead-pe", True, buckets=False, quant="int4", fused=True, prefill="dequant-ahead",
@@ -162,7 +166,7 @@ VARIANTS = {v.name: v for v in (
     # the GEMVs split as without loading ahead (kernels.int4_triton AHEAD_SPLIT 0: up to 16 programs an SM), and by
     # rule 1 for a loop that loads ahead (8 an SM, dividing the steps); the default is rule 2 (8 an SM)
     Variant("int4-fused-dense", True, buckets=False, quant="int4", fused=True, ahead_split=0),
-    Variant("int4-fused-ahead", True, buckets=False, quant="int4", fused=True, ahead_split=1),
+    Variant("int4-fused-split1", True, buckets=False, quant="int4", fused=True, ahead_split=1),  # was -ahead (15th)
     Variant("int4-fused-lmhead-dense", True, buckets=False, quant="int4", fused=True, lm_head=True, ahead_split=0),
     # the decode step's prologue as before LEAN_PROLOGUE (the mask built, the first codes in five kernels)
     *(Variant(f"int4-fused{h}-prologue0", True, buckets=False, quant="int4", fused=True, lm_head=bool(h), lean=False)
@@ -399,6 +403,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         kv_triton.SPLIT_MIN_SLOTS = v.split_min or default_split_min  # read at each call (a graph keeps its capture's)
         pm.ROPE_EPILOGUE = v.rope_epi
         pm.LEAN_PROLOGUE = v.lean  # read when the decode step is traced / captured
+        int4_triton.PREFILL_CARVEOUT = v.carve  # read when a prefill starts
         pdl.MODE = v.pdl or default_pdl  # read at each launch: a graph keeps what its capture launched
 
     for v in variants:

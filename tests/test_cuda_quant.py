@@ -215,3 +215,36 @@ def test_cuda_int4_prefill_layer_dequantise_matches_per_weight(tiny_checkpoint: 
     assert calls == [] and torch.equal(step, want_step)
     graphed = TorchRunner(model, SliceSpec(0, n, n), 64, cuda_graphs=True, prefill_graphs=True)  # captured 2nd time
     assert all(torch.equal(graphed.run(ids, pos), want) for _ in range(3)) and graphed.prefill_graphs.graphs
+
+
+def test_cuda_int4_prefill_carveout_leaves_the_settings_as_they_were(tiny_checkpoint: Path, monkeypatch) -> None:
+    """PREFILL "dequant-ahead" with PREFILL_CARVEOUT: the prefill's matmuls leave SMs to the side stream's
+    dequantise while its layers run (kernels.int4_triton.carve_sms), and afterwards the carveout and the preferred
+    BLAS are what they were, eager and graphed. The logits: the in-line dequantise's, to the matmuls' rounding
+    (cuBLASLt on fewer SMs may pick another algorithm)."""
+    if not int4_triton.available():
+        pytest.skip("Triton is not installed: the INT4 layers are tinygemm's")
+    model = load_model(tiny_checkpoint, dtype=torch.bfloat16, device="cuda")
+    quantize_model(model, default_spec(4, 32))
+    n = model.config.n_layers
+    ids, pos = np.arange(1, 40, dtype=np.int32)[None] % 300, np.arange(39, dtype=np.int32)[None]
+    monkeypatch.setattr(int4_triton, "PREFILL", "dequant")
+    want = TorchRunner(model, SliceSpec(0, n, n), 64).run(ids, pos)
+    before = torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()
+    seen = []
+    real = int4_triton.dequant_many
+
+    def spy(*a, **k):
+        seen.append((torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(int4_triton, "dequant_many", spy)
+    monkeypatch.setattr(int4_triton, "PREFILL", "dequant-ahead")
+    monkeypatch.setattr(int4_triton, "PREFILL_CARVEOUT", 16)
+    for graphs in (False, True):
+        runner = TorchRunner(model, SliceSpec(0, n, n), 64, cuda_graphs=graphs, prefill_graphs=graphs)
+        for _ in range(3 if graphs else 1):  # graphed: eager, captured, replayed
+            got = runner.run(ids, pos)
+            assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), float((got - want).abs().max())
+            assert (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()) == before
+    assert seen and all(s == (16, torch._C._BlasBackend.Cublaslt) for s in seen), seen

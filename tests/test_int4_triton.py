@@ -61,6 +61,19 @@ def test_pack_round_trips_codes_and_rejects_bad_shapes() -> None:
     assert not it.supports(64, 96, 32) and not it.supports(64, 128, 16)
 
 
+def test_carve_sms_sets_the_carveout_and_restores_it() -> None:
+    """carve_sms(n): cuBLAS's SM carveout is n until the returned function runs, then what it was (None: unset);
+    carve_sms(0) changes nothing. (This CPU build has no cuBLASLt to prefer; the GPU test checks that part.)"""
+    before = torch._C._get_sm_carveout_experimental()
+    assert it.carve_sms(0) is None and torch._C._get_sm_carveout_experimental() == before
+    restore = it.carve_sms(24)
+    try:
+        assert torch._C._get_sm_carveout_experimental() == 24
+    finally:
+        restore()
+    assert torch._C._get_sm_carveout_experimental() == before
+
+
 def test_gemv_config_fills_the_gpu_with_short_splits() -> None:
     for n, k in ((1024, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (576, 576), (128256, 4096)):
         _, split, _ = it.gemv_config(n, k, 132)
