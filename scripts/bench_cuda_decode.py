@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -345,6 +346,10 @@ def profile_step(model: Transformer, prompt_len: int, max_seq: int, steps: int =
             pos += 1
         wall = (time.perf_counter() - t0) / steps
     decode = _kernel_table(prof, steps, wall)
+    with tempfile.TemporaryDirectory() as tmp:  # each launch's grid, from the trace (key_averages drops it)
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        decode["by_launch"] = kernels_by_launch(json.loads(trace.read_text()), steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # and one prefill, eager
         t0 = time.perf_counter()
         runner.run(ids, np.arange(prompt_len, dtype=np.int32)[None])
@@ -356,6 +361,23 @@ def profile_step(model: Transformer, prompt_len: int, max_seq: int, steps: int =
     pre["top_cpu_ops"] = [{"name": e.key[:70], "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count}
                           for e in cpu]
     return {**decode, "prefill": pre}
+
+
+def kernels_by_launch(trace: dict, steps: int, top: int = 20) -> list[dict]:
+    """A chrome trace's CUDA kernels (torch.profiler's export_chrome_trace) grouped by name and launch grid, so that
+    launches of one kernel on different shapes part (the INT4 GEMV's grid is (rows, tiles, split): each layer weight
+    its own): device us per step, launches per step and us per launch, the `top` by time."""
+    groups: dict[tuple, list[float]] = {}
+    for ev in trace.get("traceEvents", []):
+        if str(ev.get("cat", "")).lower() != "kernel" or "dur" not in ev:  # ("Kernel" in older kineto)
+            continue
+        args = ev.get("args", {})
+        key = (ev.get("name", "?"), tuple(args.get("grid", ())), tuple(args.get("block", ())))
+        groups.setdefault(key, []).append(float(ev["dur"]))
+    rows = [{"name": name[:90], "grid": list(grid), "block": list(block), "us_per_step": round(sum(d) / steps, 1),
+             "calls_per_step": round(len(d) / steps, 2), "us_per_call": round(sum(d) / len(d), 2)}
+            for (name, grid, block), d in groups.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
 
 
 def _kernel_table(prof, steps: int, wall_s: float) -> dict:
@@ -587,6 +609,13 @@ def main() -> None:
                   f"{r['achieved_GB_s']:8.1f} {r.get('pct_roofline', 0):7.1f} {ratio:7.2f} {r['prefill_ms']:10.2f}"
                   + ("  {device_busy_ms} / {device_idle_ms} (kernels {kernel_sum_ms})".format(**r["prefill_timeline"])
                      if "prefill_timeline" in r else ""))
+        prof = res.get("profile", {})
+        if "by_launch" in prof:  # --profile: where the profiled variant's step goes, by kernel and launch grid
+            print(f"{res['preset']} {prof['variant']} step: wall {prof['step_wall_ms']} ms under the profiler, "
+                  f"kernels {prof['kernel_ms_per_step']} ms")
+            for k in prof["by_launch"]:
+                print(f"  {k['us_per_step']:8.1f} us/step {k['calls_per_step']:6.2f} x {k['us_per_call']:7.2f} us  "
+                      f"grid {k['grid']} {k['name'][:60]}")
 
 
 if __name__ == "__main__":
