@@ -652,7 +652,7 @@ def test_int4_kernels_cuda() -> None:
 def test_gemv_epilogues_compile_for_orin_and_hopper(arch: int) -> None:
     """The GEMV with each epilogue (int4_gemv_epilogue) compiles to SASS for sm_87 (Orin) and sm_90 without a GPU,
     at Llama-3-8B's gate/up shape as the model launches it, with no spills to the stack and the plain GEMV's
-    registers at most (the epilogue runs after the loop)."""
+    registers at most (the epilogue runs after the loop); and the step's first quantise with the norm's weight."""
     from scripts.kv_kernel_sass import compile_kernel, resources
 
     n, k = 28672, 4096
@@ -687,6 +687,12 @@ def test_gemv_epilogues_compile_for_orin_and_hopper(arch: int) -> None:
     for c, p in (({**consts, **rope}, {**ptrs, **rptr}), ({**a16, **rope}, {**p16, **rptr})):
         got = resources(compile_kernel(it._gemv_reduced_kernel, p, c, arch, warps, 1))
         assert got["stack_bytes"] == 0 and got["registers"] <= 96, (arch, got)
+    # the decode step's first codes, of the embedding times the first norm's weight (act8_quant's weight), fp16 as
+    # Orin's models run and bf16: no spills
+    for dt in ("*fp16", "*bf16"):
+        got = resources(compile_kernel(it._act8_kernel, {"x_ptr": dt, "q_ptr": "*i8", "w_ptr": dt},
+                                       {"NB": it.ACT8_BLOCKS, "BITS": 16, "HAS_W": True}, arch, 4, 1))
+        assert got["stack_bytes"] == 0, (arch, dt, got)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
