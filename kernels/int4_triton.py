@@ -196,10 +196,31 @@ if triton is not None:
         return words
 
     @triton.jit
+    def _merge_cols(x_row, mo_ptr, mm_ptr, ml_ptr, pid_m, lo, hi, NSPL, NH, BLOCK_S: tl.constexpr,
+                    MHD: tl.constexpr):
+        """MERGE: the decode attention's output columns [64 lo, 64 hi) of row pid_m, merged from its splits' partials
+        as kernels.kv_triton's merge kernel merges them (o (M, NH, NSPL, MHD), m and l (M, NH, NSPL) fp32:
+        sum_j exp(m_j - M) o_j / sum_j exp(m_j - M) l_j, empty splits weighing nothing), stored in x_row's dtype."""
+        s = tl.arange(0, BLOCK_S)
+        s_ok = s < NSPL
+        for st in range(lo, hi):
+            cols = st * 64 + tl.arange(0, 64)
+            head = (pid_m * NH + cols // MHD) * NSPL  # (64,): the first split of each column's head
+            at = head[None, :] + s[:, None]  # (BLOCK_S, 64)
+            m = tl.load(mm_ptr + at, mask=s_ok[:, None], other=-float("inf"))
+            big = tl.max(m, axis=0)
+            w = tl.where(m > -float("inf"), tl.exp(m - big[None, :]), 0.0)
+            den = tl.sum(tl.load(ml_ptr + at, mask=s_ok[:, None], other=0.0) * w, axis=0)
+            o = tl.load(mo_ptr + at * MHD + (cols % MHD)[None, :], mask=s_ok[:, None], other=0.0)
+            tl.store(x_row + cols, (tl.sum(o * w, axis=0) / den).to(x_row.dtype.element_ty))
+
+    @triton.jit
     def _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s,
                    GROUP: tl.constexpr, TN: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                    UNROLL: tl.constexpr, ACT8: tl.constexpr = False, ASM: tl.constexpr = True,
-                   PDL: tl.constexpr = False, CHAIN: tl.constexpr = False, BITS: tl.constexpr = 8):
+                   PDL: tl.constexpr = False, CHAIN: tl.constexpr = False, BITS: tl.constexpr = 8,
+                   MERGE: tl.constexpr = False, mo_ptr=None, mm_ptr=None, ml_ptr=None, NSPL=1, NH=1,
+                   BLOCK_S: tl.constexpr = 2, MHD: tl.constexpr = 64):
         """(TN,) fp32: x[pid_m] . w[rows of tile pid_t] over the steps of split pid_s (layout: the module
         docstring). PREFETCH: the next step's codes and (s, b) are loaded into registers before this step's
         arithmetic, so a program keeps one DRAM read in flight while it computes (instead of STAGES' shared-
@@ -209,7 +230,9 @@ if triton is not None:
         PDL (kernels.pdl): the loop is PREFETCH's whatever PREFETCH says, and the wait for the kernels before comes
         after the first step's codes and (s, b) are loaded, before the activation's first load: the weights no kernel
         writes (with the wait first instead, the step measured 4 % slower than without PDL on an H200).
-        CHAIN: the loop's form, LOOP's "chain" (else "planes")."""
+        CHAIN: the loop's form, LOOP's "chain" (else "planes"). MERGE: x is the decode attention's output, which
+        this program first merges from its splits' partials for its own columns (`_merge_cols`) into x_ptr, a scratch
+        row that every program of the same split writes with the same values, then reads back as x."""
         r = tl.arange(0, TN)
         bi = tl.arange(0, 2)
         ji = tl.arange(0, 4)
@@ -231,6 +254,9 @@ if triton is not None:
             w_next = tl.load(w_tile + nx * (TN * 8), eviction_policy="evict_first")
             sb_next = _sb_words(sb_tile, nx, bi, GROUP, TN, CHAIN, ASM)
         pdl.wait(PDL)
+        if MERGE:
+            _merge_cols(x_row, mo_ptr, mm_ptr, ml_ptr, pid_m, lo, hi, NSPL, NH, BLOCK_S, MHD)
+            tl.debug_barrier()  # the program's columns stored by every thread before any reads them as x
         # cp.async ring: STAGES - 1 steps in flight; UNROLL > 1: that many steps a loop iteration (their loads issued
         # together where the registers allow)
         for st in tl.range(lo, hi, num_stages=STAGES, loop_unroll_factor=UNROLL):
@@ -427,7 +453,8 @@ if triton is not None:
                              HB: tl.constexpr = 64, XQ: tl.constexpr = False, XQW=0, cos_ptr=None, sin_ptr=None,
                              pos_ptr=None, kc_ptr=None, vc_ptr=None, s_cs=0, s_p=0, skc_b=0, skc_h=0, skc_s=0,
                              svc_b=0, svc_h=0, svc_s=0, NH=0, NKV=0, ROPE: tl.constexpr = False,
-                             HD: tl.constexpr = 64):
+                             HD: tl.constexpr = 64, MERGE: tl.constexpr = False, mo_ptr=None, mm_ptr=None,
+                             ml_ptr=None, NSPL=1, MNH=1, BLOCK_S: tl.constexpr = 2, MHD: tl.constexpr = 64):
         """y[m, rows] = x[m] . w[rows] in y's dtype, the split-K sum done in this kernel (REDUCE_MODES):
         every program of a (row, tile) adds its partial into the fp32 scratch (MODE 1: atomically into
         ws (M, N), which the last program zeroes again; MODE 2: its own slice of ws (SPLIT, M, N), which the
@@ -440,13 +467,15 @@ if triton is not None:
         registers: the residual's and the next weight's rows, and for NORM the sum of squares of h[m] over the
         program's own columns (HB at most), which MODE 1 adds up in ss_ptr (M, NT) fp32 beside the partials (MODE 2
         keeps its sums in order: the last program reads all of h). ROPE: after y's tile is stored, `_rope_tile` (the
-        rotations and the cache writes of a q/k/v GEMV, NH and NKV heads of HD rows)."""
+        rotations and the cache writes of a q/k/v GEMV, NH and NKV heads of HD rows). MERGE: `_gemv_tile`'s (MNH
+        heads of MHD columns, NSPL splits)."""
         pdl.trigger(PDL)
         pid_m = tl.program_id(0)
         pid_t = tl.program_id(1)
         pid_s = tl.program_id(2)
         out = _gemv_tile(x_ptr, w_ptr, sb_ptr, KS, STEPS_SPLIT, stride_xm, pid_m, pid_t, pid_s, GROUP, TN,
-                         STAGES, PREFETCH, UNROLL, ACT8, ASM, PDL, CHAIN, BITS)
+                         STAGES, PREFETCH, UNROLL, ACT8, ASM, PDL, CHAIN, BITS, MERGE, mo_ptr, mm_ptr, ml_ptr, NSPL,
+                         MNH, BLOCK_S, MHD)
         rows = pid_t * TN + tl.arange(0, TN)
         ok = rows < N
         K = KS * 64
@@ -1105,12 +1134,13 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
              group_size: int, split: int, mode: int, dtype: torch.dtype, residual: Tensor | None = None,
              next_weight: Tensor | None = None, rms_of: Tensor | None = None, eps: float = 0.0,
              silu: bool = False, bits: int = 8, codes_out: bool = False,
-             rope: tuple | None = None) -> tuple[Tensor, Tensor | None]:
+             rope: tuple | None = None, merge: tuple | None = None) -> tuple[Tensor, Tensor | None]:
     """Launch `_gemv_reduced_kernel` on x (M, K) in a float dtype, or (act8) on an ACT8_FORMAT activation of
     `bits`-bit codes viewed as int32 words: (y (M, N) in dtype, or (M, N / 2) with silu; xg (M, N) where next_weight
     is given, else None), the epilogue as `int4_gemv_epilogue` describes it; codes_out: that xg (with silu: y's
     rows), as `bits`-bit ACT8_FORMAT codes instead (`int4_gemv_epilogue_a8`); rope: (cos, sin, positions, k_cache,
-    v_cache, n_heads), the q/k/v epilogue of `int4_gemv_rope`."""
+    v_cache, n_heads), the q/k/v epilogue of `int4_gemv_rope`; merge: (o, m, l), the decode attention's split partials
+    that x's rows are merged from in the kernel (`int4_gemv_merge`; x is then the scratch they go to)."""
     m = x.shape[0]
     nt, ks, tn, _ = codes.shape
     if m > ws.shape[0] or mode not in (1, 2):
@@ -1151,6 +1181,17 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
                          s_p=positions.stride(0), skc_b=kc.stride(0), skc_h=kc.stride(1), skc_s=kc.stride(2),
                          svc_b=vc.stride(0), svc_h=vc.stride(1), svc_s=vc.stride(2), NH=n_heads, NKV=n_kv, ROPE=True,
                          HD=hd)
+    merge_args = {}
+    if merge is not None:
+        mo, mm, ml = merge
+        if (act8 or mo.dim() != 4 or mo.shape[0] != m or mo.shape[1] * mo.shape[3] != k or not mo.is_contiguous()
+                or mm.shape != mo.shape[:3] or ml.shape != mm.shape or not mm.is_contiguous() or not ml.is_contiguous()
+                or mo.shape[3] & (mo.shape[3] - 1)):
+            raise ValueError(f"the merge takes a float x and contiguous partials o (M, heads, splits, head_dim) with "
+                             f"heads x head_dim = K ({k}) and a power-of-two head_dim, m and l (M, heads, splits); got "
+                             f"o {tuple(mo.shape)}, m {tuple(mm.shape)}, l {tuple(ml.shape)}")
+        merge_args = dict(MERGE=True, mo_ptr=mo, mm_ptr=mm, ml_ptr=ml, NSPL=mo.shape[2], MNH=mo.shape[1],
+                          BLOCK_S=max(2, triton.next_power_of_2(mo.shape[2])), MHD=mo.shape[3])
     _gemv_reduced_kernel[(m, nt, split)](x, codes, sb, y, part, cnt, m, n, nt, ks, steps, x.stride(0),
                                          GROUP=group_size, TN=tn, SPLIT=split, MODE=mode,
                                          CH=min(REDUCE_CHUNK, triton.next_power_of_2(split)), STAGES=stages,
@@ -1162,7 +1203,7 @@ def _reduced(x: Tensor, act8: bool, k: int, codes: Tensor, sb: Tensor, ws: Tenso
                                          PAIR_OFF=ws.shape[0] * nt, RES=residual is not None,
                                          XG=next_weight is not None, NORM=rms_of is not None, SILU=silu, HB=hb,
                                          XQ=codes_out, XQW=xg.stride(0) if codes_out and xg is not None else 0,
-                                         **rope_args, **pdl.launch_args(x, m))
+                                         **rope_args, **merge_args, **pdl.launch_args(x, m))
     return y, xg
 
 
@@ -1229,6 +1270,35 @@ def _(x: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, gro
     m, width = x.shape[0], n // 2 if silu else n
     xg = (m, act8_width(width, bits)) if silu or next_weight is not None else (0,)
     return x.new_empty((m, width), dtype=dtype), x.new_empty(xg, dtype=torch.int8)
+
+
+# The decode attention's merge in o_proj's GEMV (`int4_gemv_merge`, partition.model.MERGE_IN_O, opt-in): each program
+# merges the attention's split partials for its own columns (kernels.kv_triton.dense_decode_partials' output) before
+# its loop, instead of kernels.kv_triton's merge kernel a launch earlier. A Llama layer's decode step: 6 kernels.
+
+
+@torch.library.custom_op("orin_agent::int4_gemv_merge", mutates_args=())
+def int4_gemv_merge(o: Tensor, m: Tensor, l: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int,
+                    group_size: int, split: int, mode: int, residual: Tensor | None, next_weight: Tensor | None,
+                    bits: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """o_proj's decode step from the decode attention's split partials o (M, H, S, hd), m and l (M, H, S) fp32: x,
+    the merged attention output (M, H hd) in dtype, is made inside the GEMV; then `int4_gemv_epilogue`'s residual and
+    next-weight epilogue. bits 0: the second output is y * next_weight in dtype; 8 or 16: its ACT8_FORMAT codes
+    (`int4_gemv_epilogue_a8`); empty without next_weight."""
+    k = o.shape[1] * o.shape[3]
+    x = torch.empty((o.shape[0], k), device=o.device, dtype=dtype)  # every element written by the kernel first
+    y, xg = _reduced(x, False, k, codes, sb, ws, cnt, n, group_size, split, mode, dtype, residual, next_weight,
+                     bits=bits or 8, codes_out=bool(bits), merge=(o, m, l))
+    return y, (x.new_empty((0,), dtype=torch.int8 if bits else dtype) if xg is None else xg)
+
+
+@int4_gemv_merge.register_fake
+def _(o: Tensor, m: Tensor, l: Tensor, codes: Tensor, sb: Tensor, ws: Tensor, cnt: Tensor, n: int, group_size: int,
+      split: int, mode: int, residual: Tensor | None, next_weight: Tensor | None, bits: int,
+      dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    rows = o.shape[0]
+    xg = (0,) if next_weight is None else (rows, act8_width(n, bits)) if bits else (rows, n)
+    return o.new_empty((rows, n), dtype=dtype), o.new_empty(xg, dtype=torch.int8 if bits else dtype)
 
 
 # RoPE and the K/V cache write in the q/k/v GEMV's epilogue (`int4_gemv_rope`, partition.model.ROPE_EPILOGUE): the

@@ -316,6 +316,17 @@ if triton is not None:
         tl.store(out_ptr + pid * HD + offs_d, num / den)
 
 
+def _split_plan(b: int, kv: int, s_max: int, device: torch.device, n_splits: int | None = None, block_n: int = 64,
+                waves: float = 8.0) -> tuple[int, int]:
+    """decode_attention's (splits, slots a split): by default enough programs for `waves` waves over the SMs, no
+    split shorter than SPLIT_MIN_SLOTS; each split a whole number of block_n tiles."""
+    if n_splits is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        n_splits = max(1, min(math.ceil(waves * sms / (b * kv)), math.ceil(s_max / SPLIT_MIN_SLOTS)))
+    split_len = math.ceil(s_max / n_splits / block_n) * block_n
+    return math.ceil(s_max / split_len), split_len
+
+
 def _need_triton() -> None:
     if triton is None:
         raise RuntimeError("Triton is not installed: `pip install triton` (it ships with CUDA builds of torch)")
@@ -344,7 +355,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
                      v_scale: Tensor | None = None, rows: Tensor | None = None, k_new: Tensor | None = None,
                      v_new: Tensor | None = None, n_splits: int | None = None, block_n: int = 64,
                      num_warps: int = 4, num_stages: int = 3, waves: float = 8.0, dense_scales: bool = True,
-                     cvt: int | None = None, qk_int8: bool = False, out_dtype: torch.dtype = torch.float32) -> Tensor:
+                     cvt: int | None = None, qk_int8: bool = False, out_dtype: torch.dtype = torch.float32,
+                     merge: bool = True) -> Tensor | tuple[Tensor, Tensor, Tensor]:
     """q (B, H, hd); k, v (B, KV, S, hd) int8 with scales (B, KV, S, hd / G), or fp16 with no scales;
     lengths (B,) int32: row b attends to slots [0, lengths[b]). Returns (B, H, hd) in `out_dtype` (the merge
     kernel's fp32 result rounded on its store: no cast kernel after it).
@@ -371,11 +383,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
                        or v.stride(-2) != v_tile or v.stride(2) != hd * v_tile):
         raise ValueError(f"a token-tiled V needs an INT8 cache, block_n a multiple of its tile ({v_tile}), "
                          f"room for {s_max} slots and contiguous tiles; got {tuple(v.shape)}, block_n {block_n}")
-    if n_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        n_splits = max(1, min(math.ceil(waves * sms / (b * kv)), math.ceil(s_max / SPLIT_MIN_SLOTS)))
-    split_len = math.ceil(s_max / n_splits / block_n) * block_n
-    n_splits = math.ceil(s_max / split_len)
+    n_splits, split_len = _split_plan(b, kv, s_max, q.device, n_splits, block_n, waves)
     o = torch.empty((b, h, n_splits, hd), dtype=torch.float32, device=q.device)
     m = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)  # every split writes its m, l, o
     l_sum = torch.empty((b, h, n_splits), dtype=torch.float32, device=q.device)
@@ -399,9 +407,13 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
             q, k, v, lengths, rows, o, m, l_sum, *common, *out_strides, HPK=hpk, HD=hd, BLOCK_H=BLOCK_H,
             BLOCK_N=block_n, HAS_ROWS=has_rows, num_warps=num_warps, num_stages=num_stages,
             **pdl.launch_args(q, b))
+    has_new = k_new is not None
+    if not merge:  # the partials, for a consumer that merges them itself (kernels.int4_triton.int4_gemv_merge)
+        if has_new:
+            raise ValueError("decode_attention(merge=False) takes no k_new / v_new: the merge kernel adds them")
+        return o, m, l_sum
     # Merge the splits: out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j (empty splits: m = -inf).
     out = torch.empty((b, h, hd), dtype=out_dtype, device=q.device)
-    has_new = k_new is not None
     kn = k_new.contiguous() if has_new else q  # dummy pointers when there is no fresh token (never read)
     vn = v_new.contiguous() if has_new else q
     _merge_kernel[(b * h,)](o, m, l_sum, out, q, kn, vn, n_splits, 1.0 / math.sqrt(hd), q.stride(0), q.stride(1),
@@ -409,6 +421,21 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
                             BLOCK_S=max(2, triton.next_power_of_2(n_splits)), HAS_NEW=has_new,
                             **pdl.launch_args(q, b))
     return out
+
+
+@torch.library.custom_op("orin_agent::dense_decode_partials", mutates_args=())
+def dense_decode_partials(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`dense_decode_attention` without its merge: the splits' partial outputs o (B, H, S, hd), maxima m and sums l
+    (B, H, S), fp32, for a consumer that merges them (kernels.int4_triton.int4_gemv_merge)."""
+    return decode_attention(q, k, v, lengths, merge=False)
+
+
+@dense_decode_partials.register_fake
+def _dense_decode_partials_fake(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    b, h, hd = q.shape
+    s = _split_plan(b, k.shape[1], k.shape[2], q.device)[0]
+    return (q.new_empty((b, h, s, hd), dtype=torch.float32), q.new_empty((b, h, s), dtype=torch.float32),
+            q.new_empty((b, h, s), dtype=torch.float32))
 
 
 @torch.library.custom_op("orin_agent::dense_decode_attention", mutates_args=())

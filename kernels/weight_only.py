@@ -259,6 +259,18 @@ class QuantLinear(nn.Module):
             int4_triton.REDUCE_MODES[int4_triton.REDUCE], rows(residual, n), next_weight, rows(rms_of, k), eps, silu)
         return y.reshape(*lead, n // 2 if silu else n), None if next_weight is None else xg.reshape(*lead, n)
 
+    def merge_epilogue(self, partials: tuple[Tensor, Tensor, Tensor], residual: Tensor,
+                       next_weight: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        """`epilogue` for o_proj's decode step, its input merged inside the GEMV from the decode attention's split
+        partials (kernels.int4_triton.int4_gemv_merge): (o (B, H, S, hd), m, l (B, H, S)), residual (B, 1, N).
+        Returns what `epilogue` returns for the merged input."""
+        b, n = partials[0].shape[0], self.out_features
+        bits = 0 if int4_triton.act_mode(dtype) == "exact" else int4_triton.act_bits(dtype)
+        y, xg = int4_triton.int4_gemv_merge(
+            *partials, self.weight, self.sb, self.gemv_ws, self.gemv_cnt, n, self.group_size, self.split,
+            int4_triton.REDUCE_MODES[int4_triton.REDUCE], residual.reshape(b, n).contiguous(), next_weight, bits, dtype)
+        return y.reshape(b, 1, n), (xg.reshape(b, 1, xg.shape[-1]) if xg.numel() else None)
+
     def takes_rope(self, x: Tensor, head_dim: int) -> bool:
         """Whether `rope_epilogue` can take x: `takes_epilogue`, and tiles of whole heads of head_dim rows."""
         return self.takes_epilogue(x) and head_dim & (head_dim - 1) == 0 and self.weight.shape[2] % head_dim == 0

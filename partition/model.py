@@ -224,6 +224,13 @@ ROPE_EPILOGUE = False
 # values either way (tests); ten of a Llama-3-8B step's ~22 small kernels (H100 profile, docs/BENCHMARKS.md
 # twenty-fifth session). Not timed on a GPU yet: off is bench_cuda_decode.py's "-prologue0" variants, for the A/B.
 LEAN_PROLOGUE = True
+# Where the GEMV epilogues run and a decode step attends through the Triton decode kernel over a dense cache, o_proj's
+# GEMV merges the attention's split partials itself (kernels.int4_triton.int4_gemv_merge: each program its own
+# columns, before its loop) instead of kernels.kv_triton's merge kernel a launch earlier: a Llama layer's step is 6
+# kernels, not 7. The merge kernel took 54 us of a 2.6 ms Llama-3-8B INT4 step, 1.7 us a layer plus its launch gap
+# (H100 profile, docs/BENCHMARKS.md twenty-fifth session). Opt-in and untimed: no GPU has run it (bench_cuda_decode.py's
+# "-mergeo" variants). The same formula as the merge kernel, so the same values to fp32's summation order (tests).
+MERGE_IN_O = False
 
 
 def _takes_act8(linears: list[nn.Module], x: Tensor) -> bool:
@@ -331,13 +338,13 @@ class Attention(nn.Module):
         return self.o_proj(out), k, v
 
     def attend(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
-               past_v: Past, slot: Tensor | None = None,
-               lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+               past_v: Past, slot: Tensor | None = None, lengths: Tensor | None = None,
+               partials: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """`forward` from the q/k/v projections' outputs (B, T, .) to o_proj's input (B, T, H * hd), in qx's dtype,
-        and (k, v) as forward returns them."""
+        and (k, v) as forward returns them. partials: the split partials in place of o_proj's input (`merges_in_o`)."""
         b, t, _ = qx.shape
         if slot is not None:  # in-place cache mode: write, then attend over the cache view at model dtype
-            return self._in_place(qx, kx, vx, cos, sin, mask, past_k, past_v, slot, lengths)
+            return self._in_place(qx, kx, vx, cos, sin, mask, past_k, past_v, slot, lengths, partials)
         q, k, v = self._rotated(qx, kx, vx, cos, sin)
         if t == 1 and hasattr(past_k, "attend"):  # a DecodePast: the same attention, in its own kernels
             out = past_k.attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], past_v)  # (B, H, hd) fp32
@@ -365,7 +372,8 @@ class Attention(nn.Module):
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def _in_place(self, qx: Tensor, kx: Tensor, vx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past_k: Past,
-                  past_v: Past, slot: Tensor, lengths: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                  past_v: Past, slot: Tensor, lengths: Tensor | None,
+                  partials: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """In-place cache mode: RoPE on the T tokens' q and k, their K/V written into the cache views, then
         attention over the views: a decode step (T = 1) through decode_attention_dense (DECODE_PV), a prefill
         chunk through SDPA. Where the Triton kernels apply (ROPE_FUSED), the rotation and the write are one
@@ -385,13 +393,20 @@ class Attention(nn.Module):
             q, k, v = self._rotated(qx, kx, vx, cos, sin)
             past_k.scatter_(2, slot, k)
             past_v.scatter_(2, slot, v)
-        return self._attend_cache(q, mask, past_k, past_v, lengths), k, v
+        return self._attend_cache(q, mask, past_k, past_v, lengths, partials), k, v
 
     def _attend_cache(self, q: Tensor, mask: Tensor, past_k: Tensor, past_v: Tensor,
-                      lengths: Tensor | None) -> Tensor:
+                      lengths: Tensor | None, partials: bool = False):
         """In-place cache mode's attention, q rotated (B, H, T, hd) and the T tokens' K/V already in the caches ->
-        o_proj's input (B, T, H * hd)."""
+        o_proj's input (B, T, H * hd); partials (a decode step, `merges_in_o`): the Triton decode kernel's split
+        partials (o, m, l) instead, unmerged."""
         b, _, t, _ = q.shape
+        if partials:
+            from kernels.kv_triton import dense_decode_partials
+
+            if lengths is None:
+                raise ValueError("the attention's partials take the visible lengths (a decode step on CUDA)")
+            return dense_decode_partials(q.reshape(b, self.n_heads, self.head_dim), past_k, past_v, lengths)
         group = self.n_heads // self.n_kv_heads
         q = q.reshape(b, self.n_kv_heads, group * t, self.head_dim)  # the GQA fold of the export path
         if t == 1:  # decode: decode_attention_dense (DECODE_PV). SDPA's kernels run one block per KV head for G
@@ -401,6 +416,14 @@ class Attention(nn.Module):
             with sdpa_kernel(SDPA_BACKENDS):
                 out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
         return out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
+
+    def merges_in_o(self, h: Tensor, past_k: Past, slot: Tensor | None) -> bool:
+        """Whether a decode step over h (B, 1, D) hands o_proj the attention's split partials to merge in its GEMV
+        (MERGE_IN_O): in-place cache mode over a dense cache that the Triton decode kernel reads, and an o_proj with
+        the merge epilogue (QuantLinear.merge_epilogue)."""
+        return (MERGE_IN_O and slot is not None and h.shape[1] == 1 and isinstance(past_k, Tensor)
+                and _triton_decode_shapes(h, self.head_dim, self.n_heads // self.n_kv_heads)
+                and hasattr(self.o_proj, "merge_epilogue"))
 
     def rope_in_epilogue(self, h: Tensor, past_k: Past, slot: Tensor | None) -> bool:
         """Whether a decode step over h (B, 1, D) runs RoPE and the cache write in the q/k/v GEMV's epilogue
@@ -531,6 +554,7 @@ class DecoderLayer(nn.Module):
         epilogue writes the codes of the next GEMV's input (QuantLinear.epilogue): q/k/v, gate/up and down_proj
         take codes, o_proj the attention's output as it is (a quantise launch a layer fewer)."""
         a, m = self.self_attn, self.mlp
+        merge = a.merges_in_o(h, past_k, slot)
         if a.rope_in_epilogue(h, past_k, slot):  # RoPE and the cache write in the q/k/v GEMV's epilogue too
             pos = slot[:, 0, 0, 0]  # (B,) the token's slot = its position
             q = a.qkv_proj.rope_epilogue(hg, h, self.input_layernorm.eps, cos[:, 0, 0], sin[:, 0, 0], pos, past_k,
@@ -538,12 +562,16 @@ class DecoderLayer(nn.Module):
             if lengths is None:
                 lengths = (pos + 1).to(torch.int32)
             b = q.shape[0]
-            out = a._attend_cache(q.view(b, a.n_heads, 1, a.head_dim), mask, past_k, past_v, lengths)
+            out = a._attend_cache(q.view(b, a.n_heads, 1, a.head_dim), mask, past_k, past_v, lengths, merge)
             k, v = past_k, past_v
         else:
             qkv, _ = a.qkv_proj.epilogue(hg, rms_of=h, eps=self.input_layernorm.eps, dtype=h.dtype)
-            out, k, v = a.attend(*qkv.split(a.qkv_sizes, dim=-1), cos, sin, mask, past_k, past_v, slot, lengths)
-        h, hg = a.o_proj.epilogue(out, residual=h, next_weight=self.post_attention_layernorm.weight)
+            out, k, v = a.attend(*qkv.split(a.qkv_sizes, dim=-1), cos, sin, mask, past_k, past_v, slot, lengths,
+                                 merge)
+        if merge:  # out: the attention's split partials, merged inside o_proj's GEMV
+            h, hg = a.o_proj.merge_epilogue(out, h, self.post_attention_layernorm.weight, h.dtype)
+        else:
+            h, hg = a.o_proj.epilogue(out, residual=h, next_weight=self.post_attention_layernorm.weight)
         act, act8 = m.gate_up_proj.epilogue(hg, rms_of=h, eps=self.post_attention_layernorm.eps, silu=True,
                                             dtype=h.dtype)
         h, hg = m.down_proj.epilogue(act if act8 is None else act8, residual=h, next_weight=next_weight,

@@ -76,6 +76,7 @@ class Variant:
     rope_epi: bool = False  # partition.model.ROPE_EPILOGUE: RoPE + the cache write in the q/k/v GEMV's epilogue
     lean: bool = True  # partition.model.LEAN_PROLOGUE: no mask for the Triton decode attention, the first codes in one
     carve: int = 0  # kernels.int4_triton.PREFILL_CARVEOUT: SMs the prefill's matmuls leave to "dequant-ahead"'s stream
+    merge_o: bool = False  # partition.model.MERGE_IN_O: the attention's splits merged in o_proj's GEMV
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -173,6 +174,10 @@ VARIANTS = {v.name: v for v in (
     *(Variant(f"int4-fused{h}-prologue0", True, buckets=False, quant="int4", fused=True, lm_head=bool(h), lean=False)
       for h in ("", "-lmhead")),
     Variant("int4-fused-g32-prologue0", True, buckets=False, quant="int4", fused=True, group=32, lean=False),
+    # the decode attention's splits merged in o_proj's GEMV (partition.model.MERGE_IN_O), one kernel a layer fewer
+    *(Variant(f"int4-fused{h}-mergeo", True, buckets=False, quant="int4", fused=True, lm_head=bool(h), merge_o=True)
+      for h in ("", "-lmhead")),
+    Variant("int4-fused-g32-mergeo", True, buckets=False, quant="int4", fused=True, group=32, merge_o=True),
     # the GEMV loop's opt-in form (kernels.int4_triton LOOP "chain"), alone, with the dense split, with the INT4 head
     Variant("int4-fused-chain", True, buckets=False, quant="int4", fused=True, loop="chain"),
     Variant("int4-fused-chain-dense", True, buckets=False, quant="int4", fused=True, loop="chain", ahead_split=0),
@@ -425,6 +430,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         kv_triton.SPLIT_MIN_SLOTS = v.split_min or default_split_min  # read at each call (a graph keeps its capture's)
         pm.ROPE_EPILOGUE = v.rope_epi
         pm.LEAN_PROLOGUE = v.lean  # read when the decode step is traced / captured
+        pm.MERGE_IN_O = v.merge_o
         int4_triton.PREFILL_CARVEOUT = v.carve  # read when a prefill starts
         pdl.MODE = v.pdl or default_pdl  # read at each launch: a graph keeps what its capture launched
 

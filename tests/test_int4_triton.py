@@ -687,6 +687,17 @@ def test_gemv_epilogues_compile_for_orin_and_hopper(arch: int) -> None:
     for c, p in (({**consts, **rope}, {**ptrs, **rptr}), ({**a16, **rope}, {**p16, **rptr})):
         got = resources(compile_kernel(it._gemv_reduced_kernel, p, c, arch, warps, 1))
         assert got["stack_bytes"] == 0 and got["registers"] <= 96, (arch, got)
+    # o_proj's GEMV merging the attention's split partials (int4_gemv_merge) at Llama-3-8B's o shape: 32 heads of
+    # 128 columns, 16 splits; with the residual / next-weight epilogue, y's product out as bf16 or as int16 codes; no
+    # spills, within the same 96 registers
+    n = 4096
+    warps, split, _ = it.gemv_config(n, k, 132)
+    mrg = {"MERGE": True, "BLOCK_S": 16, "MHD": 128, "TN": it.tile_rows(n), "SPLIT": split,
+           "CH": min(it.REDUCE_CHUNK, split), "RES": True, "XG": True}
+    mptr = {**ptrs, "mo_ptr": "*fp32", "mm_ptr": "*fp32", "ml_ptr": "*fp32", "NSPL": "i32", "MNH": "i32"}
+    for extra, p in (({}, mptr), ({"XQ": True, "BITS": 16}, {**mptr, "xg_ptr": "*i8"})):
+        got = resources(compile_kernel(it._gemv_reduced_kernel, p, {**consts, **mrg, **extra}, arch, warps, 1))
+        assert got["stack_bytes"] == 0 and got["registers"] <= 96, (arch, extra, got)
     # the decode step's first codes, of the embedding times the first norm's weight (act8_quant's weight), fp16 as
     # Orin's models run and bf16: no spills
     for dt in ("*fp16", "*bf16"):

@@ -247,6 +247,7 @@ def check_epilogue_model(device: str) -> None:
 
         shapes, rope_gemv, rope_write = pm._triton_decode_shapes, it.int4_gemv_rope, rope_triton.rope_write
         mask_fn = pm.cache_mask
+        merge_op = it.int4_gemv_merge
         if device == "cpu":
             pm._triton_decode_shapes = lambda q, hd, grp, pv=None: hd & (hd - 1) == 0 and grp <= 16
         it.int4_gemv_rope = counting("rope_epilogue", rope_gemv)
@@ -270,9 +271,25 @@ def check_epilogue_model(device: str) -> None:
             assert calls.count("cache_mask") == 1, calls
             for a, b in zip(lean, full):
                 assert torch.equal(a, b), float((a - b).abs().max())
+            # the attention's merge in o_proj's GEMV (MERGE_IN_O), with and without the RoPE epilogue: one
+            # int4_gemv_merge a layer in place of o_proj's epilogue GEMV, the logits and caches those of the merge
+            # kernel's step (bit for bit in the interpreter; on a GPU to fp32's summation order, which may differ)
+            pm.LEAN_PROLOGUE, pm.cache_mask = True, mask_fn
+            it.int4_gemv_merge = counting("merge", merge_op)
+            for rope_epi in (False, True):
+                pm.ROPE_EPILOGUE, pm.MERGE_IN_O = rope_epi, False
+                plain = step(True, True)
+                assert "merge" not in calls and calls.count("epilogue") == (6 if rope_epi else 8), calls
+                pm.MERGE_IN_O = True
+                merged = step(True, True)
+                assert calls.count("merge") == 2 and calls.count("epilogue") == (4 if rope_epi else 6), calls
+                for a, b in zip(merged, plain):
+                    assert (torch.equal(a, b) if device == "cpu" else torch.allclose(a, b, rtol=1e-5, atol=1e-6)), \
+                        (rope_epi, float((a - b).abs().max()))
         finally:
             pm._triton_decode_shapes, it.int4_gemv_rope, rope_triton.rope_write = shapes, rope_gemv, rope_write
-            pm.ROPE_EPILOGUE, pm.LEAN_PROLOGUE, pm.cache_mask = False, True, mask_fn
+            pm.ROPE_EPILOGUE, pm.LEAN_PROLOGUE, pm.cache_mask, pm.MERGE_IN_O = False, True, mask_fn, False
+            it.int4_gemv_merge = merge_op
     finally:
         for n, f in saved.items():
             setattr(norm_triton, n, f)
