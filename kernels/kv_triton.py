@@ -369,7 +369,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     reduction). `block_n`, `num_warps`, `num_stages`: the split kernel's tile and launch settings;
     `dense_scales`, `cvt`: the INT8 kernel's scale loads and int8 -> fp16 conversion (`_int8_to_fp16`;
     default 2, the PTX one, on CUDA and 1 elsewhere, i.e. in Triton's interpreter); the simpler variants
-    are there for the GPU benchmark to measure against.
+    are there for the GPU benchmark to measure against. merge False: the splits' partials (o (B, H, S, hd), m and l
+    (B, H, S), fp32) instead of the merged output, for a consumer that merges them itself (no k_new / v_new).
     Defaults: the INT8 kernel's best settings in the sweep on an H200 (docs/BENCHMARKS.md)."""
     _need_triton()
     b, h, hd = q.shape
