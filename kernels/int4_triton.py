@@ -59,7 +59,7 @@ except ImportError:  # CPU-only installs: QuantLinear uses tinygemm / the refere
     triton = None
     tl = None
 
-from kernels import pdl, rope_triton
+from kernels import kv_triton, pdl, rope_triton
 
 BLOCK_COLS = 32  # columns per 4-word block of the packed layout
 STEP_WORDS = 8  # packed words per row per GEMV step: two blocks, 32 bytes (a whole sector)
@@ -209,7 +209,7 @@ if triton is not None:
             at = head[None, :] + s[:, None]  # (BLOCK_S, 64)
             m = tl.load(mm_ptr + at, mask=s_ok[:, None], other=-float("inf"))
             big = tl.max(m, axis=0)
-            w = tl.where(m > -float("inf"), tl.exp(m - big[None, :]), 0.0)
+            w = kv_triton.split_weights(m, big[None, :])
             den = tl.sum(tl.load(ml_ptr + at, mask=s_ok[:, None], other=0.0) * w, axis=0)
             o = tl.load(mo_ptr + at * MHD + (cols % MHD)[None, :], mask=s_ok[:, None], other=0.0)
             tl.store(x_row + cols, (tl.sum(o * w, axis=0) / den).to(x_row.dtype.element_ty))

@@ -282,6 +282,13 @@ if triton is not None:
         _store_partial(o_ptr, m_ptr, l_ptr, out, m_i, l_i, b, kvh, sp, so_b, so_h, so_sp, sm_b, sm_h, HPK, BLOCK_HH, HD)
 
     @triton.jit
+    def split_weights(m, big):
+        """The merge's weight of each split, exp(m - big) for its maximum m against the largest, big; 0 for an empty
+        split (m = -inf). One formula for the merge kernel and kernels.int4_triton's merge in o_proj's GEMV, so both
+        give the same bits."""
+        return tl.where(m > -float("inf"), tl.exp(m - big), 0.0)
+
+    @triton.jit
     def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, q_ptr, kn_ptr, vn_ptr, n_splits, sm_scale, sq_b, sq_h, sn_b, sn_h,
                       H: tl.constexpr, HPK: tl.constexpr, HD: tl.constexpr, BLOCK_S: tl.constexpr,
                       HAS_NEW: tl.constexpr, PDL: tl.constexpr = False):
@@ -307,7 +314,7 @@ if triton is not None:
             s_new = tl.sum(qv * kn, axis=0) * sm_scale
             big = tl.maximum(big, s_new)
             w_new = tl.exp(s_new - big)
-        w = tl.where(m > -float("inf"), tl.exp(m - big), 0.0)  # empty splits (m = -inf) weigh nothing
+        w = split_weights(m, big)
         num = tl.sum(o * w[:, None], axis=0)
         den = tl.sum(l_s * w, axis=0)
         if HAS_NEW:

@@ -417,21 +417,23 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=mask)  # mask (B, 1, G*T, L)
         return out.reshape(b, self.n_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
 
+    def _triton_decode_step(self, h: Tensor, past_k: Past, slot: Tensor | None) -> bool:
+        """Whether h (B, T, D) is a decode step in in-place cache mode over a dense cache that the Triton decode
+        kernels read."""
+        return (slot is not None and h.shape[1] == 1 and isinstance(past_k, Tensor)
+                and _triton_decode_shapes(h, self.head_dim, self.n_heads // self.n_kv_heads))
+
     def merges_in_o(self, h: Tensor, past_k: Past, slot: Tensor | None) -> bool:
         """Whether a decode step over h (B, 1, D) hands o_proj the attention's split partials to merge in its GEMV
-        (MERGE_IN_O): in-place cache mode over a dense cache that the Triton decode kernel reads, and an o_proj with
-        the merge epilogue (QuantLinear.merge_epilogue)."""
-        return (MERGE_IN_O and slot is not None and h.shape[1] == 1 and isinstance(past_k, Tensor)
-                and _triton_decode_shapes(h, self.head_dim, self.n_heads // self.n_kv_heads)
-                and hasattr(self.o_proj, "merge_epilogue"))
+        (MERGE_IN_O): `_triton_decode_step`, and an o_proj with the merge epilogue (QuantLinear.merge_epilogue)."""
+        return MERGE_IN_O and self._triton_decode_step(h, past_k, slot) and hasattr(self.o_proj, "merge_epilogue")
 
     def rope_in_epilogue(self, h: Tensor, past_k: Past, slot: Tensor | None) -> bool:
         """Whether a decode step over h (B, 1, D) runs RoPE and the cache write in the q/k/v GEMV's epilogue
         (ROPE_EPILOGUE): in-place cache mode over a dense cache, where the Triton kernels apply, and a fused INT4
         q/k/v projection whose tiles hold whole heads (QuantLinear.takes_rope)."""
         qkv = getattr(self, "qkv_proj", None)
-        return (ROPE_EPILOGUE and ROPE_FUSED and slot is not None and isinstance(past_k, Tensor)
-                and h.shape[1] == 1 and _triton_decode_shapes(h, self.head_dim, self.n_heads // self.n_kv_heads)
+        return (ROPE_EPILOGUE and ROPE_FUSED and self._triton_decode_step(h, past_k, slot)
                 and hasattr(qkv, "takes_rope") and qkv.takes_rope(h, self.head_dim))
 
 
