@@ -47,6 +47,7 @@ except ImportError:  # CPU-only installs: the reference in kernels.kv_quant is t
     tl = None
 
 from kernels import pdl
+from kernels.rope_triton import cos_sin, rotate
 
 BLOCK_H = 16  # query heads of one KV head, padded to tl.dot's smallest M
 # The fewest cache slots a decode split takes (decode_attention's default split count; read at each call): one
@@ -160,19 +161,45 @@ if triton is not None:
     def _decode_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
                              sq_b, sq_h, sk_b, sk_h, sk_s, so_b, so_h, so_sp, sm_b, sm_h, sm_scale, split_len,
                              HPK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                             HAS_ROWS: tl.constexpr = True, PDL: tl.constexpr = False):
+                             HAS_ROWS: tl.constexpr = True, PDL: tl.constexpr = False, kn_ptr=None, vn_ptr=None,
+                             cos_ptr=None, sin_ptr=None, sn_b=0, sc_b=0, ROPE: tl.constexpr = False):
         """FP16 / BF16 cache: one (row, KV head, split) per program, its HPK query heads as the rows of tl.dot.
         The dots take fp16 operands with fp32 accumulation: a bf16 value within fp16's range (|x| < 65504, the
         normal range from 6e-5) converts exactly (8 significant bits into 11), the probabilities keep 3 bits
         more than bf16 would; Triton's interpreter also runs only this form (its bf16 tl.dot returns garbage).
-        PDL: kernels.pdl."""
+        PDL: kernels.pdl.
+        ROPE: q is the projection's, unrotated, and the step's own token is not in the caches yet: each program
+        rotates its query heads (kernels.rope_triton's formula, rounded to the cache's dtype as rope_write
+        rounds them), and the program whose split holds the token's slot (lengths[b] - 1) first rotates its k
+        (kn, row stride sn_b) into the K cache and copies its v (vn) into the V cache there, as rope_write
+        does, then reads them back with the rest of its split after a barrier. cos / sin: (B, HD), row stride
+        sc_b. Needs HAS_ROWS False (query row b writes cache row b)."""
         pdl.start(PDL)
         b, kvh, sp, lo, hi = _split_bounds(len_ptr, split_len)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HD)
         h_ok = offs_h < HPK
-        q = tl.load(q_ptr + b * sq_b + (kvh * HPK + offs_h)[:, None] * sq_h + offs_d[None, :],
-                    mask=h_ok[:, None], other=0.0).to(tl.float16)  # (BLOCK_H, HD)
+        if ROPE:
+            half = tl.arange(0, HD // 2)
+            c1, c2, s1, s2 = cos_sin(cos_ptr, sin_ptr, b * sc_b, HD)
+            src = q_ptr + b * sq_b + (kvh * HPK + offs_h)[:, None] * sq_h + half[None, :]
+            r1, r2 = rotate(tl.load(src, mask=h_ok[:, None], other=0.0).to(tl.float32),
+                            tl.load(src + HD // 2, mask=h_ok[:, None], other=0.0).to(tl.float32),
+                            c1[None, :], c2[None, :], s1[None, :], s2[None, :])
+            q = tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_H, HD))  # the halves side by side
+            q = q.to(k_ptr.dtype.element_ty).to(tl.float16)
+            slot = hi - 1  # the token's slot, lengths[b] - 1, where this split holds it
+            if (slot >= lo) & (hi == tl.load(len_ptr + b)):
+                dst = b * sk_b + kvh * sk_h + slot.to(tl.int64) * sk_s
+                kn = kn_ptr + b * sn_b + kvh * HD + half
+                k1, k2 = rotate(tl.load(kn).to(tl.float32), tl.load(kn + HD // 2).to(tl.float32), c1, c2, s1, s2)
+                tl.store(k_ptr + dst + half, k1.to(k_ptr.dtype.element_ty))
+                tl.store(k_ptr + dst + HD // 2 + half, k2.to(k_ptr.dtype.element_ty))
+                tl.store(v_ptr + dst + offs_d, tl.load(vn_ptr + b * sn_b + kvh * HD + offs_d).to(v_ptr.dtype.element_ty))
+                tl.debug_barrier()  # the writes visible to every thread of the program before its loop reads them
+        else:
+            q = tl.load(q_ptr + b * sq_b + (kvh * HPK + offs_h)[:, None] * sq_h + offs_d[None, :],
+                        mask=h_ok[:, None], other=0.0).to(tl.float16)  # (BLOCK_H, HD)
         m_i = tl.full((BLOCK_H,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, HD), tl.float32)
@@ -363,10 +390,15 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
                      v_new: Tensor | None = None, n_splits: int | None = None, block_n: int = 64,
                      num_warps: int = 4, num_stages: int = 3, waves: float = 8.0, dense_scales: bool = True,
                      cvt: int | None = None, qk_int8: bool = False, out_dtype: torch.dtype = torch.float32,
-                     merge: bool = True) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+                     merge: bool = True, rope: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+                     ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
     """q (B, H, hd); k, v (B, KV, S, hd) int8 with scales (B, KV, S, hd / G), or fp16 with no scales;
     lengths (B,) int32: row b attends to slots [0, lengths[b]). Returns (B, H, hd) in `out_dtype` (the merge
     kernel's fp32 result rounded on its store: no cast kernel after it).
+    rope (k_proj, v_proj, cos, sin), a dense cache's decode step: q is the projection's output, unrotated, and the
+    step's token (at slot lengths[b] - 1) is not in the caches yet; the split kernel rotates q, and writes the
+    token's K (rotated) and V into the caches as kernels.rope_triton.rope_write does, in the same launch (k_proj,
+    v_proj (B, KV * hd), cos / sin (B, hd) at the model's dtype, unit stride along hd; no `rows`).
     An INT8 v may be token-tiled, (B, KV, S / T, hd, T) (Int8KVCache(token_tile=T).q): the fast layout.
     rows (B,): the cache row of each query row (default 0..B-1; the cache may have more rows).
     k_new, v_new (B, KV, hd): the step's own K/V, attended unquantised besides the cache's slots.
@@ -386,6 +418,11 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
     if hpk > BLOCK_H or hd & (hd - 1):
         raise ValueError(f"needs <= {BLOCK_H} query heads per KV head and a power-of-two head_dim")
     is_int8 = k_scale is not None
+    if rope is not None and (is_int8 or rows is not None or k_new is not None or k.stride() != v.stride()
+                             or any(x.stride(-1) != 1 for x in rope) or rope[0].stride(0) != rope[1].stride(0)
+                             or rope[2].stride(0) != rope[3].stride(0)):
+        raise ValueError("decode_attention(rope=...) takes a dense cache (K and V of one layout), no rows or k_new, "
+                         "and unit-stride k / v / cos / sin rows, k and v (cos and sin) at one row stride")
     v_tile = v.shape[-1] if v.dim() == 5 else 1
     if v_tile > 1 and (not is_int8 or block_n % v_tile or v.shape[2] * v_tile < s_max or v.stride(-1) != 1
                        or v.stride(-2) != v_tile or v.stride(2) != hd * v_tile):
@@ -411,10 +448,12 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scale: 
             BLOCK_N=block_n, DENSE_SCALES=dense_scales, CVT=(2 if q.is_cuda else 1) if cvt is None else cvt,
             V_TILE=v_tile, QK_INT8=qk_int8, HAS_ROWS=has_rows, num_warps=num_warps, num_stages=num_stages)
     else:
+        kn, vn, cos, sin = rope if rope is not None else (None,) * 4
         _decode_split_kernel[(b, kv, n_splits)](
             q, k, v, lengths, rows, o, m, l_sum, *common, *out_strides, HPK=hpk, HD=hd, BLOCK_H=BLOCK_H,
             BLOCK_N=block_n, HAS_ROWS=has_rows, num_warps=num_warps, num_stages=num_stages,
-            **pdl.launch_args(q, b))
+            **pdl.launch_args(q, b), kn_ptr=kn, vn_ptr=vn, cos_ptr=cos, sin_ptr=sin,
+            sn_b=kn.stride(0) if rope else 0, sc_b=cos.stride(0) if rope else 0, ROPE=rope is not None)
     has_new = k_new is not None
     if not merge:  # the partials, for a consumer that merges them itself (kernels.int4_triton.int4_gemv_merge)
         if has_new:
@@ -444,6 +483,35 @@ def _dense_decode_partials_fake(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor
     s = _split_plan(b, k.shape[1], k.shape[2], q.device)[0]
     return (q.new_empty((b, h, s, hd), dtype=torch.float32), q.new_empty((b, h, s), dtype=torch.float32),
             q.new_empty((b, h, s), dtype=torch.float32))
+
+
+@torch.library.custom_op("orin_agent::dense_decode_attention_rope", mutates_args=("k", "v"))
+def dense_decode_attention_rope(q: Tensor, k_proj: Tensor, v_proj: Tensor, cos: Tensor, sin: Tensor, k: Tensor,
+                                v: Tensor, lengths: Tensor) -> Tensor:
+    """`dense_decode_attention` with the step's RoPE and cache write in its split kernel (decode_attention's
+    `rope`), one launch a layer fewer than kernels.rope_triton.rope_write before it: q (B, H, hd) and k_proj /
+    v_proj (B, KV * hd) as the projections give them, cos / sin (B, hd); the token's K and V are written into
+    k / v at slot lengths[b] - 1. Returns (B, H, hd) in the caches' dtype."""
+    return decode_attention(q, k, v, lengths, out_dtype=k.dtype, rope=(k_proj, v_proj, cos, sin))
+
+
+@dense_decode_attention_rope.register_fake
+def _dense_decode_attention_rope_fake(q: Tensor, k_proj: Tensor, v_proj: Tensor, cos: Tensor, sin: Tensor, k: Tensor,
+                                      v: Tensor, lengths: Tensor) -> Tensor:
+    return q.new_empty(q.shape, dtype=k.dtype)
+
+
+@torch.library.custom_op("orin_agent::dense_decode_partials_rope", mutates_args=("k", "v"))
+def dense_decode_partials_rope(q: Tensor, k_proj: Tensor, v_proj: Tensor, cos: Tensor, sin: Tensor, k: Tensor,
+                               v: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`dense_decode_attention_rope`'s split partials, unmerged (`dense_decode_partials`)."""
+    return decode_attention(q, k, v, lengths, merge=False, rope=(k_proj, v_proj, cos, sin))
+
+
+@dense_decode_partials_rope.register_fake
+def _dense_decode_partials_rope_fake(q: Tensor, k_proj: Tensor, v_proj: Tensor, cos: Tensor, sin: Tensor, k: Tensor,
+                                     v: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _dense_decode_partials_fake(q, k, v, lengths)
 
 
 @torch.library.custom_op("orin_agent::dense_decode_attention", mutates_args=())

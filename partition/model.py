@@ -231,6 +231,15 @@ LEAN_PROLOGUE = True
 # (H100 profile, docs/BENCHMARKS.md twenty-fifth session). Opt-in and untimed: no GPU has run it (bench_cuda_decode.py's
 # "-mergeo" variants). The same formula as the merge kernel, so the same values to fp32's summation order (tests).
 MERGE_IN_O = False
+# Where a decode step's RoPE and cache write would be kernels.rope_triton's kernel (ROPE_FUSED, the Triton decode
+# attention over a dense cache), the attention's split kernel does them itself (kernels.kv_triton
+# dense_decode_attention_rope: each program rotates its query heads; the program whose split holds the token's slot
+# writes its K and V there first): one launch a layer fewer. rope_write took 51 us of a 2.6 ms Llama-3-8B INT4 step,
+# 1.6 us a layer plus its launch gap (H100 profile, docs/BENCHMARKS.md twenty-fifth session). Unlike the RoPE epilogue
+# (ROPE_EPILOGUE, measured even), the work lands at the start of the attention's programs, and the write on the
+# split with the fewest slots, not at the end of the q/k/v GEMV's last program. Opt-in and untimed: no GPU has run
+# it (bench_cuda_decode.py's "-ropeattn" variants). The same values, bit for bit (tests).
+ROPE_IN_ATTENTION = False
 
 
 def _takes_act8(linears: list[nn.Module], x: Tensor) -> bool:
@@ -381,6 +390,16 @@ class Attention(nn.Module):
         caller of in-place mode drops them); else torch's ops (scatter_) and the new K/V."""
         b, t, _ = qx.shape
         group = self.n_heads // self.n_kv_heads
+        if (ROPE_IN_ATTENTION and ROPE_FUSED and t == 1 and isinstance(past_k, Tensor)
+                and _triton_decode_shapes(qx, self.head_dim, group)):  # RoPE and the write in the attention's kernel
+            from kernels import kv_triton
+
+            if lengths is None:
+                lengths = (slot[:, 0, 0, 0] + 1).to(torch.int32)
+            op = kv_triton.dense_decode_partials_rope if partials else kv_triton.dense_decode_attention_rope
+            out = op(qx[:, 0].unflatten(-1, (self.n_heads, self.head_dim)), kx[:, 0], vx[:, 0], cos[:, 0, 0],
+                     sin[:, 0, 0], past_k, past_v, lengths)
+            return (out if partials else out.reshape(b, 1, -1)), past_k, past_v
         if ROPE_FUSED and isinstance(past_k, Tensor) and _triton_decode_shapes(qx, self.head_dim, group):
             from kernels.rope_triton import rope_write
 

@@ -77,6 +77,7 @@ class Variant:
     lean: bool = True  # partition.model.LEAN_PROLOGUE: no mask for the Triton decode attention, the first codes in one
     carve: int = 0  # kernels.int4_triton.PREFILL_CARVEOUT: SMs the prefill's matmuls leave to "dequant-ahead"'s stream
     merge_o: bool = False  # partition.model.MERGE_IN_O: the attention's splits merged in o_proj's GEMV
+    rope_attn: bool = False  # partition.model.ROPE_IN_ATTENTION: RoPE + the cache write in the attention's split kernel
 
 
 PREFILL_REPEATS = 5  # one timed prefill read 37-64 ms for the same 8B INT4 variant across leases
@@ -178,6 +179,11 @@ VARIANTS = {v.name: v for v in (
     *(Variant(f"int4-fused{h}-mergeo", True, buckets=False, quant="int4", fused=True, lm_head=bool(h), merge_o=True)
       for h in ("", "-lmhead")),
     Variant("int4-fused-g32-mergeo", True, buckets=False, quant="int4", fused=True, group=32, merge_o=True),
+    # RoPE and the cache write in the decode attention's split kernel (partition.model.ROPE_IN_ATTENTION), alone and
+    # with the merge in o_proj: a Llama layer's step in 6 kernels, or 5
+    *(Variant(f"int4-fused{h}-ropeattn{m}", True, buckets=False, quant="int4", fused=True, lm_head=h == "-lmhead",
+              group=32 if h == "-g32" else 128, rope_attn=True, merge_o=bool(m))
+      for h in ("", "-lmhead", "-g32") for m in ("", "-mergeo")),
     # the GEMV loop's opt-in form (kernels.int4_triton LOOP "chain"), alone, with the dense split, with the INT4 head
     Variant("int4-fused-chain", True, buckets=False, quant="int4", fused=True, loop="chain"),
     Variant("int4-fused-chain-dense", True, buckets=False, quant="int4", fused=True, loop="chain", ahead_split=0),
@@ -431,6 +437,7 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         pm.ROPE_EPILOGUE = v.rope_epi
         pm.LEAN_PROLOGUE = v.lean  # read when the decode step is traced / captured
         pm.MERGE_IN_O = v.merge_o
+        pm.ROPE_IN_ATTENTION = v.rope_attn
         int4_triton.PREFILL_CARVEOUT = v.carve  # read when a prefill starts
         pdl.MODE = v.pdl or default_pdl  # read at each launch: a graph keeps what its capture launched
 

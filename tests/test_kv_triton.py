@@ -109,6 +109,52 @@ def check_decode_attention(device: str) -> None:
     got = dense_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), lengths.to(torch.int32))
     # in q's dtype, rounded by the merge kernel's store (no cast kernel after it)
     assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want, atol=3e-2), float((got.float() - want).abs().max())
+    check_decode_attention_rope(device)
+
+
+def check_decode_attention_rope(device: str) -> None:
+    """The split kernel with the step's RoPE and cache write inside (decode_attention(rope=...), the ops behind
+    partition.model.ROPE_IN_ATTENTION) against kernels.rope_triton.rope_write and then the plain kernels: caches,
+    output and split partials bit for bit, q / k / v as strided column slices of one q/k/v row; the token's slot
+    first, last and inside a split, at several split counts, for bf16 and fp16 caches."""
+    from kernels.kv_triton import (decode_attention, dense_decode_attention, dense_decode_attention_rope,
+                                   dense_decode_partials_rope)
+    from kernels.rope_triton import rope_write
+
+    torch.manual_seed(4)
+    b, h, kv, s, hd = 4, 6, 2, 160, 64
+    pos = torch.tensor([159, 64, 0, 100], device=device)  # the last slot, a split's first (64 slots), the first
+    lengths = (pos + 1).to(torch.int32)
+    for dtype in (torch.bfloat16, torch.float16):
+        width = (h + 2 * kv) * hd + 16  # a wider row: q / k / v are column slices at its stride
+        qkv = torch.randn(b, width, device=device).to(dtype)
+        qx, kx, vx = qkv[:, :h * hd], qkv[:, h * hd:(h + kv) * hd], qkv[:, (h + kv) * hd:(h + 2 * kv) * hd]
+        angle = pos.float()[:, None] * torch.rand(hd // 2, device=device)
+        cos, sin = torch.cat((angle, angle), -1).cos().to(dtype), torch.cat((angle, angle), -1).sin().to(dtype)
+        caches = torch.randn(2, b, kv, s, hd, device=device).to(dtype)
+        want_k, want_v = caches[0].clone(), caches[1].clone()
+        q = rope_write(qx, kx, vx, cos, sin, pos, want_k, want_v)
+        assert not torch.equal(want_k, caches[0])  # the step's K is in
+        for splits in (None, 1, 3):
+            k, v = caches[0].clone(), caches[1].clone()
+            got = decode_attention(qx.unflatten(-1, (h, hd)), k, v, lengths, n_splits=splits, out_dtype=dtype,
+                                   rope=(kx, vx, cos, sin))
+            assert torch.equal(k, want_k) and torch.equal(v, want_v), (dtype, splits)
+            want = decode_attention(q, want_k, want_v, lengths, n_splits=splits, out_dtype=dtype)
+            assert torch.equal(got, want), (dtype, splits, float((got.float() - want.float()).abs().max()))
+        k, v = caches[0].clone(), caches[1].clone()
+        got = dense_decode_attention_rope(qx.unflatten(-1, (h, hd)), kx, vx, cos, sin, k, v, lengths)
+        assert torch.equal(got, dense_decode_attention(q, want_k, want_v, lengths)) and torch.equal(k, want_k)
+        k, v = caches[0].clone(), caches[1].clone()
+        parts = dense_decode_partials_rope(qx.unflatten(-1, (h, hd)), kx, vx, cos, sin, k, v, lengths)
+        want_parts = decode_attention(q, want_k, want_v, lengths, merge=False)
+        assert all(torch.equal(x, y) for x, y in zip(parts, want_parts)) and torch.equal(v, want_v)
+    with pytest.raises(ValueError, match="dense cache"):
+        decode_attention(qx.unflatten(-1, (h, hd)), k, v, lengths, rows=lengths, rope=(kx, vx, cos, sin))
+    # the ops' schemas (the caches declared mutated) and fake implementations, what the compiled step traces through
+    for op in (dense_decode_attention_rope, dense_decode_partials_rope):
+        torch.library.opcheck(op, (qx.unflatten(-1, (h, hd)), kx, vx, cos, sin, caches[0].clone(), caches[1].clone(),
+                                   lengths), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.cuda
@@ -129,3 +175,34 @@ def test_kernels_in_triton_interpreter(request: pytest.FixtureRequest) -> None:
     """The same checks on CPU through TRITON_INTERPRET=1 (read when the kernels are defined, hence a
     fresh interpreter)."""
     run_marked(request)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
+@pytest.mark.parametrize("arch", [87, 90])
+def test_decode_split_kernel_with_rope_compiles_for_orin_and_hopper(arch: int) -> None:
+    """The split kernel with RoPE and the cache write (ROPE) compiles to SASS for sm_87 (Orin) and sm_90 without a
+    GPU (scripts/kv_kernel_sass.py's compile), at Llama-3-8B's head_dim 128 and SmolLM2's 64, with no spills in its
+    slot loop: the same loop as without ROPE (the same matrix instructions), one barrier more (the write's).
+    Measured with Triton 3.9: sm_87 spills nothing; sm_90 at head_dim 128 keeps two 4-byte values on the stack
+    across the loop (stored before it, loaded after)."""
+    import re
+
+    from kernels import kv_triton as kt
+    from scripts.kv_kernel_sass import compile_kernel, cuobjdump, main_loop_opcodes, resources
+
+    ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "len_ptr": "*i32", "rows_ptr": "*i32",
+            "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
+    rope_ptrs = {**ptrs, "kn_ptr": "*bf16", "vn_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "sn_b": "i32",
+                 "sc_b": "i32"}
+    for hd, hpk in ((128, 4), (64, 3)):
+        consts = {"HPK": hpk, "HD": hd, "BLOCK_H": kt.BLOCK_H, "BLOCK_N": 64, "HAS_ROWS": False}
+        plain = cuobjdump(compile_kernel(kt._decode_split_kernel, ptrs, consts, arch, 4, 3), "-sass")
+        k = compile_kernel(kt._decode_split_kernel, rope_ptrs, {**consts, "ROPE": True}, arch, 4, 3)
+        sass = cuobjdump(k, "-sass")
+        loop, plain_loop = main_loop_opcodes(sass), main_loop_opcodes(plain)
+        assert not any(op.startswith(("LDL", "STL")) for op in loop), (hd, loop)
+        mma = {op: n for op, n in plain_loop.items() if "MMA" in op}
+        assert mma and {op: n for op, n in loop.items() if "MMA" in op} == mma, (hd, loop, plain_loop)
+        assert len(re.findall(r"BAR\.SYNC", sass)) == len(re.findall(r"BAR\.SYNC", plain)) + 1, hd
+        if arch == 87:
+            assert resources(k)["stack_bytes"] == 0, (hd, resources(k))

@@ -286,6 +286,34 @@ def check_epilogue_model(device: str) -> None:
                 for a, b in zip(merged, plain):
                     assert (torch.equal(a, b) if device == "cpu" else torch.allclose(a, b, rtol=1e-5, atol=1e-6)), \
                         (rope_epi, float((a - b).abs().max()))
+            # RoPE and the cache write in the attention's split kernel (ROPE_IN_ATTENTION), with the GEMV epilogues
+            # and without, with the merge in o_proj and without: no rope_write, the logits and caches bit for bit
+            # (the merge in o_proj on a GPU to fp32's summation order, as above)
+            from kernels import kv_triton
+
+            pm.ROPE_EPILOGUE = False
+            ops = {n: getattr(kv_triton, n) for n in ("dense_decode_attention_rope", "dense_decode_partials_rope")}
+            for n, f in ops.items():
+                setattr(kv_triton, n, counting(n, f))
+            try:
+                for epilogues, merge in ((True, False), (True, True), (False, False)):
+                    pm.ROPE_IN_ATTENTION, pm.MERGE_IN_O = False, merge
+                    plain = step(epilogues, True)
+                    assert calls.count("rope_write") == 2, calls
+                    pm.ROPE_IN_ATTENTION = True
+                    fused = step(epilogues, True)
+                    op = "dense_decode_partials_rope" if merge else "dense_decode_attention_rope"
+                    assert calls.count(op) == 2 and "rope_write" not in calls, (epilogues, merge, calls)
+                    for a, b in zip(fused, plain):
+                        assert (torch.equal(a, b) if device == "cpu" or not merge
+                                else torch.allclose(a, b, rtol=1e-5, atol=1e-6)), \
+                            (epilogues, merge, float((a - b).abs().max()))
+                step(True, True, t=5)  # a prefill chunk: rope_write, as before
+                assert calls.count("rope_write") == 2 and not any(n in calls for n in ops), calls
+            finally:
+                for n, f in ops.items():
+                    setattr(kv_triton, n, f)
+                pm.ROPE_IN_ATTENTION = False
         finally:
             pm._triton_decode_shapes, it.int4_gemv_rope, rope_triton.rope_write = shapes, rope_gemv, rope_write
             pm.ROPE_EPILOGUE, pm.LEAN_PROLOGUE, pm.cache_mask, pm.MERGE_IN_O = False, True, mask_fn, False
