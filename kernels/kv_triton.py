@@ -195,7 +195,8 @@ if triton is not None:
                 k1, k2 = rotate(tl.load(kn).to(tl.float32), tl.load(kn + HD // 2).to(tl.float32), c1, c2, s1, s2)
                 tl.store(k_ptr + dst + half, k1.to(k_ptr.dtype.element_ty))
                 tl.store(k_ptr + dst + HD // 2 + half, k2.to(k_ptr.dtype.element_ty))
-                tl.store(v_ptr + dst + offs_d, tl.load(vn_ptr + b * sn_b + kvh * HD + offs_d).to(v_ptr.dtype.element_ty))
+                vn = tl.load(vn_ptr + b * sn_b + kvh * HD + offs_d)
+                tl.store(v_ptr + dst + offs_d, vn.to(v_ptr.dtype.element_ty))
                 tl.debug_barrier()  # the writes visible to every thread of the program before its loop reads them
         else:
             q = tl.load(q_ptr + b * sq_b + (kvh * HPK + offs_h)[:, None] * sq_h + offs_d[None, :],

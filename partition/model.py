@@ -387,7 +387,9 @@ class Attention(nn.Module):
         attention over the views: a decode step (T = 1) through decode_attention_dense (DECODE_PV), a prefill
         chunk through SDPA. Where the Triton kernels apply (ROPE_FUSED), the rotation and the write are one
         launch (kernels.rope_triton) and the caches come back in place of the new K/V (no gather kernels: every
-        caller of in-place mode drops them); else torch's ops (scatter_) and the new K/V."""
+        caller of in-place mode drops them), or, for a decode step under ROPE_IN_ATTENTION, the attention's own
+        split kernel rotates and writes (kv_triton.dense_decode_attention_rope); else torch's ops (scatter_) and the
+        new K/V."""
         b, t, _ = qx.shape
         group = self.n_heads // self.n_kv_heads
         if (ROPE_IN_ATTENTION and ROPE_FUSED and t == 1 and isinstance(past_k, Tensor)

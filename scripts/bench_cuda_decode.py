@@ -489,18 +489,47 @@ def bench(name: str, dtype: torch.dtype, prompt_len: int, decode_steps: int, var
         if bandwidth:
             r["roofline_tok_s"] = round(bandwidth / (r["weight_bytes"] + r["kv_bytes"]), 1)
             r["pct_roofline"] = round(100 * r["decode_tok_s"] / r["roofline_tok_s"], 1)
-        tokens = r.pop("tokens", None)
-        if tokens is not None and base is not None and "tokens" in base:
-            r["tokens_match_" + base["variant"]] = tokens == base["tokens"]
-            # Random weights give near-flat bf16 logits, so one rounding difference (another attention
-            # length, another kernel) can flip an argmax; where it first happens says how soon.
-            r["first_token_diff_step"] = next((i for i, (a, b) in enumerate(zip(tokens, base["tokens"])) if a != b), None)
-        if r is base:
-            base["tokens_match_" + base["variant"]] = True
-    for r in ok:
-        r.pop("tokens", None)
+    compare_tokens(ok)
     save(res)
     return res
+
+
+def _diff_step(a: list[int], b: list[int]) -> int | None:
+    """The first step where two greedy token lists differ (None: never)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def weights_key(name: str) -> tuple | None:
+    """What a variant's weights and their kernels' numbers depend on (quantisation, group, head, INT4 kernel,
+    fused projections); None for a variant this script does not define (gpt-fast's)."""
+    v = VARIANTS.get(name)
+    return None if v is None else (v.quant, v.group, v.lm_head, v.cuda_int4, v.fused)
+
+
+def compare_tokens(rows: list[dict]) -> None:
+    """Each row's greedy tokens (popped) against the first row's, `tokens_match_<first>` and
+    `first_token_diff_step`, and against the first earlier row of the same weights (`weights_key`), the
+    `same_weights_as`, `tokens_match_same_weights` and `first_token_diff_same_weights` entries: a step formulation that
+    claims the default's values (the -prologue0, -mergeo, -ropeattn variants) shows it there, since against a bf16
+    first row an INT4 row differs anyway. Random weights give near-flat bf16 logits, so one rounding difference
+    (another attention length, another kernel, fp32 sums in another order) can flip an argmax; the first differing
+    step says how soon."""
+    base = rows[0] if rows else None
+    seen: dict[tuple, dict] = {}
+    for r in rows:
+        tokens = r.get("tokens")
+        if tokens is not None and base is not None and "tokens" in base:
+            r["tokens_match_" + base["variant"]] = tokens == base["tokens"]
+            r["first_token_diff_step"] = _diff_step(tokens, base["tokens"])
+        key = weights_key(r["variant"])
+        if tokens is not None and key is not None:
+            twin = seen.setdefault(key, r)
+            if twin is not r:
+                r["same_weights_as"] = twin["variant"]
+                r["tokens_match_same_weights"] = tokens == twin["tokens"]
+                r["first_token_diff_same_weights"] = _diff_step(tokens, twin["tokens"])
+    for r in rows:
+        r.pop("tokens", None)
 
 
 def attention_sweep(name: str, dtype: torch.dtype, context: int, l2_bytes: int = 60 << 20) -> list[dict]:
@@ -610,18 +639,22 @@ def main() -> None:
         print(json.dumps({"meta": meta, "results": results}, indent=2))
         return
     print(f"{meta['device']}, torch {meta['torch']}, {meta['date']}, copy {meta['copy_bandwidth_GB_s']} GB/s")
-    print(f"{'preset':12} {'variant':20} {'max_seq':>7} {'decode tok/s':>12} {'GB/s':>8} {'% roof':>7} {'x base':>7}"
+    print(f"{'preset':12} {'variant':34} {'max_seq':>7} {'decode tok/s':>12} {'GB/s':>8} {'% roof':>7} {'x base':>7}"
           f" {'prefill ms':>10}  prefill device busy / idle ms")
     for res in results:
         for r in res["variants"]:
             if "error" in r:
-                print(f"{res['preset']:12} {r['variant']:20} error: {r['error']}")
+                print(f"{res['preset']:12} {r['variant']:34} error: {r['error']}")
                 continue
             ratio = next((v for k, v in r.items() if k.startswith("x_")), 0.0)
-            print(f"{res['preset']:12} {r['variant']:20} {r['max_seq']:7d} {r['decode_tok_s']:12.1f} "
+            twin = r.get("same_weights_as")
+            print(f"{res['preset']:12} {r['variant']:34} {r['max_seq']:7d} {r['decode_tok_s']:12.1f} "
                   f"{r['achieved_GB_s']:8.1f} {r.get('pct_roofline', 0):7.1f} {ratio:7.2f} {r['prefill_ms']:10.2f}"
                   + ("  {device_busy_ms} / {device_idle_ms} (kernels {kernel_sum_ms})".format(**r["prefill_timeline"])
-                     if "prefill_timeline" in r else ""))
+                     if "prefill_timeline" in r else "")
+                  + (f"  tokens as {twin}'s: " + ("all" if r["tokens_match_same_weights"] else
+                                                  f"first differ at step {r['first_token_diff_same_weights']}")
+                     if twin else ""))
         prof = res.get("profile", {})
         if "by_launch" in prof:  # --profile: where the profiled variant's step goes, by kernel and launch grid
             print(f"{res['preset']} {prof['variant']} step: wall {prof['step_wall_ms']} ms under the profiler, "
