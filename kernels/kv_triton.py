@@ -47,7 +47,6 @@ except ImportError:  # CPU-only installs: the reference in kernels.kv_quant is t
     tl = None
 
 from kernels import pdl
-from kernels.rope_triton import cos_sin, rotate
 
 BLOCK_H = 16  # query heads of one KV head, padded to tl.dot's smallest M
 # The fewest cache slots a decode split takes (decode_attention's default split count; read at each call): one
@@ -66,6 +65,7 @@ def available() -> bool:
 
 
 if triton is not None:
+    from kernels.rope_triton import cos_sin, rotate  # defined only where Triton is
 
     @triton.jit
     def _quantize_write_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, starts_ptr,

@@ -206,3 +206,31 @@ def test_decode_split_kernel_with_rope_compiles_for_orin_and_hopper(arch: int) -
         assert len(re.findall(r"BAR\.SYNC", sass)) == len(re.findall(r"BAR\.SYNC", plain)) + 1, hd
         if arch == 87:
             assert resources(k)["stack_bytes"] == 0, (hd, resources(k))
+
+
+def test_the_kernel_modules_and_the_torch_runner_import_without_triton() -> None:
+    """A board's PyTorch has no Triton (JetPack ships none; kernels/kv_triton.py's docstring), nor has the edge
+    server's Python: every kernels module and the torch runner import without it, and say they are unavailable."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import importlib.abc, importlib.machinery, sys
+class NoTriton(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        return importlib.machinery.ModuleSpec(name, self) if name.split(".")[0] == "triton" else None
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        raise ImportError("No module named 'triton' (hidden by the test)")
+sys.meta_path.insert(0, NoTriton())
+from kernels import int4_triton, kv_triton, norm_triton, pdl, rope_triton
+import partition.runners.torch_runner
+assert not (kv_triton.available() or rope_triton.available() or norm_triton.available() or int4_triton.available())
+assert not pdl.triton_supports()
+print("imported")
+"""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "imported", r.stderr[-2000:]
