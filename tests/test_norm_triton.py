@@ -200,6 +200,8 @@ def check_epilogue_model(device: str) -> None:
     from kernels import int4_triton as it
     from kernels import norm_triton
 
+    flags = ("GEMV_EPILOGUES", "ROPE_EPILOGUE", "LEAN_PROLOGUE", "MERGE_IN_O", "ROPE_IN_ATTENTION")
+    defaults = {f: getattr(pm, f) for f in flags}  # restored at the end, whatever they are
     model = _int4_model(device, seed=6, lm_head=False, norm_weights=True)
     sl = model.slice(0, 2)
     calls: list[str] = []
@@ -228,6 +230,8 @@ def check_epilogue_model(device: str) -> None:
             return sl(ids, pos, *past)
 
     try:
+        for f, on in zip(flags, (True, False, True, False, False)):  # each formulation is set where it is checked
+            setattr(pm, f, on)
         for n, f in saved.items():
             setattr(norm_triton, n, counting(n, f))
         it.int4_gemv_epilogue = counting("epilogue", epilogue)
@@ -313,16 +317,16 @@ def check_epilogue_model(device: str) -> None:
             finally:
                 for n, f in ops.items():
                     setattr(kv_triton, n, f)
-                pm.ROPE_IN_ATTENTION = False
         finally:
             pm._triton_decode_shapes, it.int4_gemv_rope, rope_triton.rope_write = shapes, rope_gemv, rope_write
-            pm.ROPE_EPILOGUE, pm.LEAN_PROLOGUE, pm.cache_mask, pm.MERGE_IN_O = False, True, mask_fn, False
+            pm.cache_mask = mask_fn
             it.int4_gemv_merge = merge_op
     finally:
         for n, f in saved.items():
             setattr(norm_triton, n, f)
         it.int4_gemv_epilogue = epilogue
-        pm.GEMV_EPILOGUES = True
+        for f, on in defaults.items():
+            setattr(pm, f, on)
 
 
 def check_traceable(device: str) -> None:
