@@ -210,7 +210,8 @@ def test_decode_split_kernel_with_rope_compiles_for_orin_and_hopper(arch: int) -
 
 def test_the_kernel_modules_and_the_torch_runner_import_without_triton() -> None:
     """A board's PyTorch has no Triton (JetPack ships none; kernels/kv_triton.py's docstring), nor has the edge
-    server's Python: every kernels module and the torch runner import without it, and say they are unavailable."""
+    server's Python: every kernels module, the model and the runners import without it, and the Triton ones say they
+    are unavailable."""
     import subprocess
     import sys
     from pathlib import Path
@@ -225,8 +226,12 @@ class NoTriton(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         raise ImportError("No module named 'triton' (hidden by the test)")
 sys.meta_path.insert(0, NoTriton())
+import importlib, pkgutil
+import kernels
+for m in pkgutil.iter_modules(kernels.__path__):  # every kernels module, the Triton ones and the rest
+    importlib.import_module("kernels." + m.name)
 from kernels import int4_triton, kv_triton, norm_triton, pdl, rope_triton
-import partition.runners.torch_runner
+import partition.runners.torch_runner, partition.runners, partition.model
 assert not (kv_triton.available() or rope_triton.available() or norm_triton.available() or int4_triton.available())
 assert not pdl.triton_supports()
 print("imported")
