@@ -210,8 +210,8 @@ def test_decode_split_kernel_with_rope_compiles_for_orin_and_hopper(arch: int) -
 
 def test_the_kernel_modules_and_the_torch_runner_import_without_triton() -> None:
     """A board's PyTorch has no Triton (JetPack ships none; kernels/kv_triton.py's docstring), nor has the edge
-    server's Python: every kernels module, the model and the runners import without it, and the Triton ones say they
-    are unavailable."""
+    server's Python: every kernels module, the model and the runners import without it, the Triton ones say they are
+    unavailable, and the shipped model runs a forward on the CPU."""
     import subprocess
     import sys
     from pathlib import Path
@@ -234,6 +234,13 @@ from kernels import int4_triton, kv_triton, norm_triton, pdl, rope_triton
 import partition.runners.torch_runner, partition.runners, partition.model
 assert not (kv_triton.available() or rope_triton.available() or norm_triton.available() or int4_triton.available())
 assert not pdl.triton_supports()
+import numpy as np
+from partition.paths import DEFAULT_MODEL_DIR
+from partition.runners import load_chain
+chain = load_chain(DEFAULT_MODEL_DIR, backend="torch", max_seq=32)  # the shipped model on the CPU, as a board runs it
+out = np.asarray(chain.forward(np.array([[5, 9, 33]], dtype=np.int32), np.arange(3, dtype=np.int32)[None]))
+from partition.config import load_config
+assert out.shape[-1] == load_config(DEFAULT_MODEL_DIR).vocab_size and np.isfinite(out).all()
 print("imported")
 """
     root = Path(__file__).resolve().parents[1]
