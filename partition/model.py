@@ -392,24 +392,21 @@ class Attention(nn.Module):
         new K/V."""
         b, t, _ = qx.shape
         group = self.n_heads // self.n_kv_heads
-        if (ROPE_IN_ATTENTION and ROPE_FUSED and t == 1 and isinstance(past_k, Tensor)
-                and _triton_decode_shapes(qx, self.head_dim, group)):  # RoPE and the write in the attention's kernel
-            from kernels import kv_triton
-
-            if lengths is None:
-                lengths = (slot[:, 0, 0, 0] + 1).to(torch.int32)
-            op = kv_triton.dense_decode_partials_rope if partials else kv_triton.dense_decode_attention_rope
-            out = op(qx[:, 0].unflatten(-1, (self.n_heads, self.head_dim)), kx[:, 0], vx[:, 0], cos[:, 0, 0],
-                     sin[:, 0, 0], past_k, past_v, lengths)
-            return (out if partials else out.reshape(b, 1, -1)), past_k, past_v
         if ROPE_FUSED and isinstance(past_k, Tensor) and _triton_decode_shapes(qx, self.head_dim, group):
-            from kernels.rope_triton import rope_write
-
             pos = slot[:, 0, :, 0]  # (B, T) the tokens' slots = their positions
-            q = rope_write(qx, kx, vx, cos[:, 0], sin[:, 0], pos, past_k, past_v)  # (B, H, T, hd)
-            k, v = past_k, past_v
             if t == 1 and lengths is None:
                 lengths = (pos[:, 0] + 1).to(torch.int32)
+            if t == 1 and ROPE_IN_ATTENTION:  # RoPE and the write in the attention's own kernel
+                from kernels import kv_triton
+
+                op = kv_triton.dense_decode_partials_rope if partials else kv_triton.dense_decode_attention_rope
+                out = op(qx[:, 0].unflatten(-1, (self.n_heads, self.head_dim)), kx[:, 0], vx[:, 0], cos[:, 0, 0],
+                         sin[:, 0, 0], past_k, past_v, lengths)
+                return (out if partials else out.reshape(b, 1, -1)), past_k, past_v
+            from kernels.rope_triton import rope_write
+
+            q = rope_write(qx, kx, vx, cos[:, 0], sin[:, 0], pos, past_k, past_v)  # (B, H, T, hd)
+            k, v = past_k, past_v
         else:
             q, k, v = self._rotated(qx, kx, vx, cos, sin)
             past_k.scatter_(2, slot, k)
